@@ -1,0 +1,111 @@
+"""`make bench`: run the benchmarks side by side, write results/*.json, PNG plots and BENCHMARKS.md.
+
+    python -m benchmarks.run [--only NAME[,NAME]] [--smoke] [--reps N] [--results DIR] [--markdown FILE]
+
+Benchmarks: throughput, checkpoint_stall, memory, reshard, recovery, controller_scale. Runs that
+several benchmarks read (the plain training runs of each system) happen once per repetition.
+`--smoke` runs every benchmark at its smallest size, for the harness's own test: not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import (
+    baselines,
+    checkpoint_stall,
+    controller_scale,
+    memory,
+    recovery,
+    report,
+    reshard,
+    throughput,
+)
+from benchmarks.common import RESULTS, ROOT, workload
+
+MODULES = {
+    "throughput": throughput,
+    "checkpoint_stall": checkpoint_stall,
+    "memory": memory,
+    "reshard": reshard,
+    "recovery": recovery,
+    "controller_scale": controller_scale,
+}
+DEFAULT_REPS = 1  # the full run stays under 25 minutes on 2 cores; more with --reps
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(MODULES)}")
+    parser.add_argument(
+        "--smoke", action="store_true", help="smallest sizes, 1 repetition: tests the harness"
+    )
+    parser.add_argument(
+        "--reps", type=int, default=None, help=f"repetitions (default {DEFAULT_REPS}; smoke 1)"
+    )
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder for <benchmark>.json and plots")
+    parser.add_argument("--markdown", type=Path, default=ROOT / "BENCHMARKS.md")
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(MODULES)
+    unknown = [n for n in names if n not in MODULES]
+    if unknown:
+        parser.error(f"--only: unknown benchmark(s) {unknown}; expected any of {', '.join(MODULES)}")
+    reps = args.reps if args.reps is not None else (1 if args.smoke else DEFAULT_REPS)
+    if reps < 1:
+        parser.error(f"--reps: got {reps}; expected an integer >= 1")
+    w = workload(args.smoke)
+    args.results.mkdir(parents=True, exist_ok=True)
+    scratch_root = RESULTS / "tmp"  # git-ignored; big checkpoints land here, never in the results
+    scratch_root.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="bench-", dir=scratch_root))
+    baselines.clear()
+    t_all = time.time()
+    try:
+        for name in names:
+            t0 = time.time()
+            print(f"== {name} ({'smoke' if args.smoke else w.name}, {reps} rep(s))", flush=True)
+            mod = MODULES[name]
+            if name == "controller_scale":
+                result = mod.run(reps, args.smoke)
+            else:
+                result = mod.run(w, scratch, reps, args.smoke)
+            path = result.write(args.results)
+            print(f"   wrote {path} in {time.time() - t0:.0f}s", flush=True)
+    finally:
+        _shutdown_ray()
+        shutil.rmtree(scratch, ignore_errors=True)
+    results = report.load_results(args.results, list(MODULES))
+    plots: dict[str, str] = {}
+    if not args.no_plots:
+        for r in results:
+            png = args.results / f"{r['benchmark']}.png"
+            MODULES[r["benchmark"]].plot(r, png)
+            plots[r["benchmark"]] = _relative(png, args.markdown.parent)
+    report.write_markdown(results, args.markdown, plots)
+    print(f"wrote {args.markdown}; all benchmarks took {time.time() - t_all:.0f}s", flush=True)
+    return 0
+
+
+def _relative(path: Path, base: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(base.resolve()))
+    except ValueError:
+        return str(path.resolve())
+
+
+def _shutdown_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""elastictrain: an elastic trainer for large models (Ray actors hosting DeepSpeed ZeRO-3 workers)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["fit"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: `import elastictrain.core` must stay free of torch, ray and mlflow.
+    if name == "fit":
+        from elastictrain.api import fit
+
+        return fit
+    raise AttributeError(f"module 'elastictrain' has no attribute {name!r}")

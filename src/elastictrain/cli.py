@@ -1,0 +1,352 @@
+"""elastictrain's command line: train, resume, status, runs, verify, reshard, export."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Elastic training on Ray with DeepSpeed ZeRO-3."
+)
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _fail(message: str, code: int = 2) -> None:
+    # The message is plain text: config paths like [a, b] must not be read as rich markup.
+    err.print(Text.assemble(("error: ", "bold red"), message))
+    raise typer.Exit(code)
+
+
+def _load(config_path: Path | None, overrides: list[str]):  # noqa: ANN202 - Config, imported lazily
+    from elastictrain.config import ConfigError, load_config
+
+    if config_path is not None and not config_path.is_file():
+        _fail(f"--config: {config_path} does not exist; give a YAML file such as conf/tiny-cpu.yaml")
+    try:
+        return load_config(config_path, overrides)
+    except ConfigError as e:
+        _fail(f"invalid configuration:\n{e}")
+
+
+def _finish(summary) -> None:  # noqa: ANN001
+    if summary.status.value != "FINISHED":
+        _fail(f"run ended {summary.status.value}: {summary.message}", code=1)
+
+
+@app.command()
+def train(
+    overrides: Annotated[
+        list[str] | None, typer.Argument(help="dotlist overrides, e.g. training.max_steps=5")
+    ] = None,
+    config: Annotated[
+        Path | None, typer.Option("--config", "-c", help="YAML config (e.g. conf/tiny-cpu.yaml)")
+    ] = None,
+    address: Annotated[
+        str | None, typer.Option(help="Ray address (default: RAY_ADDRESS, else a local cluster)")
+    ] = None,
+    print_config: Annotated[
+        bool, typer.Option("--print-config", help="print the resolved config and exit")
+    ] = False,
+    fresh: Annotated[
+        bool, typer.Option("--fresh", help="start over even if run.dir holds a run (moved aside)")
+    ] = False,
+    no_tracking: Annotated[bool, typer.Option("--no-tracking", help="do not log to MLflow")] = False,
+    local: Annotated[
+        bool, typer.Option("--local", help="one worker in this process, without Ray (for debugging)")
+    ] = False,
+) -> None:
+    """Train (or continue the run already in run.dir with the same config)."""
+    from elastictrain.config import to_yaml
+
+    cfg = _load(config, overrides or [])
+    if print_config:
+        out.print(to_yaml(cfg), markup=False)
+        return
+    from elastictrain.driver import RunFolderConflict, prepare_run_dir, run_training
+
+    _check_user_code(cfg)
+    if not local:
+        _check_ray_address(address or cfg.ray.address)
+    from elastictrain.run_dir import RunDirError
+
+    try:
+        run_dir, resumed = prepare_run_dir(cfg, fresh=fresh)
+    except (RunFolderConflict, RunDirError) as e:
+        _fail(str(e))
+    except OSError as e:
+        _fail(
+            f"run.dir: got {cfg.run.dir!r}; cannot create the run folder there ({e}); "
+            "expected a path this user can write"
+        )
+    if resumed:
+        out.print(f"run.dir {run_dir.path} already holds this run: continuing it (use --fresh to start over)")
+        done = run_dir.read_info()
+        if done.status == "FINISHED":  # a retried job of a finished run: nothing to train, no cluster
+            out.print(f"the run already finished at step {done.last_step}; nothing to do")
+            return
+    _finish(run_training(cfg, run_dir, address=address, tracking=not no_tracking, local=local))
+
+
+def _check_ray_address(address: str | None) -> None:
+    import os
+
+    from elastictrain.preflight import PreflightError, check_ray_address
+
+    try:
+        check_ray_address(address or os.environ.get("RAY_ADDRESS"))
+    except PreflightError as e:
+        _fail(str(e))
+
+
+def _check_user_code(cfg) -> None:  # noqa: ANN001
+    from elastictrain.driver import check_before_start
+    from elastictrain.runtime.user_code import UserCodeError
+
+    try:
+        check_before_start(cfg)
+    except UserCodeError as e:
+        _fail(str(e))
+
+
+@app.command()
+def resume(
+    run_dir: Annotated[Path, typer.Argument(help="the run folder (run.dir) of a stopped or crashed run")],
+    address: Annotated[
+        str | None, typer.Option(help="Ray address (default: RAY_ADDRESS, else a local cluster)")
+    ] = None,
+    no_tracking: Annotated[bool, typer.Option("--no-tracking")] = False,
+    local: Annotated[bool, typer.Option("--local", help="one worker in this process, without Ray")] = False,
+) -> None:
+    """Continue a run from its latest committed checkpoint, into the same MLflow run."""
+    from elastictrain.config import ConfigError, load_config
+    from elastictrain.driver import run_training
+    from elastictrain.run_dir import RunDir, RunDirError
+
+    try:
+        rd = RunDir.open(run_dir)
+        cfg = load_config(rd.config_yaml)
+    except (RunDirError, ConfigError) as e:
+        _fail(str(e))
+    if rd.read_info().status == "FINISHED":
+        out.print(f"{run_dir}: the run already finished at step {rd.read_info().last_step}; nothing to do")
+        return
+    _check_user_code(cfg)
+    if not local:
+        _check_ray_address(address or cfg.ray.address)
+    _finish(run_training(cfg, rd, address=address, tracking=not no_tracking, local=local))
+
+
+@app.command()
+def status(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> None:
+    """Show a run's state, world-size history, checkpoints, last metrics and MLflow run."""
+    from elastictrain.run_dir import RunDir, RunDirError
+    from elastictrain.runtime.checkpoint_store import CheckpointStore
+
+    try:
+        rd = RunDir.open(run_dir)
+    except RunDirError as e:
+        _fail(str(e))
+    info = rd.read_info()
+    listing = CheckpointStore(rd.checkpoints_dir).listing()
+    out.print(
+        f"run       {info.name} ({info.run_id})\nstatus    {info.status}"
+        + (f": {info.message}" if info.message else "")
+    )
+    from elastictrain.liveness import driver_state
+
+    driver = driver_state(info.extra.get("driver"), info.status, str(run_dir))
+    if driver is not None:
+        out.print(f"driver    {driver.text}")
+    out.print(f"step      {info.last_step}\nfailures  {info.failures}")
+    out.print(f"mlflow    run {info.mlflow_run_id} at {info.mlflow_tracking_uri}")
+    out.print(
+        "world size history: "
+        + ", ".join(
+            f"{h['world_size']} from step {h['step']} ({h['reason']})" for h in info.world_size_history
+        )
+    )
+    out.print(f"checkpoints: {', '.join(listing.committed) or 'none'} (latest: {listing.latest or '-'})")
+    out.print("last metrics: " + json.dumps(info.last_metrics))
+
+
+@app.command()
+def runs(root: Annotated[Path, typer.Argument(help="folder holding run folders")] = Path("runs")) -> None:
+    """List the runs under a folder."""
+    from elastictrain.run_dir import list_runs
+
+    found = list_runs(root)
+    if not found:
+        out.print(f"no runs under {root}")
+    from elastictrain.liveness import ACTIVE_STATUSES, driver_state
+
+    for path, info in found:
+        driver = driver_state(info.extra.get("driver"), info.status)
+        orphaned = info.status in ACTIVE_STATUSES and driver is not None and driver.alive is False
+        note = "  (driver not running: resume it)" if orphaned else ""
+        out.print(f"{info.status:<10} step {info.last_step:<6} {info.name:<20} {path}{note}")
+
+
+@app.command()
+def verify(
+    checkpoint: Annotated[
+        Path, typer.Argument(help="a checkpoint folder, checkpoints/ folder or run folder")
+    ],
+) -> None:
+    """Check every file of a checkpoint against the sizes and sha256 in its manifest."""
+    from elastictrain.runtime.checkpoint_store import (
+        CheckpointError,
+        resolve_checkpoint_path,
+        verify_checkpoint,
+    )
+
+    try:
+        path = resolve_checkpoint_path(checkpoint)
+    except CheckpointError as e:
+        _fail(str(e))
+    problems = verify_checkpoint(path)
+    if problems:
+        _fail(f"{path} does not verify:\n" + "\n".join(problems), code=1)
+    out.print(f"{path}: every file matches its manifest")
+
+
+@app.command()
+def sync(
+    run_dir: Annotated[Path, typer.Argument(help="a run folder (run.dir)")],
+    timeout: Annotated[float, typer.Option(help="seconds to wait for the tracking server")] = 60.0,
+) -> None:
+    """Send to MLflow what a run spooled while its tracking server was unreachable (in order, once)."""
+    from elastictrain.config import ConfigError, load_config
+    from elastictrain.redact import redact_text
+    from elastictrain.run_dir import RunDir, RunDirError
+    from elastictrain.runtime.spool import SPOOL_DIR
+    from elastictrain.runtime.tracker import MlflowTracker, TrackerError, default_tracking_uri
+
+    try:
+        rd = RunDir.open(run_dir)
+        cfg = load_config(rd.config_yaml)
+    except (RunDirError, ConfigError) as e:
+        _fail(str(e))
+    if not (rd.path / SPOOL_DIR).is_dir():
+        out.print(f"{run_dir}: nothing spooled; MLflow has everything this run logged")
+        return
+    info = rd.read_info()
+    uri = info.mlflow_tracking_uri or cfg.tracking.uri or default_tracking_uri(rd.path)
+    tracker = MlflowTracker(
+        uri,
+        cfg.tracking.experiment,
+        run_name=info.name,
+        run_id=info.mlflow_run_id,
+        tags={"elastictrain.run_id": info.run_id},
+        spool_dir=rd.path,
+        on_run_id=lambda rid: rd.update(mlflow_run_id=rid, mlflow_tracking_uri=uri),
+        start_wait_s=0.0,
+    )
+    try:
+        tracker.start()
+    except TrackerError as e:
+        _fail(str(e))
+    try:
+        pending = tracker.spooled
+        sent = tracker.flush(timeout)
+        terminal = {"FINISHED": "FINISHED", "FAILED": "FAILED", "STOPPED": "KILLED"}.get(info.status)
+        if sent and terminal:
+            tracker.finish(terminal, timeout_s=timeout)  # the driver could not say how the run ended
+        left = tracker.spooled
+    finally:
+        tracker.close()
+    if not sent or left:
+        _fail(
+            f"MLflow at {redact_text(uri)} did not take everything within {timeout:.0f}s; {left} record(s) "
+            f"stay spooled in {rd.path / SPOOL_DIR}; run `elastictrain sync {run_dir}` again when it answers",
+            code=1,
+        )
+    out.print(
+        f"{run_dir}: sent {pending} spooled record(s) to MLflow run {tracker.run_id} at {redact_text(uri)}"
+    )
+
+
+@app.command()
+def export(
+    checkpoint: Annotated[
+        Path, typer.Argument(help="a checkpoint folder, checkpoints/ folder or run folder")
+    ],
+    out_dir: Annotated[Path, typer.Option("--out", help="output folder for safetensors + config.json")],
+) -> None:
+    """Write consolidated weights (safetensors) and the model config, loadable with from_pretrained."""
+    from elastictrain.runtime.checkpoint_store import (
+        CheckpointError,
+        resolve_checkpoint_path,
+        verify_checkpoint,
+    )
+    from elastictrain.runtime.export import export_checkpoint
+
+    try:
+        path = resolve_checkpoint_path(checkpoint)
+        problems = verify_checkpoint(path)  # never read a checkpoint whose files do not match its manifest
+        if problems:
+            _fail(f"{path} does not verify, not exporting it:\n" + "\n".join(problems), code=1)
+        written = export_checkpoint(path, out_dir)
+    except (CheckpointError, ValueError) as e:
+        _fail(str(e))
+    out.print(f"exported {path} to {out_dir}: {', '.join(p.name for p in written)}")
+
+
+@app.command()
+def reshard(
+    checkpoint: Annotated[
+        Path, typer.Argument(help="a checkpoint folder, checkpoints/ folder or run folder")
+    ],
+    world_size: Annotated[
+        int, typer.Option("--world-size", help="the world size to lay the checkpoint out for")
+    ],
+    out_dir: Annotated[
+        Path | None, typer.Option("--out", help="output folder (default: CHECKPOINT.wsM)")
+    ] = None,
+) -> None:
+    """Rewrite a checkpoint as the ZeRO-3 partitions of another world size (training never needs this)."""
+    from elastictrain.runtime.checkpoint_store import (
+        CheckpointError,
+        resolve_checkpoint_path,
+        verify_checkpoint,
+    )
+    from elastictrain.runtime.reshard import reshard_checkpoint
+
+    try:
+        path = resolve_checkpoint_path(checkpoint)
+        problems = verify_checkpoint(path)
+        if problems:
+            _fail(f"{path} does not verify, not resharding it:\n" + "\n".join(problems), code=1)
+        written = reshard_checkpoint(path, world_size, out_dir)
+    except (CheckpointError, ValueError) as e:
+        _fail(str(e))
+    out.print(f"resharded {path} for world size {world_size}: {written}")
+
+
+@app.command("build-ops")
+def build_ops_command(
+    gpu: Annotated[bool, typer.Option("--gpu", help="build for the GPU accelerator")] = False,
+) -> None:
+    """Compile DeepSpeed's ops (CPU Adam, async I/O for NVMe offload, shared-memory comm) once."""
+    from elastictrain.runtime.ops import build_ops
+
+    for name, state in build_ops(use_gpu=gpu).items():
+        out.print(f"{name:<22} {state}")
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""Configuration: OmegaConf YAML + dotlist overrides -> typed, validated dataclasses."""
+
+from elastictrain.config.errors import ConfigError
+from elastictrain.config.loader import (
+    batch_split,
+    config_digest,
+    load_config,
+    to_flat_dict,
+    to_yaml,
+    valid_world_sizes,
+    validate,
+)
+from elastictrain.config.schema import Config
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "batch_split",
+    "config_digest",
+    "load_config",
+    "to_flat_dict",
+    "to_yaml",
+    "valid_world_sizes",
+    "validate",
+]

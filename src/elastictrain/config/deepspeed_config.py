@@ -1,0 +1,235 @@
+"""The DeepSpeed config for one attempt: generated from elastictrain's settings, or the user's JSON with
+Hugging Face style "auto" values resolved.
+
+elastictrain always sets the per-rank batch fields (they change with the world size) and owns the LR
+schedule (`training.lr_schedule`, a pure function of the step), so DeepSpeed gets no scheduler block.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from elastictrain.config.schema import Config
+
+SCHEDULERS_REPLACED = {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"}
+OPTIMIZERS = {"adam", "adamw"}
+
+
+def _hidden(config: Config) -> int:
+    return int(config.model.hf_config.get("hidden_size", 1024))
+
+
+def _largest_param(config: Config) -> int:
+    hf = config.model.hf_config
+    h = _hidden(config)
+    return max(int(hf.get("vocab_size", 0)) * h, int(hf.get("intermediate_size", 0)) * h, h * h)
+
+
+def _offload_block(device: str, config: Config, *, param: bool) -> dict[str, Any]:
+    block: dict[str, Any] = {"device": device, "pin_memory": False}
+    if device == "nvme":
+        block["nvme_path"] = config.deepspeed.nvme_path
+        if param:
+            # DeepSpeed's default swap buffers (5 x 1e8 elements) cost seconds to allocate per engine;
+            # they need only hold the largest parameter.
+            block["buffer_count"] = 5
+            block["buffer_size"] = max(_largest_param(config), 1_000_000)
+    return block
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_merge(base[key], value)
+        else:
+            base[key] = copy.deepcopy(value)
+    return base
+
+
+def _generated(config: Config) -> dict[str, Any]:
+    t, ds = config.training, config.deepspeed
+    zero: dict[str, Any] = {
+        "stage": ds.zero_stage,
+        "contiguous_gradients": True,
+        "overlap_comm": False,
+        "stage3_gather_16bit_weights_on_model_save": False,
+    }
+    if ds.offload_optimizer != "none":
+        zero["offload_optimizer"] = _offload_block(ds.offload_optimizer, config, param=False)
+    if ds.offload_param != "none":
+        zero["offload_param"] = _offload_block(ds.offload_param, config, param=True)
+    cfg: dict[str, Any] = {"zero_optimization": zero}
+    if t.precision == "fp16":
+        cfg["fp16"] = {
+            "enabled": True,
+            "initial_scale_power": 16,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        }
+    elif t.precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if "nvme" in (ds.offload_optimizer, ds.offload_param):
+        cfg["aio"] = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True}
+    if ds.activation_checkpointing:
+        # The model side enables HF gradient checkpointing; this block documents DeepSpeed's defaults.
+        cfg["activation_checkpointing"] = {
+            "partition_activations": False,
+            "contiguous_memory_optimization": False,
+            "cpu_checkpointing": False,
+        }
+    return cfg
+
+
+def _read_user_json(config: Config) -> dict[str, Any]:
+    path = Path(config.deepspeed.config_file or "")
+    return json.loads(path.read_text())
+
+
+def _resolve_auto(node: Any, values: dict[str, Any], path: str, unresolved: list[str]) -> Any:
+    if isinstance(node, dict):
+        return {
+            k: _resolve_auto(v, values, f"{path}.{k}" if path else k, unresolved) for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [_resolve_auto(v, values, f"{path}[{i}]", unresolved) for i, v in enumerate(node)]
+    if node == "auto":
+        if path in values:
+            return values[path]
+        unresolved.append(path)
+    return node
+
+
+def _auto_values(config: Config, micro: int, accum: int) -> dict[str, Any]:
+    t = config.training
+    h = _hidden(config)
+    return {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": t.grad_clip,
+        "optimizer.params.lr": t.lr,
+        "optimizer.params.betas": [t.adam_beta1, t.adam_beta2],
+        "optimizer.params.eps": t.adam_eps,
+        "optimizer.params.weight_decay": t.weight_decay,
+        "fp16.enabled": t.precision == "fp16",
+        "bf16.enabled": t.precision == "bf16",
+        "zero_optimization.reduce_bucket_size": h * h,
+        "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * h * h),
+        "zero_optimization.stage3_param_persistence_threshold": 10 * h,
+    }
+
+
+def check_user_json(config: Config) -> list[str]:
+    """Problems with deepspeed.config_file: unreadable, or conflicting with elastictrain's settings."""
+    key = "deepspeed.config_file"
+    path = Path(config.deepspeed.config_file or "")
+    if not path.is_file():
+        return [f"{key}: got {str(path)!r}; expected an existing DeepSpeed JSON file"]
+    try:
+        user = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        return [f"{key}: {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"]
+    if not isinstance(user, dict):
+        return [f"{key}: {path} must hold a JSON object"]
+    t = config.training
+    problems = []
+    tbs = user.get("train_batch_size", "auto")
+    if tbs != "auto" and tbs != t.global_batch_size:
+        problems.append(
+            f"{key}: train_batch_size is {tbs} in {path.name} but training.global_batch_size is "
+            f'{t.global_batch_size}; set it to "auto" or {t.global_batch_size}'
+        )
+    micro = user.get("train_micro_batch_size_per_gpu", "auto")
+    if micro != "auto" and micro != t.micro_batch_size:
+        problems.append(
+            f"{key}: train_micro_batch_size_per_gpu is {micro} in {path.name} but "
+            f'training.micro_batch_size is {t.micro_batch_size}; set it to "auto" (elastictrain '
+            "recomputes it at every world size)"
+        )
+    for name, want in (("fp16", t.precision == "fp16"), ("bf16", t.precision == "bf16")):
+        enabled = user.get(name, {}).get("enabled", "auto") if isinstance(user.get(name), dict) else "auto"
+        if enabled != "auto" and bool(enabled) != want:
+            problems.append(
+                f"{key}: {name}.enabled is {str(enabled).lower()} in {path.name} but "
+                f'training.precision is {t.precision}; set it to "auto" or match training.precision'
+            )
+    sched = user.get("scheduler")
+    if isinstance(sched, dict) and sched.get("type") not in SCHEDULERS_REPLACED:
+        problems.append(
+            f"{key}: scheduler type {sched.get('type')!r} is not supported; elastictrain owns the LR "
+            f"schedule (training.lr_schedule); use one of {', '.join(sorted(SCHEDULERS_REPLACED))} "
+            "or remove the block"
+        )
+    opt = user.get("optimizer")
+    if isinstance(opt, dict) and str(opt.get("type", "")).lower() not in OPTIMIZERS:
+        problems.append(
+            f"{key}: optimizer type {opt.get('type')!r} is not supported; expected Adam or AdamW "
+            "(elastic checkpoints reshard Adam's moments)"
+        )
+    stage = (
+        user.get("zero_optimization", {}).get("stage", 3)
+        if isinstance(user.get("zero_optimization"), dict)
+        else 3
+    )
+    if stage != 3:
+        problems.append(
+            f"{key}: zero_optimization.stage is {stage} in {path.name}; expected 3 (elastic checkpoints "
+            "reshard ZeRO-3 partitions)"
+        )
+    unresolved: list[str] = []
+    without_scheduler = {k: v for k, v in user.items() if k != "scheduler"}  # dropped: see module docstring
+    _resolve_auto(without_scheduler, _auto_values(config, 1, 1), "", unresolved)
+    problems.extend(
+        f'{key}: "auto" at {p} in {path.name} cannot be resolved; give a value' for p in unresolved
+    )
+    return problems
+
+
+def effective_offload(config: Config) -> tuple[str, str]:
+    """(optimizer, parameter) offload devices that will actually be used."""
+    if config.deepspeed.config_file:
+        zero = _read_user_json(config).get("zero_optimization", {})
+        return (
+            zero.get("offload_optimizer", {}).get("device", "none"),
+            zero.get("offload_param", {}).get("device", "none"),
+        )
+    return config.deepspeed.offload_optimizer, config.deepspeed.offload_param
+
+
+def build_deepspeed_config(
+    config: Config, micro_batch_size: int, grad_accum_steps: int, world_size: int
+) -> dict:
+    t = config.training
+    assert micro_batch_size * grad_accum_steps * world_size == t.global_batch_size, (
+        "batch split must be exact"
+    )
+    if config.deepspeed.config_file:
+        cfg = _read_user_json(config)
+        cfg.pop("scheduler", None)  # the LR schedule is training.lr_schedule's
+    else:
+        cfg = _generated(config)
+        offload = config.deepspeed.offload_optimizer
+        cfg["optimizer"] = {
+            "type": "AdamW",
+            "params": {
+                "lr": t.lr,
+                "betas": [t.adam_beta1, t.adam_beta2],
+                "eps": t.adam_eps,
+                "weight_decay": t.weight_decay,
+                # Without offload, torch's AdamW avoids JIT-compiling FusedAdam on CPU.
+                **({"torch_adam": True} if offload == "none" else {}),
+            },
+        }
+        if t.grad_clip > 0:
+            cfg["gradient_clipping"] = t.grad_clip
+    cfg = _resolve_auto(cfg, _auto_values(config, micro_batch_size, grad_accum_steps), "", [])
+    cfg["train_batch_size"] = t.global_batch_size
+    cfg["train_micro_batch_size_per_gpu"] = micro_batch_size
+    cfg["gradient_accumulation_steps"] = grad_accum_steps
+    cfg.setdefault("steps_per_print", 10**9)  # elastictrain reports progress itself
+    cfg.setdefault("wall_clock_breakdown", False)
+    return _deep_merge(cfg, dict(config.deepspeed.extra))

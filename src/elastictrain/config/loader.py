@@ -1,0 +1,386 @@
+"""Load (YAML + dotlist overrides), check and serialise configs.
+
+Every problem is reported at once, one line each, naming the full dotted field, the bad value and
+what would be valid, before any actor starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import glob
+import hashlib
+import json
+import re
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from elastictrain.config.errors import ConfigError
+from elastictrain.config.schema import Config
+from elastictrain.core.batch import plan_batch, workable_world_sizes
+from elastictrain.redact import install_log_redaction, redact
+
+install_log_redaction()  # secrets given in the config or environment never reach a log line
+
+# Mapping-typed fields hold free-form content (a transformers config, raw DeepSpeed keys, user args).
+FREE_FORM = {"model.hf_config", "deepspeed.extra", "model.args", "data.args"}
+
+DATA_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+# "package.module:attr", the form every user-code field takes (also "module:Class.method").
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+
+
+def _type_words(tp: Any) -> str:
+    if typing.get_origin(tp) is list:
+        return "a list"
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if args:
+        return _type_words(args[0]) + " or null"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, "a mapping")
+
+
+def _schema_fields(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _check_keys(raw: Any, cls: type, prefix: str, problems: list[str]) -> None:
+    if not isinstance(raw, dict):
+        if prefix:
+            problems.append(f"{prefix}: got {raw!r}; expected a mapping of {', '.join(_schema_fields(cls))}")
+        return
+    fields = _schema_fields(cls)
+    for key, value in raw.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = (
+                f"did you mean '{prefix + '.' if prefix else ''}{close[0]}'?"
+                if close
+                else (f"valid keys{' of ' + prefix if prefix else ''}: {', '.join(fields)}")
+            )
+            problems.append(f"unknown key '{path}'; {hint}")
+        elif dataclasses.is_dataclass(fields[key]) and path not in FREE_FORM:
+            _check_keys(value, fields[key], path, problems)
+
+
+def _leaves(raw: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(raw, dict) and prefix not in FREE_FORM:
+        out: list[tuple[str, Any]] = []
+        for k, v in raw.items():
+            out.extend(_leaves(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return [(prefix, raw)]
+
+
+def _field_type(path: str) -> Any:
+    cls: Any = Config
+    tp: Any = Config
+    for part in path.split("."):
+        tp = _schema_fields(cls).get(part)
+        if dataclasses.is_dataclass(tp):
+            cls = tp
+    return tp
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
+    """Schema defaults, then the YAML file, then `key=value` overrides; validated."""
+    problems: list[str] = []
+    raw_file: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            loaded = OmegaConf.to_container(OmegaConf.load(p), resolve=False)
+        except FileNotFoundError:
+            raise ConfigError([f"config file {p}: does not exist"]) from None
+        except Exception as e:  # noqa: BLE001 - YAML syntax errors come in many types
+            raise ConfigError([f"config file {p}: not valid YAML ({e})"]) from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError([f"config file {p}: expected a mapping of sections at the top level"])
+        raw_file = loaded
+    raw_overrides: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            problems.append(f"override {item!r}: expected key=value, e.g. training.max_steps=100")
+            continue
+        try:
+            raw_overrides = OmegaConf.to_container(
+                OmegaConf.merge(raw_overrides, OmegaConf.from_dotlist([item])), resolve=False
+            )  # type: ignore[assignment]
+        except OmegaConfBaseException as e:
+            problems.append(f"override {item!r}: {e}")
+    _check_keys(raw_file, Config, "", problems)
+    _check_keys(raw_overrides, Config, "", problems)
+    unknown = {line.split("'")[1] for line in problems if line.startswith("unknown key")}
+
+    cfg = OmegaConf.structured(Config)
+    # A model.hf_config given in full replaces the default model instead of merging into it.
+    if isinstance(raw_file.get("model"), dict) and "hf_config" in raw_file["model"]:
+        cfg.model.hf_config = {}
+    for source in (raw_file, raw_overrides):
+        for key, value in _leaves(source):
+            if any(key == u or key.startswith(u + ".") for u in unknown):
+                continue
+            try:
+                OmegaConf.update(cfg, key, value, merge=True)
+            except OmegaConfBaseException:
+                problems.append(f"{key}: got {value!r}; expected {_type_words(_field_type(key))}")
+    if problems:
+        raise ConfigError(problems)
+    try:
+        config: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    except OmegaConfBaseException as e:
+        raise ConfigError([f"{getattr(e, 'full_key', '') or 'config'}: {getattr(e, 'msg', e)}"]) from None
+    return validate(config)
+
+
+def _choice(problems: list[str], key: str, value: Any, choices: Sequence[Any]) -> None:
+    if value not in choices:
+        problems.append(f"{key}: got {value!r}; expected one of {', '.join(map(str, choices))}")
+
+
+def _at_least(problems: list[str], key: str, value: float, low: float, *, strict: bool = False) -> None:
+    if (value <= low) if strict else (value < low):
+        problems.append(f"{key}: got {value!r}; expected a number {'>' if strict else '>='} {low}")
+
+
+def validate(config: Config) -> Config:
+    p: list[str] = []
+    t, d, s, ds, ck, f = (
+        config.training,
+        config.data,
+        config.scaling,
+        config.deepspeed,
+        config.checkpoint,
+        config.failure,
+    )
+    hf = config.model.hf_config
+    if not config.run.name or "/" in config.run.name:
+        p.append(f"run.name: got {config.run.name!r}; expected a non-empty name without '/'")
+    if not config.run.dir:
+        p.append("run.dir: got ''; expected a folder path")
+    p.extend(_model_problems(config))
+    # The model's own config describes it only when neither a factory nor a pretrained folder is used.
+    from_hf_config = not (config.model.factory or config.model.pretrained)
+    if (
+        from_hf_config
+        and "vocab_size" in hf
+        and isinstance(hf["vocab_size"], int)
+        and hf["vocab_size"] < 256
+        and d.source in ("generated", "file")
+    ):
+        p.append(
+            f"model.hf_config.vocab_size: got {hf['vocab_size']}; expected >= 256 (built-in data is bytes)"
+        )
+    p.extend(_data_problems(config))
+    _at_least(p, "data.generated_chars", d.generated_chars, 1)
+    _at_least(p, "data.seq_len", d.seq_len, 2)
+    max_pos = hf.get("max_position_embeddings") if from_hf_config else None
+    if isinstance(max_pos, int) and d.seq_len > max_pos:
+        p.append(
+            f"data.seq_len: got {d.seq_len}; expected <= model.hf_config.max_position_embeddings ({max_pos})"
+        )
+    _at_least(p, "training.global_batch_size", t.global_batch_size, 1)
+    _at_least(p, "training.micro_batch_size", t.micro_batch_size, 1)
+    _at_least(p, "training.max_steps", t.max_steps, 1)
+    _at_least(p, "training.lr", t.lr, 0, strict=True)
+    _at_least(p, "training.min_lr", t.min_lr, 0)
+    if t.min_lr > t.lr:
+        p.append(f"training.min_lr: got {t.min_lr}; expected <= training.lr ({t.lr})")
+    _at_least(p, "training.warmup_steps", t.warmup_steps, 0)
+    if t.warmup_steps > t.max_steps:
+        p.append(
+            f"training.warmup_steps: got {t.warmup_steps}; expected <= training.max_steps ({t.max_steps})"
+        )
+    _choice(p, "training.lr_schedule", t.lr_schedule, ["cosine", "linear", "constant"])
+    p.extend(_code_path_problems("training.loss", t.loss))
+    _at_least(p, "training.weight_decay", t.weight_decay, 0)
+    for key, value in (("training.adam_beta1", t.adam_beta1), ("training.adam_beta2", t.adam_beta2)):
+        if not 0 <= value < 1:
+            p.append(f"{key}: got {value}; expected a number in [0, 1)")
+    _at_least(p, "training.adam_eps", t.adam_eps, 0, strict=True)
+    _at_least(p, "training.grad_clip", t.grad_clip, 0)
+    _choice(p, "training.precision", t.precision, ["fp32", "bf16", "fp16"])
+    _at_least(p, "training.log_every_steps", t.log_every_steps, 1)
+    _choice(p, "deepspeed.zero_stage", ds.zero_stage, [3])
+    _choice(p, "deepspeed.offload_optimizer", ds.offload_optimizer, ["none", "cpu", "nvme"])
+    _choice(p, "deepspeed.offload_param", ds.offload_param, ["none", "cpu", "nvme"])
+    if "nvme" in (ds.offload_optimizer, ds.offload_param):
+        if not ds.nvme_path:
+            p.append("deepspeed.nvme_path: missing; expected a writable folder when an offload is 'nvme'")
+        elif not Path(ds.nvme_path).is_dir():
+            p.append(f"deepspeed.nvme_path: got {ds.nvme_path!r}; expected an existing folder")
+        elif not _writable(ds.nvme_path):
+            p.append(f"deepspeed.nvme_path: got {ds.nvme_path!r}; expected a folder this user can write")
+    if ds.offload_param != "none" and ds.offload_optimizer == "none":
+        p.append(
+            "deepspeed.offload_param: offloading parameters needs deepspeed.offload_optimizer "
+            "to be cpu or nvme too (a DeepSpeed requirement)"
+        )
+    _at_least(p, "scaling.min_workers", s.min_workers, 1)
+    _at_least(p, "scaling.max_workers", s.max_workers, 1)
+    if s.min_workers > s.max_workers:
+        p.append(
+            f"scaling.min_workers: got {s.min_workers}; expected <= scaling.max_workers ({s.max_workers})"
+        )
+    _at_least(p, "scaling.cpus_per_worker", s.cpus_per_worker, 0, strict=True)
+    if s.use_gpu:
+        _at_least(p, "scaling.gpus_per_worker", s.gpus_per_worker, 0, strict=True)
+    _at_least(p, "checkpoint.every_steps", ck.every_steps, 1)
+    _at_least(p, "checkpoint.keep_last", ck.keep_last, 1)
+    _at_least(p, "failure.max_failures", f.max_failures, 0)
+    _at_least(p, "failure.hang_timeout_s", f.hang_timeout_s, 0, strict=True)
+    _at_least(p, "failure.collective_timeout_s", f.collective_timeout_s, 0, strict=True)
+    _at_least(p, "failure.wait_for_capacity_s", f.wait_for_capacity_s, 0)
+    if config.ray.num_cpus is not None:
+        _at_least(p, "ray.num_cpus", config.ray.num_cpus, 1)
+    if not p and not valid_world_sizes(config):
+        p.append(_no_world_size_message(config))
+    if not p and ds.config_file:
+        from elastictrain.config.deepspeed_config import check_user_json
+
+        p.extend(check_user_json(config))
+    if p:
+        raise ConfigError(p)
+    return config
+
+
+def _code_path_problems(key: str, value: str | None) -> list[str]:
+    """A user-code field holds "module:attr", or the label elastictrain.fit() gave a Python object."""
+    if value is None or _IMPORT_PATH.match(value) or (value.startswith("<") and value.endswith(">")):
+        return []
+    return [f"{key}: got {value!r}; expected an import path 'module:attr', e.g. 'mypkg.models:build'"]
+
+
+def _model_problems(config: Config) -> list[str]:
+    m, p = config.model, []
+    p.extend(_code_path_problems("model.factory", m.factory))
+    if m.factory and m.pretrained:
+        p.append(
+            f"model.pretrained: got {m.pretrained!r} and model.factory {m.factory!r}; expected only one "
+            "of them (model.factory builds the model itself)"
+        )
+    if m.pretrained and not (Path(m.pretrained) / "config.json").is_file():
+        p.append(
+            f"model.pretrained: got {m.pretrained!r}; expected a local folder holding a transformers "
+            "model (config.json and weights, as written by save_pretrained)"
+        )
+    if not (m.factory or m.pretrained) and "model_type" not in m.hf_config:
+        p.append("model.hf_config.model_type: missing; expected a transformers model type such as 'llama'")
+    lora = m.lora
+    if lora.enabled:
+        _at_least(p, "model.lora.r", lora.r, 1)
+        _at_least(p, "model.lora.alpha", lora.alpha, 0, strict=True)
+        if not 0 <= lora.dropout < 1:
+            p.append(f"model.lora.dropout: got {lora.dropout}; expected a number in [0, 1)")
+        if not lora.target_modules:
+            p.append("model.lora.target_modules: got []; expected module names such as [q_proj, v_proj]")
+        if not lora.export_dir:
+            p.append("model.lora.export_dir: got ''; expected a folder path")
+    return p
+
+
+def _data_problems(config: Config) -> list[str]:
+    d, p = config.data, []
+    _choice(p, "data.source", d.source, ["generated", "file", "hf", "factory"])
+    p.extend(_code_path_problems("data.factory", d.factory))
+    p.extend(_code_path_problems("data.collate", d.collate))
+    if d.source == "file":
+        if not d.path:
+            p.append("data.path: missing; expected a UTF-8 text file when data.source is 'file'")
+        elif not Path(d.path).is_file():
+            p.append(f"data.path: got {d.path!r}; expected an existing text file")
+    if d.source == "factory" and not d.factory:
+        p.append("data.factory: missing; expected an import path 'module:attr' when data.source is 'factory'")
+    if d.factory and d.source != "factory":
+        p.append(
+            f"data.factory: got {d.factory!r} while data.source is {d.source!r}; set data.source=factory "
+            "to use it"
+        )
+    if d.format is not None:
+        _choice(p, "data.format", d.format, ["json", "csv", "parquet", "text"])
+    if d.source == "hf":
+        if not d.path:
+            p.append("data.path: missing; expected local data files (e.g. data/*.jsonl) for data.source 'hf'")
+        else:
+            files = sorted(glob.glob(d.path))
+            if not files:
+                p.append(f"data.path: got {d.path!r}; no file matches it")
+            elif d.format is None and Path(files[0]).suffix not in DATA_FORMATS:
+                p.append(
+                    f"data.format: missing and data.path {d.path!r} has no known extension "
+                    f"({', '.join(DATA_FORMATS)}); expected one of json, csv, parquet, text"
+                )
+        if not d.tokenizer:
+            p.append("data.tokenizer: missing; expected a local tokenizer folder when data.source is 'hf'")
+        elif not Path(d.tokenizer).is_dir():
+            p.append(f"data.tokenizer: got {d.tokenizer!r}; expected an existing folder (save_pretrained)")
+    return p
+
+
+def _writable(folder: str) -> bool:
+    # A real write, not os.access: root passes os.access on a read-only mount.
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
+def valid_world_sizes(config: Config) -> list[int]:
+    s, t = config.scaling, config.training
+    return workable_world_sizes(t.global_batch_size, t.micro_batch_size, s.min_workers, s.max_workers)
+
+
+def batch_split(global_batch_size: int, micro_batch_size_cap: int, world_size: int) -> tuple[int, int] | None:
+    plan = plan_batch(global_batch_size, micro_batch_size_cap, world_size)
+    return None if plan is None else (plan.micro_batch_size, plan.grad_accum_steps)
+
+
+def _no_world_size_message(config: Config) -> str:
+    s, t = config.scaling, config.training
+    sizes = range(s.min_workers, s.max_workers + 1)
+    candidates = [g for g in range(1, 2 * t.global_batch_size + 64) if all(g % w == 0 for w in sizes)]
+    nearby = sorted(sorted(candidates, key=lambda g: abs(g - t.global_batch_size))[:4])
+    return (
+        f"training.global_batch_size: got {t.global_batch_size}; no world size in "
+        f"[scaling.min_workers={s.min_workers}, scaling.max_workers={s.max_workers}] divides it, so it "
+        f"cannot be split exactly; global batch sizes that work at every size in range: "
+        f"{', '.join(map(str, nearby)) or 'none nearby'}"
+    )
+
+
+def to_yaml(config: Config) -> str:
+    """The resolved config as written to config.yaml and MLflow: secrets masked (redact.py)."""
+    return OmegaConf.to_yaml(OmegaConf.create(redact(dataclasses.asdict(config))))
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+    elif isinstance(value, list):
+        out[prefix] = json.dumps(value)
+    else:
+        out[prefix] = value
+
+
+def to_flat_dict(config: Config) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    _flatten(redact(dataclasses.asdict(config)), "", out)  # these become MLflow params: no secrets
+    return out
+
+
+def config_digest(config: Config) -> str:
+    # Of the masked config, so that the run's own config.yaml (masked) names the same run.
+    canonical = json.dumps(redact(dataclasses.asdict(config)), sort_keys=True, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()

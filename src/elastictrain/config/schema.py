@@ -1,0 +1,152 @@
+"""The configuration schema: typed dataclasses, defaults = the tiny CPU demo.
+
+OmegaConf turns these into a structured config, so unknown keys and wrong types are rejected when a
+YAML file or a dotlist override is merged in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _tiny_llama() -> dict[str, Any]:
+    return {
+        "model_type": "llama",
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": False,
+    }
+
+
+@dataclass
+class RunConfig:
+    name: str = "tiny-cpu"
+    dir: str = "runs/${run.name}"
+
+
+@dataclass
+class LoraConfig:
+    # LoRA adapters (peft) on top of the model; only the adapters train, and they are saved at the end.
+    enabled: bool = False
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    export_dir: str = "${run.dir}/adapter"  # written when the run finishes (peft's save_pretrained layout)
+
+
+@dataclass
+class ModelConfig:
+    # One of three sources: `factory` (your code), `pretrained` (a local transformers folder), else
+    # `hf_config`: a transformers config as a mapping, passed to AutoConfig.for_model(model_type, **rest).
+    hf_config: dict[str, Any] = field(default_factory=_tiny_llama)
+    pretrained: str | None = None  # a local folder for AutoModelForCausalLM.from_pretrained (no hub)
+    factory: str | None = None  # "module:attr": called as attr(config) (or attr()), returns a torch.nn.Module
+    args: dict[str, Any] = field(default_factory=dict)  # free-form, for your factory (config.model.args)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
+class DataConfig:
+    source: str = "generated"  # generated | file | hf | factory
+    path: str | None = None  # file: a UTF-8 text file; hf: data file(s), a glob allowed
+    generated_chars: int = 400_000
+    seq_len: int = 64
+    # source=hf: Hugging Face `datasets` on local files, tokenized with a tokenizer from a local folder.
+    format: str | None = None  # json | csv | parquet | text; default: from data.path's extension
+    text_field: str = "text"  # the column tokenized (json, csv, parquet)
+    tokenizer: str | None = None  # a local folder (AutoTokenizer.from_pretrained)
+    packing: bool = True  # true: concatenate and cut into seq_len blocks; false: pad/truncate each record
+    # source=factory: your dataset. "module:attr", called as attr(config) (or attr()); needs __len__ and
+    # __getitem__(int).
+    factory: str | None = None
+    collate: str | None = None  # "module:attr": list of items -> batch (default: stack tensors / dicts)
+    args: dict[str, Any] = field(default_factory=dict)  # free-form, for your factories (config.data.args)
+
+
+@dataclass
+class TrainingConfig:
+    global_batch_size: int = 24
+    micro_batch_size: int = 4  # the largest per-rank micro batch; the split is recomputed per world size
+    max_steps: int = 40
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 4
+    lr_schedule: str = "cosine"  # cosine | linear | constant
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    seed: int = 42
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    log_every_steps: int = 1
+    # "module:attr": loss(model, batch) -> scalar tensor. Default: the causal LM loss of a transformers
+    # model (labels = input_ids unless the batch has labels).
+    loss: str | None = None
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = 3
+    offload_optimizer: str = "none"  # none | cpu | nvme
+    offload_param: str = "none"  # none | cpu | nvme
+    nvme_path: str | None = None
+    activation_checkpointing: bool = False
+    config_file: str | None = None  # your own DeepSpeed JSON (Hugging Face style "auto" values allowed)
+    extra: dict[str, Any] = field(default_factory=dict)  # deep-merged into the generated DeepSpeed config
+
+
+@dataclass
+class ScalingConfig:
+    min_workers: int = 2
+    max_workers: int = 2
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 1.0
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 10
+    keep_last: int = 2
+
+
+@dataclass
+class TrackingConfig:
+    uri: str | None = None  # None: an embedded sqlite store inside the run folder
+    experiment: str = "elastictrain"
+
+
+@dataclass
+class FailureConfig:
+    max_failures: int = 3
+    hang_timeout_s: float = 120.0
+    collective_timeout_s: float = 300.0
+    wait_for_capacity_s: float = 60.0
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None  # None: --address, RAY_ADDRESS, else a local cluster
+    num_cpus: int | None = None  # CPUs of a local cluster (default: enough for max_workers)
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    failure: FailureConfig = field(default_factory=FailureConfig)
+    ray: RayConfig = field(default_factory=RayConfig)

@@ -1,0 +1,105 @@
+"""What the controller does after a failure, while short of capacity, and when capacity returns.
+
+Decisions are values; the controller carries them out. Time comes in as an argument.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elastictrain.core.batch import plan_batch
+
+FAILURE_KINDS = ("worker_died", "node_lost", "step_error", "hang", "setup_error")
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: str  # one of FAILURE_KINDS
+    worker_ids: tuple[str, ...]  # the workers at fault (dead, hung, or raising)
+    step: int  # the step that was running
+    message: str
+
+
+@dataclass(frozen=True)
+class Restart:
+    world_size: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Wait:
+    need: int  # workers needed in all (alive + new) before a restart can happen
+    deadline: float  # clock value after which waiting ends in Fail
+    reason: str
+
+
+@dataclass(frozen=True)
+class Fail:
+    reason: str
+
+
+Decision = Restart | Wait | Fail
+
+
+@dataclass(frozen=True)
+class ScalingRules:
+    min_workers: int
+    max_workers: int
+    global_batch_size: int
+    micro_batch_size: int
+    max_failures: int
+    wait_for_capacity_s: float
+
+    def best_size(self, capacity: int) -> int | None:
+        """The largest world size within [min, max] and capacity that splits the global batch exactly."""
+        for w in range(min(capacity, self.max_workers), self.min_workers - 1, -1):
+            if plan_batch(self.global_batch_size, self.micro_batch_size, w) is not None:
+                return w
+        return None
+
+    def smallest_workable(self) -> int | None:
+        for w in range(self.min_workers, self.max_workers + 1):
+            if plan_batch(self.global_batch_size, self.micro_batch_size, w) is not None:
+                return w
+        return None
+
+
+def decide_start(rules: ScalingRules, capacity: int, now: float, waiting_since: float | None) -> Decision:
+    """At a (re)start: run at the best size capacity allows, or wait for capacity up to the deadline."""
+    size = rules.best_size(capacity)
+    if size is not None:
+        return Restart(size, f"{capacity} worker slot(s) available; running at world size {size}")
+    need = rules.smallest_workable()
+    if need is None:
+        return Fail(
+            f"no world size in [{rules.min_workers}, {rules.max_workers}] splits "
+            f"training.global_batch_size={rules.global_batch_size} exactly"
+        )
+    started = now if waiting_since is None else waiting_since
+    deadline = started + rules.wait_for_capacity_s
+    if now >= deadline:
+        return Fail(
+            f"waited {rules.wait_for_capacity_s:.0f}s (failure.wait_for_capacity_s) for {need} workers "
+            f"(scaling.min_workers={rules.min_workers}) but only {capacity} slot(s) are available; "
+            "the run is resumable with `elastictrain resume` once capacity is back"
+        )
+    return Wait(need, deadline, f"{capacity} of the {need} workers needed are available")
+
+
+def decide_after_failure(
+    rules: ScalingRules, failure: Failure, failures_so_far: int, capacity: int, now: float
+) -> Decision:
+    """`failures_so_far` counts this failure; `capacity` is surviving workers plus ready reservations."""
+    if failures_so_far > rules.max_failures:
+        return Fail(
+            f"failure budget spent: {failures_so_far} failures > failure.max_failures={rules.max_failures} "
+            f"(last: {failure.kind} of {', '.join(failure.worker_ids) or 'the group'} "
+            f"at step {failure.step}: {failure.message})"
+        )
+    return decide_start(rules, capacity, now, None)
+
+
+def decide_grow(rules: ScalingRules, world_size: int, capacity: int) -> int | None:
+    """A larger world size to move to now that `capacity` slots exist, or None to stay."""
+    size = rules.best_size(capacity)
+    return size if size is not None and size > world_size else None

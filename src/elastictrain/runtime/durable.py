@@ -1,0 +1,98 @@
+"""Durable file writes: data and directory entries fsynced, replacement by rename.
+
+`crash_point` lets a test kill the process (SIGKILL, as the OOM killer or a node loss would) at a
+named point of a save, to prove that no such point leaves a checkpoint that loads as complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import signal
+from collections import Counter
+from pathlib import Path
+
+CRASH_ENV = "ELASTICTRAIN_CRASH_AT"
+_passed: Counter[str] = Counter()
+
+
+def crash_point(phase: str) -> None:
+    """SIGKILL this process at `phase` when ELASTICTRAIN_CRASH_AT names it ("phase" or "phase@N").
+
+    "phase@N" fires the N-th time this process passes the phase (e.g. the second checkpoint's save).
+    Unset (the normal case) it costs one environment lookup.
+    """
+    wanted = os.environ.get(CRASH_ENV)
+    if not wanted:
+        return
+    name, _, nth = wanted.partition("@")
+    if name != phase:
+        return
+    _passed[phase] += 1
+    if _passed[phase] >= int(nth or 1):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _phase_of(path: Path) -> str | None:
+    # The crash points of the files a checkpoint is made of: rank shards and the manifest.
+    if path.suffix == ".safetensors":
+        return "shard"
+    if path.name == "manifest.json":
+        return "manifest"
+    return None
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes_durably(path: Path, data: bytes | memoryview) -> str:
+    """Write, fsync, and return the sha256 of what was written.
+
+    A failed write (ENOSPC, EIO) removes the torn file before re-raising, so a full disk never
+    leaves a half-written file behind that could be mistaken for a whole one.
+    """
+    digest = hashlib.sha256(data).hexdigest()
+    phase = _phase_of(Path(path))
+    try:
+        with open(path, "wb") as f:
+            if phase is not None and os.environ.get(CRASH_ENV):
+                half = len(data) // 2
+                f.write(data[:half])
+                f.flush()
+                os.fsync(f.fileno())
+                crash_point(f"{phase}_partial")  # killed mid-write: a torn file on disk
+                f.write(data[half:])
+            else:
+                f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    if phase is not None:
+        crash_point(f"{phase}_written")
+    return digest
+
+
+def replace_text_atomically(path: Path, text: str) -> None:
+    """Readers see the old content or the new one, never a torn file, even across a crash."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write_bytes_durably(tmp, text.encode("utf-8"))
+    crash_point(f"{path.name}_tmp_written")
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def sha256_of_file(path: Path, chunk: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

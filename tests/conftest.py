@@ -1,0 +1,91 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def running_mlflow_server(root: Path, port: int | None = None) -> Iterator[str]:
+    """A real `mlflow server` on loopback, its SQLite store and artifacts under root; yields its URI."""
+    port = port or free_port()
+    uri = f"http://127.0.0.1:{port}"
+    cmd = [
+        sys.executable, "-m", "mlflow", "server",
+        "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+        "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+        # Proxied artifacts: clients upload through the server, so log_text works over HTTP alone.
+        "--serve-artifacts", "--artifacts-destination", str(root / "artifacts"),
+    ]  # fmt: skip
+    # The job runner would start several huey consumer processes the tests never use.
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    log_path = root / "server.log"
+    with open(log_path, "ab") as log_file:
+        # Own session, so teardown can stop the server and the uvicorn worker it forks together.
+        proc = subprocess.Popen(
+            cmd, cwd=root, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def stop() -> None:
+        if proc.poll() is not None:
+            return
+        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        # Also sweeps a worker left behind by the parent (the group outlives its leader).
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+    deadline = time.monotonic() + 60
+    try:
+        while True:
+            if proc.poll() is not None:
+                tail = log_path.read_text()[-4000:]
+                raise RuntimeError(f"mlflow server exited with {proc.returncode}:\n{tail}")
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"mlflow server not healthy after 60 s:\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.5)
+    except BaseException:
+        stop()
+        raise
+    try:
+        yield uri
+    finally:
+        stop()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with running_mlflow_server(tmp_path_factory.mktemp("mlflow-server")) as uri:
+        yield uri
+
+
+@pytest.fixture
+def mlflow_server_factory() -> Callable[..., AbstractContextManager[str]]:
+    """running_mlflow_server(root, port=None): for tests that stop and restart a server themselves."""
+    return running_mlflow_server

@@ -1,0 +1,64 @@
+"""Helpers for integration tests: tiny configs and running a config on the connected Ray cluster."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from elastictrain.chaos import at_step, chain, record_losses, wait_until_replacements_are_warm  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "conf" / "tiny-cpu.yaml"
+
+
+def tiny_config(run_dir: Path, *overrides: str):  # noqa: ANN201 - elastictrain.config.Config
+    from elastictrain.config import load_config
+
+    base = [
+        f"run.dir={run_dir}",
+        "training.max_steps=12",
+        "training.global_batch_size=12",
+        "training.micro_batch_size=2",
+        "training.warmup_steps=2",
+        "checkpoint.every_steps=4",
+        "checkpoint.keep_last=2",
+        "data.generated_chars=120000",
+        "failure.hang_timeout_s=60",
+        "failure.collective_timeout_s=60",
+        "failure.wait_for_capacity_s=20",
+    ]
+    return load_config(TINY, [*base, *overrides])
+
+
+def quiet_reporter(total: int):  # noqa: ANN201
+    from elastictrain.progress import Reporter
+
+    return Reporter(total, stream=io.StringIO(), live=False)
+
+
+def run(config, *, tracking: bool = True, hook=None):  # noqa: ANN001, ANN201
+    """Train a config in this process (the driver), on the Ray cluster already connected."""
+    from elastictrain.driver import prepare_run_dir, run_training
+
+    run_dir, _ = prepare_run_dir(config, fresh=False)
+    reporter = quiet_reporter(config.training.max_steps)
+    summary = run_training(config, run_dir, tracking=tracking, reporter=reporter, controller_hook=hook)
+    return summary, run_dir, reporter.stream.getvalue()
+
+
+# DeepSpeed swaps only tensors of at least 1 MiB to NVMe. With these sizes the embedding, the LM head
+# and each rank's optimizer partition exceed that at world sizes 1 to 3, so NVMe tests really swap.
+NVME_MODEL = (
+    "model.hf_config.vocab_size=8192",
+    "model.hf_config.hidden_size=128",
+    "model.hf_config.intermediate_size=256",
+)
+
+
+def offload_overrides(offload: str, nvme_path: Path) -> list[str]:
+    out = [
+        f"deepspeed.offload_optimizer={offload}",
+        f"deepspeed.offload_param={offload}",
+        f"deepspeed.nvme_path={nvme_path}",
+    ]
+    return out + list(NVME_MODEL) if offload == "nvme" else out

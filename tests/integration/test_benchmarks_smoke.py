@@ -1,0 +1,114 @@
+"""The benchmark harness runs every benchmark at its smallest size and writes well-formed results.
+
+Real peers (the deepspeed launcher, torchrun, Ray Train's TorchTrainer) and real elastictrain runs;
+no time is asserted, only that each result holds the figures the table needs, as finite numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.integration
+
+EXPECTED: dict[str, list[str]] = {
+    "throughput": [
+        "ws2.samples_per_s.elastictrain",
+        "ws2.samples_per_s.deepspeed",
+        "ws2.elastictrain_vs_deepspeed",
+    ],
+    "checkpoint_stall": [
+        "elastictrain_checkpoint_s",
+        "deepspeed_save_checkpoint_s",
+        "elastictrain_snapshot_s",
+        "stall_ratio",
+    ],
+    "memory": [
+        "parameters",
+        "model_state_bytes_per_rank",
+        "deepspeed_peak_rss_bytes",
+        "elastictrain_none_peak_rss_bytes",
+    ],
+    "reshard": [
+        "universal_route_s",
+        "ds_to_universal_s",
+        "universal_load_s",
+        "elastictrain_load_s",
+        "elastictrain_offline_reshard_s",
+        "speedup_vs_universal",
+        "disk_write_fsync_bytes_per_s",
+        "disk_read_bytes_per_s",
+        "max_loss_difference",
+    ],
+    "recovery": [
+        "worker_killed.elastictrain.death_to_first_step_s",
+        "worker_killed.elastictrain.steps_lost",
+    ],
+    "controller_scale": [
+        "64.healthy_iteration_s",
+        "64.dead_iteration_s",
+        "64.hang_iteration_s",
+        "64.death_detection_latency_s",
+    ],
+}
+
+
+def _get(d: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        assert isinstance(d, dict) and part in d, f"missing {dotted!r} (at {part!r}) in {sorted(d)}"
+        d = d[part]
+    return d
+
+
+@pytest.mark.timeout(900)
+def test_every_benchmark_at_smoke_size(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    markdown = tmp_path / "BENCHMARKS.md"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.run",
+            "--smoke",
+            "--results",
+            str(results),
+            "--markdown",
+            str(markdown),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=880,
+    )
+    assert proc.returncode == 0, f"benchmarks.run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+
+    for name, keys in EXPECTED.items():
+        data = json.loads((results / f"{name}.json").read_text())
+        assert data["benchmark"] == name and data["smoke"] is True and data["repetitions"] >= 1
+        assert data["machine"]["cpus"] >= 1 and data["versions"]["deepspeed"] and data["versions"]["ray"]
+        for key in keys:
+            value = _get(data["metrics"], key)
+            assert isinstance(value, int | float) and math.isfinite(value), f"{name}: {key} = {value!r}"
+        for target in data["targets"]:
+            assert {"name", "value", "target", "direction", "met", "missed_by"} <= set(target)
+        assert (results / f"{name}.png").stat().st_size > 0
+
+    # The resharded states agree: each load gives the saved state's loss on the same batch.
+    reshard = json.loads((results / "reshard.json").read_text())["metrics"]
+    assert reshard["max_loss_difference"] < 1e-3
+    # Ray Train ran for real and its outcome after the kill is reported.
+    recovery = json.loads((results / "recovery.json").read_text())
+    ray_row = next(r for r in recovery["runs"] if r["system"] == "ray_train")
+    assert ray_row["outcome"]
+    assert ray_row["kill_step"] is not None
+    text = markdown.read_text()
+    assert "| Benchmark | Figure | Measured | Target | Status |" in text
+    assert "Repetitions:" in text and "Versions:" in text and "Machine:" in text
