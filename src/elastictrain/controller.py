@@ -6,6 +6,7 @@ engines are rebuilt (on a fresh rendezvous), and only missing workers get new ac
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -44,7 +46,22 @@ log = logging.getLogger("elastictrain.controller")
 PIPELINE_DEPTH = 2  # steps queued per actor, so no rank idles while the driver reads results
 FIRST_PLACEMENT_WAIT_S = 5.0  # at the first start, time for the reservations to be placed
 WARMUP_POLL_S = 1.0
+SETTLE_SAVE_WAIT_S = 30.0  # after a failure, how long survivors' background writes may take to end
 TEARDOWN_TIMEOUT_S = 5.0  # a survivor that cannot leave its attempt in this time is replaced
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint whose snapshot is taken and whose rank files are being written."""
+
+    staging: Path
+    step: int
+    samples: int
+    names: list[str]  # one file per rank, in rank order
+    engine_state: dict[str, Any]
+    started: float
+    stall_s: float
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # written so far, by name
 
 
 class AttemptFailed(Exception):
@@ -112,6 +129,7 @@ class Controller:
         self.rejected: list[str] = []  # checkpoints that failed verification: never loaded again
         self.last_verify_s = 0.0
         self._said_none_verifies = False
+        self.pending_save: PendingSave | None = None
 
     # ------------------------------------------------------------------ checkpoints to load
     def _resume_point(self) -> Committed | None:
@@ -154,12 +172,15 @@ class Controller:
             )
 
     # ------------------------------------------------------------------ events
-    def event(self, name: str, message: str = "", style: str = "", **fields: Any) -> None:
+    def event(
+        self, name: str, message: str = "", style: str = "", *, step: int | None = None, **fields: Any
+    ) -> None:
+        step = self.step if step is None else step
         try:
-            record = self.run_dir.append_event(name, step=self.step, message=message, **fields)
+            record = self.run_dir.append_event(name, step=step, message=message, **fields)
         except OSError as e:  # a full disk must not stop training: the terminal and MLflow still get it
             log.warning("could not append to %s: %s", self.run_dir.events_path, e)
-            record = {"event": name, "step": self.step, "message": message, **fields}
+            record = {"event": name, "step": step, "message": message, **fields}
         self.tracker.log_event(record)
         if message:
             self.reporter.event(message, style)
@@ -367,6 +388,7 @@ class Controller:
             self._checkpoint()
             if self._maybe_grow():
                 return
+        self._finish_pending_save()  # the last checkpoint is committed before the run says finished
 
     def _run_segment(self, end: int) -> None:
         inflight: deque[tuple[int, dict[str, Any]]] = deque()
@@ -383,6 +405,7 @@ class Controller:
             self._report(step, list(results.values()))
 
     def _report(self, step: int, results: list[dict[str, Any]]) -> None:
+        self._note_saves(results)
         now = self.clock()
         wall = now - (self.last_step_done_at or now)
         self.last_step_done_at = now
@@ -427,13 +450,22 @@ class Controller:
         )
 
     def _checkpoint(self) -> None:
+        """Snapshot every rank's state; commit once every rank's file is durably written.
+
+        With `checkpoint.background_write` (the default) training stops only for the snapshot: each
+        rank writes its file in a background thread, reports `done` with its next step's result, and
+        the checkpoint is committed then. Until then the previous committed checkpoint is what a
+        restart loads, so a failure mid-write costs at most this interval, never a torn checkpoint.
+        """
+        self._finish_pending_save()  # one save in flight: bounds host memory to one snapshot per rank
         t0 = self.clock()
         try:
             staging = self.store.begin(self.step)
         except OSError as e:
-            self._save_failed(None, str(e))
+            self._save_failed(None, str(e), self.step)
             return
-        refs = {w.worker_id: w.actor.save_shard.remote(str(staging)) for w in self.active}
+        background = bool(self.cfg.checkpoint.background_write)
+        refs = {w.worker_id: w.actor.save_shard.remote(str(staging), background) for w in self.active}
         try:
             reports = self._gather(
                 refs, self.step, timeout_s=self.cfg.failure.collective_timeout_s, phase="checkpoint"
@@ -445,34 +477,126 @@ class Controller:
             ray.wait(
                 list(refs.values()), num_returns=len(refs), timeout=self.cfg.failure.collective_timeout_s
             )
-            self._save_failed(staging, e.failure.message)
+            self._save_failed(staging, e.failure.message, self.step)
             return
         ordered = [reports[w.worker_id] for w in self.active]
-        assert self.plan is not None
-        samples = self.step * self.rules.global_batch_size
-        try:
-            committed = self._commit(staging, ordered, samples)
-        except OSError as e:
-            self._save_failed(staging, f"{type(e).__name__}: {e}")
-            return
-        if committed.tag in self.rejected:  # saved anew: the damaged copy is gone
-            self.rejected.remove(committed.tag)
-        removed = self.store.prune(self.cfg.checkpoint.keep_last, protect=(committed.tag,))
-        seconds = self.clock() - t0
-        self.tracker.log_metrics({"checkpoint_time_s": seconds}, step=self.step)
-        self.event(
-            "checkpoint",
-            f"checkpoint {committed.tag} committed in {seconds:.2f}s"
-            + (f" (removed {', '.join(removed)})" if removed else ""),
-            tag=committed.tag,
-            seconds=seconds,
-            bytes=sum(f["bytes"] for f in committed.manifest["files"]),
-            removed=removed,
+        stall = self.clock() - t0
+        self.pending_save = PendingSave(
+            staging=staging,
+            step=self.step,
+            samples=self.step * self.rules.global_batch_size,
+            names=[r["name"] for r in ordered],
+            engine_state=ordered[0]["engine_state"],
+            started=t0,
+            stall_s=stall,
+            files={r["name"]: r["file"] for r in ordered if r.get("file")},
         )
+        self.tracker.log_metrics({"checkpoint_stall_s": stall}, step=self.step)
+        self._commit_if_written()
         # The pipelined steps restart their clock after the save.
         self.last_step_done_at = self.clock()
 
-    def _save_failed(self, staging: Any, reason: str) -> None:
+    def _note_saves(self, results: list[dict[str, Any]]) -> None:
+        """Background writes' outcomes, carried by step results; commit when every rank's file is in."""
+        pending = self.pending_save
+        if pending is None:
+            return
+        for r in results:
+            report = r.get("save")
+            if not report or report["staging"] != str(pending.staging):
+                continue
+            if report["state"] == "done":
+                pending.files[report["file"]["name"]] = report["file"]
+            elif report["state"] == "error":
+                self._write_failed(r.get("rank"), report["error"])
+                return
+        self._commit_if_written()
+
+    def _finish_pending_save(self, timeout_s: float | None = None) -> None:
+        """Wait for the pending checkpoint's writes, then commit it (before a resize, at the end)."""
+        pending = self.pending_save
+        if pending is None or self._commit_if_written():
+            return
+        timeout_s = self.cfg.failure.collective_timeout_s if timeout_s is None else timeout_s
+        control = {
+            w.worker_id: w.actor.save_status.options(concurrency_group="control").remote(
+                str(pending.staging), timeout_s
+            )
+            for w in self.active
+        }
+        reports = self._gather(control, pending.step, timeout_s=timeout_s + 10.0, phase="checkpoint")
+        results = [{**{"rank": rank}, "save": reports[w.worker_id]} for rank, w in enumerate(self.active)]
+        self._note_saves(results)
+        if self.pending_save is pending:  # still writing after the wait: a hung write
+            writing = [w.worker_id for w in self.active if reports[w.worker_id]["state"] == "writing"]
+            raise AttemptFailed(
+                Failure(
+                    "hang",
+                    tuple(writing),
+                    pending.step,
+                    f"checkpoint write of {pending.staging.name} not done in {timeout_s:.0f}s "
+                    f"(failure.collective_timeout_s): {', '.join(writing)}",
+                )
+            )
+
+    def _commit_if_written(self) -> bool:
+        """Commit the pending checkpoint if every rank's file is in; True when nothing is pending anymore."""
+        pending = self.pending_save
+        if pending is None:
+            return True
+        if set(pending.files) != set(pending.names):
+            return False
+        self.pending_save = None
+        try:
+            committed = self._commit(pending)
+        except OSError as e:
+            self._save_failed(pending.staging, f"{type(e).__name__}: {e}", pending.step)
+            return True
+        if committed.tag in self.rejected:  # saved anew: the damaged copy is gone
+            self.rejected.remove(committed.tag)
+        removed = self.store.prune(self.cfg.checkpoint.keep_last, protect=(committed.tag,))
+        seconds = self.clock() - pending.started
+        self.tracker.log_metrics({"checkpoint_time_s": seconds}, step=pending.step)
+        written = "in the background" if self.cfg.checkpoint.background_write else "synchronously"
+        self.event(
+            "checkpoint",
+            f"checkpoint {committed.tag} committed {seconds:.2f}s after its snapshot "
+            f"(training paused {pending.stall_s:.2f}s; written {written})"
+            + (f" (removed {', '.join(removed)})" if removed else ""),
+            step=pending.step,
+            committed_at_step=self.step,
+            tag=committed.tag,
+            seconds=seconds,
+            stall_s=pending.stall_s,
+            bytes=sum(f["bytes"] for f in committed.manifest["files"]),
+            removed=removed,
+        )
+        return True
+
+    def _write_failed(self, rank: int | None, error: str) -> None:
+        """A rank's background write raised: a full disk skips this save; anything else fails the attempt."""
+        pending = self.pending_save
+        assert pending is not None
+        wid = self.active[rank].worker_id if rank is not None and rank < len(self.active) else "?"
+        if not _is_disk_full(error):
+            self.pending_save = None
+            self.store.abandon(pending.staging)
+            reason = f"checkpoint write raised in {wid}: {_short_text(error)}"
+            raise AttemptFailed(Failure("step_error", (wid,), self.step, reason))
+        # Let the other ranks' writes end before their staging folder goes.
+        for w in self.active:
+            with contextlib.suppress(Exception):
+                ray.get(
+                    w.actor.save_status.options(concurrency_group="control").remote(
+                        str(pending.staging), self.cfg.failure.collective_timeout_s
+                    ),
+                    timeout=self.cfg.failure.collective_timeout_s + 10.0,
+                )
+        self.pending_save = None
+        reason = f"checkpoint write raised in {wid}: {_short_text(error)}"
+        self._save_failed(pending.staging, reason, pending.step)
+
+    def _save_failed(self, staging: Any, reason: str, step: int) -> None:
         """A checkpoint could not be written (e.g. disk full): train on from memory, retry at the next one."""
         if staging is not None:
             self.store.abandon(staging)
@@ -480,26 +604,27 @@ class Controller:
         every = self.cfg.checkpoint.every_steps
         self.event(
             "checkpoint_failed",
-            f"checkpoint at step {self.step} was NOT saved ({reason}); training goes on from memory, "
+            f"checkpoint at step {step} was NOT saved ({reason}); training goes on from memory, "
             f"{previous.tag if previous else 'no earlier checkpoint'} stays intact and is what a restart "
-            f"would load; the next save (step {min(self.step + every, self.cfg.training.max_steps)}) "
+            f"would load; the next save (step {min(step + every, self.cfg.training.max_steps)}) "
             f"retries. Free space under {self.store.root}",
             style="bold red",
             reason=reason,
             previous=previous.tag if previous else None,
+            step=step,
         )
         self.last_step_done_at = self.clock()
 
-    def _commit(self, staging: Any, ordered: list[dict[str, Any]], samples: int) -> Committed:
+    def _commit(self, pending: PendingSave) -> Committed:
         assert self.plan is not None
         return self.store.commit(
-            self.step,
-            staging,
-            [r["file"] for r in ordered],
+            pending.step,
+            pending.staging,
+            [pending.files[name] for name in pending.names],
             {
                 "world_size": self.world_size,
-                "samples_consumed": samples,
-                "data_position": {"samples_consumed": samples, "seed": self.cfg.training.seed},
+                "samples_consumed": pending.samples,
+                "data_position": {"samples_consumed": pending.samples, "seed": self.cfg.training.seed},
                 "rng": {
                     "scheme": "torch reseeded per micro-batch from (training.seed, data position)",
                     "seed": self.cfg.training.seed,
@@ -509,7 +634,7 @@ class Controller:
                     "micro_batch_size": self.plan.micro_batch_size,
                     "grad_accum_steps": self.plan.grad_accum_steps,
                 },
-                "engine_state": ordered[0]["engine_state"],
+                "engine_state": pending.engine_state,
                 "model": {"hf_config": dict(self.cfg.model.hf_config)},
                 "run_id": self.run_dir.read_info().run_id,
                 "config_digest": self.run_dir.read_info().config_digest,
@@ -535,6 +660,7 @@ class Controller:
             style="cyan",
             world_size=target,
         )
+        self._finish_pending_save()  # the checkpoint just taken is what the larger world loads
         self.recovering_since = self.clock()
         self.lost_steps = 0
         self._teardown_active()
@@ -648,6 +774,7 @@ class Controller:
             for wid in failure.worker_ids:
                 if wid in by_id:
                     self.group.remove(by_id[wid])
+        self._settle_pending_save(failure)
         self._teardown_active()
         ckpt = self.store.latest_committed(rejected=tuple(self.rejected))
         decision = decide_after_failure(self.rules, failure, self.failures, self._capacity(), self.clock())
@@ -663,6 +790,42 @@ class Controller:
         )
         self.recovering_since = detected
         self.world_size = self.world_size  # the attempt that starts next records its own size
+
+    def _settle_pending_save(self, failure: Failure) -> None:
+        """After a failure: commit the checkpoint being written if every rank's file made it, else drop it."""
+        pending = self.pending_save
+        if pending is None:
+            return
+        wait_s = min(SETTLE_SAVE_WAIT_S, self.cfg.failure.collective_timeout_s)
+        ranks = {w.worker_id: rank for rank, w in enumerate(self.active)}
+        survivors = [w for w in self.active if w.worker_id not in failure.worker_ids]
+        refs = {
+            w.worker_id: w.actor.save_status.options(concurrency_group="control").remote(
+                str(pending.staging), wait_s
+            )
+            for w in survivors
+        }
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=wait_s + 2.0)
+        results = []
+        for wid, ref in refs.items():
+            with contextlib.suppress(Exception):
+                if ref in ready:
+                    results.append({"rank": ranks[wid], "save": ray.get(ref)})
+        with contextlib.suppress(AttemptFailed):  # a write error: the save is dropped below
+            self._note_saves(results)
+        if self.pending_save is None:
+            return  # committed (or its failure already reported)
+        self.pending_save = None
+        self.store.abandon(pending.staging)
+        self.event(
+            "checkpoint_abandoned",
+            f"checkpoint at step {pending.step} was not complete when {failure.kind} struck "
+            f"({len(pending.files)} of {len(pending.names)} rank files written); dropped",
+            style="yellow",
+            step=pending.step,
+            written=len(pending.files),
+            ranks=len(pending.names),
+        )
 
     def _teardown_active(self) -> None:
         """Tear the attempt down on every surviving worker; a worker that cannot is replaced."""
@@ -720,3 +883,9 @@ def _is_collective_error(e: Exception) -> bool:
 def _short(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[-1][:300] if text else type(e).__name__
+
+
+def _short_text(error: str) -> str:
+    """The first line of an error report (a worker's 'Type: message' followed by its traceback)."""
+    lines = error.strip().splitlines()
+    return lines[0][:300] if lines else "unknown error"

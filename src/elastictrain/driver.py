@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from elastictrain.config import Config, config_digest, to_flat_dict, to_yaml
 from elastictrain.progress import Reporter
-from elastictrain.redact import redact_text
+from elastictrain.redact import install_log_redaction, redact_text
 from elastictrain.run_dir import RunDir
 from elastictrain.runtime.tracker import MlflowTracker, NullTracker, Tracker, default_tracking_uri
 
@@ -42,6 +42,7 @@ def connect_ray(config: Config, address: str | None) -> str:
     if target:
         cwd = _cwd()
         ray.init(address=target, log_to_driver=False)
+        install_log_redaction()  # again: a library may have replaced the record factory
         _reenter(cwd)
         return f"connected to Ray at {target}"
     # A local cluster serves only this process: keep every Ray server on loopback.
@@ -56,6 +57,7 @@ def connect_ray(config: Config, address: str | None) -> str:
         log_to_driver=False,
         _node_ip_address="127.0.0.1",
     )
+    install_log_redaction()  # again: a library may have replaced the record factory
     return f"started a local Ray cluster with {cpus} CPUs"
 
 

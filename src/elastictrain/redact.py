@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 MASK = "***"
@@ -72,14 +73,32 @@ def redact(value: Any, key: str = "") -> Any:
     return value
 
 
-class _RedactingRecord(logging.LogRecord):
-    def getMessage(self) -> str:  # noqa: N802 - logging's name
-        return redact_text(super().getMessage())
+def _redacting(factory: Callable[..., logging.LogRecord]) -> Callable[..., logging.LogRecord]:
+    """Wrap a record factory so each record's message is redacted where it is made."""
+
+    def make(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = factory(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except Exception:  # a bad format string: leave it for logging's own error report
+            return record
+        redacted = redact_text(message)
+        if redacted != message:
+            record.msg, record.args = redacted, ()
+        return record
+
+    make._elastictrain_redacting = True  # type: ignore[attr-defined]
+    return make
 
 
 def install_log_redaction() -> None:
-    """Every log record of this process (ours, Ray's, MLflow's) is redacted when formatted."""
-    if logging.getLogRecordFactory() is _RedactingRecord:
+    """Every log record of this process (ours, Ray's, MLflow's) is redacted when it is made.
+
+    Wraps whatever record factory is installed (Ray and others install their own), so the
+    redaction survives libraries that set a factory before us; `ensure` again after one sets
+    a factory later (the driver calls this after `ray.init`).
+    """
+    current = logging.getLogRecordFactory()
+    if getattr(current, "_elastictrain_redacting", False):
         return
-    if logging.getLogRecordFactory() is logging.LogRecord:
-        logging.setLogRecordFactory(_RedactingRecord)
+    logging.setLogRecordFactory(_redacting(current))

@@ -113,6 +113,30 @@ def test_secret_environment_values_and_url_passwords_never_reach_a_log_line(monk
     assert f"http://bob:{MASK}@127.0.0.1:9" in caplog.text
 
 
+def test_redaction_holds_when_a_library_installed_its_own_record_factory(monkeypatch, caplog):
+    # Ray and others set a LogRecord factory of their own; ours must wrap it, not give up.
+    original = logging.getLogRecordFactory()
+    try:
+        base = original
+
+        def library_factory(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            record = base(*args, **kwargs)
+            record.library_field = "kept"
+            return record
+
+        logging.setLogRecordFactory(library_factory)
+        install_log_redaction()
+        install_log_redaction()  # idempotent: one wrapper, not two
+        monkeypatch.setenv("SOME_SERVICE_TOKEN", "tok-secret-777777")
+        caplog.set_level(logging.INFO)
+        logging.getLogger("lib").warning("token is %s", "tok-secret-777777")
+        record = caplog.records[-1]
+        assert record.getMessage() == f"token is {MASK}"
+        assert record.library_field == "kept", "the library's own factory still runs"
+    finally:
+        logging.setLogRecordFactory(original)
+
+
 @pytest.mark.parametrize(
     ("key", "secret"),
     [

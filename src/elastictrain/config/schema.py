@@ -116,6 +116,9 @@ class ScalingConfig:
 class CheckpointConfig:
     every_steps: int = 10
     keep_last: int = 2
+    # Training pauses only for a host-memory snapshot; each rank writes its file in a background thread
+    # (one more copy of the rank's state in host memory while it writes). false: write before going on.
+    background_write: bool = True
 
 
 @dataclass

@@ -58,6 +58,8 @@ class TrainWorker:
         self._mark = ("idle", -1, time.time())
         self._train_thread: int | None = None
         self._lock = threading.Lock()
+        self._writer: Any = None  # the last checkpoint's ShardWrite (runtime.shard_writer)
+        self._write_delay_s = 0.0  # tests and chaos runs: a slow disk
 
     # -- identity and health (answered from a separate concurrency group, even mid-step) --
     def info(self) -> dict[str, Any]:
@@ -284,7 +286,13 @@ class TrainWorker:
             "tokens": len(samples) * cfg.data.seq_len,
             "step_time_s": elapsed,
             "sample_ids": samples,
+            # How the last background checkpoint write is doing: the controller commits when all are done.
+            "save": self._writer.report() if self._writer is not None else None,
         }
+
+    def inject_write_delay(self, seconds: float) -> None:
+        """Make every later checkpoint write start `seconds` late, as on a slow disk (tests, chaos)."""
+        self._write_delay_s = float(seconds)
 
     def _maybe_fault(self, step: int) -> None:
         kind = self._faults.pop(step, None)
@@ -297,39 +305,61 @@ class TrainWorker:
             while True:  # stops stepping without dying, holding no lock the control thread needs
                 time.sleep(3600)
 
-    def save_shard(self, staging_dir: str) -> dict[str, Any]:
-        """Write this rank's fragments durably into the checkpoint's staging folder."""
-        from safetensors.torch import save as save_safetensors
+    def save_shard(self, staging_dir: str, background: bool = False) -> dict[str, Any]:
+        """Snapshot this rank's fragments to host memory, then write them durably into the staging folder.
 
-        from elastictrain.runtime.durable import write_bytes_durably
+        With `background`, only the snapshot blocks: the write runs in a thread while training goes
+        on, and its outcome comes back in the next `train_step` results (or from `save_status`).
+        """
+        from elastictrain.runtime.shard_writer import ShardWrite
         from elastictrain.runtime.zero_state import FRAGMENTS_KEY, fragments_metadata, snapshot_local_state
 
         assert self.spec is not None and self.engine is not None, "save_shard before setup"
+        self._join_writer()  # one snapshot in host memory at a time
         t0 = time.perf_counter()
         self._set_mark("save", self.spec.start_step)
         tensors, fragments, scalars = snapshot_local_state(self.engine)
         snapshot_s = time.perf_counter() - t0
-        data = save_safetensors(
-            tensors,
-            metadata={
-                FRAGMENTS_KEY: fragments_metadata(fragments),
-                "rank": str(self.spec.rank),
-                "world_size": str(self.spec.world_size),
-            },
-        )
         name = f"rank-{self.spec.rank:05d}-of-{self.spec.world_size:05d}.safetensors"
-        digest = write_bytes_durably(Path(staging_dir) / name, data)
-        self._set_mark("saved", self.spec.start_step)
-        return {
-            "file": {"name": name, "bytes": len(data), "sha256": digest},
-            "engine_state": scalars,
-            "snapshot_s": snapshot_s,
-            "save_s": time.perf_counter() - t0,
+        metadata = {
+            FRAGMENTS_KEY: fragments_metadata(fragments),
+            "rank": str(self.spec.rank),
+            "world_size": str(self.spec.world_size),
         }
+        write = ShardWrite(Path(staging_dir) / name, tensors, metadata, delay_s=self._write_delay_s)
+        del tensors
+        out: dict[str, Any] = {"name": name, "engine_state": scalars, "snapshot_s": snapshot_s}
+        if background:
+            self._writer = write
+            write.start()
+        else:
+            write.run()
+            if write.error:
+                raise RuntimeError(write.error)
+            out["file"] = write.file
+        self._set_mark("saved", self.spec.start_step)
+        out["save_s"] = time.perf_counter() - t0
+        return out
+
+    def save_status(self, staging_dir: str, wait_s: float = 0.0) -> dict[str, Any]:
+        """The background write into `staging_dir`: `writing`, `done` or `error` (waits up to wait_s)."""
+        write = self._writer
+        if write is None or write.staging_dir != staging_dir:
+            return {"staging": staging_dir, "state": "error", "error": "no such write on this worker"}
+        write.wait(wait_s)
+        return write.report()
+
+    def _join_writer(self, timeout_s: float | None = None) -> None:
+        """Let a background write end before its snapshot or staging folder may be reused."""
+        if self._writer is not None:
+            self._writer.wait(timeout_s)
 
     def teardown(self) -> dict[str, float]:
         """Leave the attempt: drop engine and process group, forget DeepSpeed's groups of the old world."""
         t0 = time.perf_counter()
+        # A background write may still fill a staging folder the controller is about to drop or reuse.
+        self._join_writer()
+        self._writer = None
         addr_port = None
         if self.spec is not None:
             addr_port = (self.spec.master_addr, self.spec.master_port)

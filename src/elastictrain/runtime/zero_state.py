@@ -100,7 +100,7 @@ def snapshot_local_state(engine: Any) -> tuple[dict[str, torch.Tensor], dict[str
                 sources = {"fp32": flat, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
                 for field in FIELDS:
                     tensors[f"{name}::{field}"] = (
-                        sources[field].narrow(0, offset, valid).detach().to("cpu").clone()
+                        sources[field].narrow(0, offset, valid).detach().to("cpu", copy=True)
                     )
                 fragments[name] = Fragment(
                     start, valid, int(param.ds_numel), tuple(int(d) for d in param.ds_shape)

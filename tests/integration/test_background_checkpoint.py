@@ -1,0 +1,96 @@
+"""Checkpoints written in the background: training pauses only for a host-memory snapshot.
+
+A slow disk is simulated on the workers (`inject_write_delay`), so a rank's write outlasts several
+training steps. The checkpoint must still hold exactly the state of its step (the snapshot is a copy,
+not a view the next steps change), be committed only once every rank's file is in, and a failure
+while it is written must fall back to the previous committed checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+from helpers import at_step, chain, record_losses, run, tiny_config
+from safetensors.torch import load_file
+
+from elastictrain.runtime.checkpoint_store import verify
+
+
+pytestmark = pytest.mark.integration
+
+WRITE_DELAY_S = 4.0  # longer than the steps up to the next checkpoint take on a loaded CI machine
+
+
+def slow_disk(controller: Any) -> None:
+    ray.get([w.actor.inject_write_delay.remote(WRITE_DELAY_S) for w in controller.active])
+
+
+def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("rank-*.safetensors")):
+        out.update({f"{f.name}/{k}": v for k, v in load_file(f).items()})
+    return out
+
+
+def test_training_goes_on_while_a_checkpoint_is_written_and_it_holds_exactly_its_step(ray_local, tmp_path):
+    background_losses: list[float] = []
+    cfg = tiny_config(tmp_path / "bg", "checkpoint.background_write=true")
+    summary, rd, out = run(
+        cfg, hook=chain(record_losses(background_losses), at_step(1, slow_disk)), tracking=False
+    )
+    assert summary.status.value == "FINISHED", out
+    checkpoints = {e["tag"]: e for e in rd.read_events() if e["event"] == "checkpoint"}
+    assert list(checkpoints) == ["step-000004", "step-000008", "step-000012"], out
+    first = checkpoints["step-000004"]
+    # Steps after the snapshot ran while the files were written; the commit came later.
+    assert first["committed_at_step"] > 4, first
+    assert first["stall_s"] < first["seconds"] and first["seconds"] >= WRITE_DELAY_S, first
+    assert checkpoints["step-000012"]["committed_at_step"] == 12, "the last one is committed before the end"
+
+    sync_losses: list[float] = []
+    cfg_sync = tiny_config(tmp_path / "sync", "checkpoint.background_write=false")
+    summary_sync, rd_sync, out_sync = run(cfg_sync, hook=record_losses(sync_losses), tracking=False)
+    assert summary_sync.status.value == "FINISHED", out_sync
+    sync_events = [e for e in rd_sync.read_events() if e["event"] == "checkpoint"]
+    assert all(e["committed_at_step"] == e["step"] for e in sync_events), "synchronous: committed at once"
+
+    assert background_losses == sync_losses
+    for tag in ("step-000008", "step-000012"):
+        a = rd.checkpoints_dir / tag
+        b = rd_sync.checkpoints_dir / tag
+        assert verify(a).ok and verify(b).ok
+        ta, tb = checkpoint_tensors(a), checkpoint_tensors(b)
+        assert ta.keys() == tb.keys() and ta
+        different = [k for k in ta if not torch.equal(ta[k], tb[k])]
+        assert not different, (
+            f"{tag}: the background-written state differs from the synchronous save: {different[:5]}"
+        )
+
+
+def test_a_worker_lost_while_the_checkpoint_is_written_drops_it_and_restarts_from_the_previous_one(
+    ray_local, tmp_path
+):
+    cfg = tiny_config(tmp_path / "run", "scaling.min_workers=1", "scaling.max_workers=2")
+
+    def kill_last(controller: Any) -> None:  # step-000004's files are still being written
+        assert controller.pending_save is not None and controller.pending_save.step == 4
+        ray.kill(controller.active[-1].actor)
+
+    summary, rd, out = run(cfg, hook=chain(at_step(1, slow_disk), at_step(5, kill_last)), tracking=False)
+    assert summary.status.value == "FINISHED", out
+    events = rd.read_events()
+    abandoned = [e for e in events if e["event"] == "checkpoint_abandoned"]
+    assert len(abandoned) == 1 and abandoned[0]["step"] == 4, out
+    assert abandoned[0]["written"] < abandoned[0]["ranks"] == 2
+    decision = next(e for e in events if e["event"] == "decision")
+    assert "restart from the beginning (step 0)" in decision["message"], decision
+    recovered = next(e for e in events if e["event"] == "recovered")
+    assert recovered["steps_lost"] >= 5
+    committed = [e["tag"] for e in events if e["event"] == "checkpoint"]
+    assert committed[-1] == "step-000012" and "step-000004" in committed, "saved again after the restart"
+    assert not [p for p in rd.checkpoints_dir.iterdir() if p.name.startswith(".")], "no staging left behind"
+    assert rd.read_info().last_step == 12
