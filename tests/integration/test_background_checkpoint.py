@@ -19,7 +19,6 @@ from safetensors.torch import load_file
 
 from elastictrain.runtime.checkpoint_store import verify
 
-
 pytestmark = pytest.mark.integration
 
 WRITE_DELAY_S = 4.0  # longer than the steps up to the next checkpoint take on a loaded CI machine
