@@ -279,7 +279,8 @@ class Controller:
                 size = self.rules.best_size(len(self.group.warm_workers))
                 if size is not None:
                     return size
-            target = self.rules.best_size(self._capacity())
+            capacity = self._capacity()  # read once: a reservation may be placed at any moment
+            target = self.rules.best_size(capacity)
             if target is not None:
                 # Enough workers exist but some are still warming up: wait for them.
                 need = target - len(self.group.warm_workers)
@@ -289,7 +290,7 @@ class Controller:
                     return target
                 self.group.poll_warm(timeout_s=WARMUP_POLL_S, n=need)
                 continue
-            decision = decide_start(self.rules, self._capacity(), self.clock(), waiting_since)
+            decision = decide_start(self.rules, capacity, self.clock(), waiting_since)
             if isinstance(decision, Fail):
                 raise RunFailed(decision.reason)
             assert isinstance(decision, Wait)
