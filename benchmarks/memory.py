@@ -39,6 +39,7 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
         for mode in modes:
             extra: tuple[str, ...] = ()
             if mode != "none":
+                (tmp / f"nvme-rep{rep}").mkdir(parents=True, exist_ok=True)  # the config requires it
                 extra = (
                     f"deepspeed.offload_optimizer={mode}",
                     f"deepspeed.offload_param={mode}",

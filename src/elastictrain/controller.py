@@ -22,6 +22,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from elastictrain.config.deepspeed_config import build_deepspeed_config
 from elastictrain.core.batch import BatchPlan, plan_batch
+from elastictrain.core.checkpoints import tag_for_step
 from elastictrain.core.membership import WorkerObservation, stalled_workers
 from elastictrain.core.policy import (
     Fail,
@@ -60,8 +61,18 @@ class PendingSave:
     names: list[str]  # one file per rank, in rank order
     engine_state: dict[str, Any]
     started: float
-    stall_s: float
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # written so far, by name
+
+
+@dataclass
+class QueuedSave:
+    """A checkpoint's snapshot calls, queued on every actor behind the segment's last step."""
+
+    step: int
+    staging: Path | None  # None: the staging folder could not be made (error says why)
+    refs: dict[str, Any]
+    started: float
+    error: str = ""
 
 
 class AttemptFailed(Exception):
@@ -130,6 +141,7 @@ class Controller:
         self.last_verify_s = 0.0
         self._said_none_verifies = False
         self.pending_save: PendingSave | None = None
+        self.pause_parts: tuple[int, list[float]] | None = None  # the last save's step, per-rank pause so far
 
     # ------------------------------------------------------------------ checkpoints to load
     def _resume_point(self) -> Committed | None:
@@ -383,30 +395,69 @@ class Controller:
     def _train(self) -> None:
         every = self.cfg.checkpoint.every_steps
         max_steps = self.cfg.training.max_steps
+        ahead: deque[tuple[int, dict[str, Any]]] = deque()
         while self.step < max_steps:
             segment_end = min(max_steps, (self.step // every + 1) * every)
-            self._run_segment(segment_end)
-            self._checkpoint()
-            if self._maybe_grow():
+            save, ahead = self._run_segment(segment_end, ahead)
+            self._checkpoint(save)
+            if not ahead and self._maybe_grow():
                 return
         self._finish_pending_save()  # the last checkpoint is committed before the run says finished
 
-    def _run_segment(self, end: int) -> None:
-        inflight: deque[tuple[int, dict[str, Any]]] = deque()
-        next_step = self.step
+    def _run_segment(
+        self, end: int, ahead: deque[tuple[int, dict[str, Any]]]
+    ) -> tuple[QueuedSave, deque[tuple[int, dict[str, Any]]]]:
+        """Steps up to `end`, then the checkpoint's snapshot, queued on each actor behind the last step.
+
+        Queued, not sent after the last step's result: a rank goes from its last step straight to its
+        snapshot and, unless a resize may follow, straight on to the next segment's first steps, so it
+        never idles while the driver reads results. Returns the queued save and the steps queued ahead.
+        """
+        inflight = ahead
+        next_step = self.step + len(inflight)
         self.last_step_done_at = self.clock()
+        save: QueuedSave | None = None
+        following: deque[tuple[int, dict[str, Any]]] = deque()
         while self.step < end:
             while next_step < end and len(inflight) < PIPELINE_DEPTH:
-                inflight.append(
-                    (next_step, {w.worker_id: w.actor.train_step.remote(next_step) for w in self.active})
-                )
+                inflight.append((next_step, self._submit_step(next_step)))
                 next_step += 1
+            if next_step == end and save is None:
+                save = self._queue_save(end)
+                if save.refs and end < self.cfg.training.max_steps and not self._resize_may_follow():
+                    # Never past the next checkpoint, whose snapshot must queue behind its last step.
+                    every = self.cfg.checkpoint.every_steps
+                    limit = min(self.cfg.training.max_steps, end + PIPELINE_DEPTH, end + every)
+                    following.extend((s, self._submit_step(s)) for s in range(end, limit))
             step, refs = inflight.popleft()
             results = self._gather(refs, step, timeout_s=self.cfg.failure.hang_timeout_s, phase="step")
             self._report(step, list(results.values()))
+        if save is None:  # the segment was empty (resumed exactly at a checkpoint step)
+            save = self._queue_save(end)
+        return save, following
+
+    def _submit_step(self, step: int) -> dict[str, Any]:
+        return {w.worker_id: w.actor.train_step.remote(step) for w in self.active}
+
+    def _queue_save(self, step: int) -> QueuedSave:
+        """Queue every rank's snapshot (and write) of the state after `step` steps behind its last step."""
+        self._finish_pending_save()  # one save in flight: bounds host memory to one snapshot per rank
+        started = self.clock()
+        try:
+            staging = self.store.begin(step)
+        except OSError as e:
+            return QueuedSave(step, None, {}, started, str(e))
+        background = bool(self.cfg.checkpoint.background_write)
+        refs = {w.worker_id: w.actor.save_shard.remote(str(staging), background) for w in self.active}
+        return QueuedSave(step, staging, refs, started)
+
+    def _resize_may_follow(self) -> bool:
+        """Below max_workers every checkpoint may be followed by a grow: then no step is queued past it."""
+        return self.world_size < self.rules.max_workers
 
     def _report(self, step: int, results: list[dict[str, Any]]) -> None:
         self._note_saves(results)
+        self._note_pause(step, results)
         now = self.clock()
         wall = now - (self.last_step_done_at or now)
         self.last_step_done_at = now
@@ -450,23 +501,19 @@ class Controller:
             last_metrics={k: round(v, 6) for k, v in metrics.items()},
         )
 
-    def _checkpoint(self) -> None:
-        """Snapshot every rank's state; commit once every rank's file is durably written.
+    def _checkpoint(self, save: QueuedSave) -> None:
+        """Collect the queued snapshots; commit once every rank's file is durably written.
 
         With `checkpoint.background_write` (the default) training stops only for the snapshot: each
         rank writes its file in a background thread, reports `done` with its next step's result, and
         the checkpoint is committed then. Until then the previous committed checkpoint is what a
         restart loads, so a failure mid-write costs at most this interval, never a torn checkpoint.
         """
-        self._finish_pending_save()  # one save in flight: bounds host memory to one snapshot per rank
-        t0 = self.clock()
-        try:
-            staging = self.store.begin(self.step)
-        except OSError as e:
-            self._save_failed(None, str(e), self.step)
+        t0 = save.started
+        if save.staging is None:
+            self._save_failed(None, save.error, save.step)
             return
-        background = bool(self.cfg.checkpoint.background_write)
-        refs = {w.worker_id: w.actor.save_shard.remote(str(staging), background) for w in self.active}
+        staging, refs = save.staging, save.refs
         try:
             reports = self._gather(
                 refs, self.step, timeout_s=self.cfg.failure.collective_timeout_s, phase="checkpoint"
@@ -481,7 +528,8 @@ class Controller:
             self._save_failed(staging, e.failure.message, self.step)
             return
         ordered = [reports[w.worker_id] for w in self.active]
-        stall = self.clock() - t0
+        # Each rank's pause: idle before its snapshot, the snapshot, idle before its next step.
+        self.pause_parts = (self.step, [r.get("waited_s", 0.0) + r["save_s"] for r in ordered])
         self.pending_save = PendingSave(
             staging=staging,
             step=self.step,
@@ -489,13 +537,29 @@ class Controller:
             names=[r["name"] for r in ordered],
             engine_state=ordered[0]["engine_state"],
             started=t0,
-            stall_s=stall,
             files={r["name"]: r["file"] for r in ordered if r.get("file")},
         )
-        self.tracker.log_metrics({"checkpoint_stall_s": stall}, step=self.step)
         self._commit_if_written()
         # The pipelined steps restart their clock after the save.
         self.last_step_done_at = self.clock()
+
+    def _note_pause(self, step: int, results: list[dict[str, Any]]) -> None:
+        """How long the last checkpoint held training up: the slowest rank's pause around its snapshot."""
+        if self.pause_parts is None or self.pause_parts[0] != step:
+            return
+        parts = self.pause_parts[1]
+        self.pause_parts = None
+        pauses = [
+            parts[r["rank"]] + r.get("waited_s", 0.0)
+            for r in results
+            if r.get("rank", len(parts)) < len(parts)
+        ]
+        if not pauses:
+            return
+        pause = max(pauses)
+        self.tracker.log_metrics({"checkpoint_pause_s": pause}, step=step)
+        with contextlib.suppress(OSError):  # a full disk must not stop training
+            self.run_dir.append_event("checkpoint_pause", step=step, tag=tag_for_step(step), pause_s=pause)
 
     def _note_saves(self, results: list[dict[str, Any]]) -> None:
         """Background writes' outcomes, carried by step results; commit when every rank's file is in."""
@@ -561,14 +625,12 @@ class Controller:
         written = "in the background" if self.cfg.checkpoint.background_write else "synchronously"
         self.event(
             "checkpoint",
-            f"checkpoint {committed.tag} committed {seconds:.2f}s after its snapshot "
-            f"(training paused {pending.stall_s:.2f}s; written {written})"
+            f"checkpoint {committed.tag} committed {seconds:.2f}s after it was queued (written {written})"
             + (f" (removed {', '.join(removed)})" if removed else ""),
             step=pending.step,
             committed_at_step=self.step,
             tag=committed.tag,
             seconds=seconds,
-            stall_s=pending.stall_s,
             bytes=sum(f["bytes"] for f in committed.manifest["files"]),
             removed=removed,
         )
@@ -777,6 +839,7 @@ class Controller:
                     self.group.remove(by_id[wid])
         self._settle_pending_save(failure)
         self._teardown_active()
+        self.store.clean_partials()  # a snapshot queued when the failure struck left its staging folder
         ckpt = self.store.latest_committed(rejected=tuple(self.rejected))
         decision = decide_after_failure(self.rules, failure, self.failures, self._capacity(), self.clock())
         if isinstance(decision, Fail):

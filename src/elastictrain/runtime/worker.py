@@ -60,6 +60,7 @@ class TrainWorker:
         self._lock = threading.Lock()
         self._writer: Any = None  # the last checkpoint's ShardWrite (runtime.shard_writer)
         self._write_delay_s = 0.0  # tests and chaos runs: a slow disk
+        self._idle_since = time.time()  # when this actor's last step or save ended
 
     # -- identity and health (answered from a separate concurrency group, even mid-step) --
     def info(self) -> dict[str, Any]:
@@ -224,8 +225,12 @@ class TrainWorker:
     def train_step(self, step: int) -> dict[str, Any]:
         """One optimizer step: `grad_accum_steps` micro-batches of this rank's share of the global batch."""
         assert self.spec is not None and self.engine is not None, "train_step before setup"
+        waited = time.time() - self._idle_since
         try:
-            return self._train_step(step)
+            result = self._train_step(step)
+            result["waited_s"] = waited  # idle before this step: after a save, part of its pause
+            self._idle_since = time.time()
+            return result
         except Exception as e:  # noqa: BLE001 - re-raised below, after the attempt is released
             error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
         # Outside the except block, so the traceback's frames no longer hold the engine: dropping it and
@@ -316,6 +321,7 @@ class TrainWorker:
 
         assert self.spec is not None and self.engine is not None, "save_shard before setup"
         self._join_writer()  # one snapshot in host memory at a time
+        waited = time.time() - self._idle_since
         t0 = time.perf_counter()
         self._set_mark("save", self.spec.start_step)
         tensors, fragments, scalars = snapshot_local_state(self.engine)
@@ -339,6 +345,8 @@ class TrainWorker:
             out["file"] = write.file
         self._set_mark("saved", self.spec.start_step)
         out["save_s"] = time.perf_counter() - t0
+        out["waited_s"] = waited
+        self._idle_since = time.time()
         return out
 
     def save_status(self, staging_dir: str, wait_s: float = 0.0) -> dict[str, Any]:
