@@ -90,6 +90,7 @@ def elastictrain(world_size: int, w: Workload, tmp: Path, rep: int, *extra: str)
         _MEMO[key] = {
             "steps": steps,
             "checkpoints": [e for e in events if e["event"] == "checkpoint"],
+            "pauses": [e for e in events if e["event"] == "checkpoint_pause"],
             "memory": memory,
             "wall_s": time.time() - t0,
             "run_dir": str(run_dir.path),

@@ -1,12 +1,14 @@
 """Checkpoint stall: seconds training is blocked by a checkpoint, against DeepSpeed's `save_checkpoint`.
 
-elastictrain: the `stall_s` of the controller's `checkpoint` events in the world-size-2 baseline run:
-how long steps stop for a save (every rank's host-memory snapshot; the durable write of each rank's
-file runs in a background thread, `checkpoint.background_write`), and `seconds`, how long until the
-checkpoint is committed. DeepSpeed: the slowest rank's `save_checkpoint` of the same model state at
-the same world size (the deepspeed-launcher baseline, after its steps), during which its training
-waits. The same process also times elastictrain's per-rank synchronous save path (snapshot + durable
-write, what `background_write: false` blocks for) and its snapshot alone.
+elastictrain: the `checkpoint_pause` events of a world-size-2 run with checkpoints every quarter of
+its steps, measured on the workers: the slowest rank's idle time before its snapshot, the snapshot,
+and its idle time before the next step (the snapshot is queued behind the segment's last step and
+the next steps behind it; each rank's durable write runs in a background thread,
+`checkpoint.background_write`); and the `checkpoint` events' `seconds`, from queueing the snapshot
+to the commit. DeepSpeed: the slowest rank's `save_checkpoint` of the same model state at the same
+world size (the deepspeed-launcher baseline, after its steps), during which its training waits. The
+same process also times elastictrain's synchronous save path (snapshot + fsynced write, what
+`background_write: false` blocks for) and its snapshot alone.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ from benchmarks.common import Result, Target, Workload, median, ratio, workload_
 def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
     runs: list[dict[str, Any]] = []
     for rep in range(reps):
-        et = baselines.elastictrain(2, w, tmp, rep)
+        # Checkpoints mid-run too, so that steps follow them and their pause can be measured.
+        every = max(2, w.steps // 4)
+        et = baselines.elastictrain(2, w, tmp, rep, f"checkpoint.every_steps={every}")
         ds = baselines.peer("deepspeed", 2, w, tmp, rep)
         save = (ds.out or {})["save"]
         runs.append(
             {
                 "rep": rep,
-                "elastictrain_checkpoint_s": [c.get("stall_s", c["seconds"]) for c in et["checkpoints"]],
+                "elastictrain_checkpoint_s": [p["pause_s"] for p in et.get("pauses", [])],
                 "elastictrain_commit_s": [c["seconds"] for c in et["checkpoints"]],
                 "elastictrain_checkpoint_bytes": [c.get("bytes") for c in et["checkpoints"]],
                 "deepspeed_save_checkpoint_s": save["deepspeed_save_checkpoint_s"],
