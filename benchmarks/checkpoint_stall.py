@@ -63,8 +63,9 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
         )
     ]
     notes = [
-        "elastictrain_checkpoint_s: median pause of training per checkpoint (snapshot on every rank, "
-        "controller round trip); elastictrain_commit_s: snapshot to committed manifest, written in the "
+        "elastictrain_checkpoint_s: median pause of training per checkpoint, measured on the workers "
+        "(slowest rank: idle before the snapshot, the snapshot, idle before the next step); "
+        "elastictrain_commit_s: snapshot to committed manifest, written in the "
         "background while training goes on.",
         "elastictrain_fragment_save_s: the synchronous path (background_write: false), snapshot plus "
         "fsynced write, for comparison; DeepSpeed's save_checkpoint does not fsync.",
