@@ -549,11 +549,7 @@ class Controller:
             return
         parts = self.pause_parts[1]
         self.pause_parts = None
-        pauses = [
-            parts[r["rank"]] + r.get("waited_s", 0.0)
-            for r in results
-            if r.get("rank", len(parts)) < len(parts)
-        ]
+        pauses = [parts[r["rank"]] + r.get("waited_s", 0.0) for r in results if r["rank"] < len(parts)]
         if not pauses:
             return
         pause = max(pauses)
@@ -577,18 +573,20 @@ class Controller:
                 return
         self._commit_if_written()
 
-    def _finish_pending_save(self, timeout_s: float | None = None) -> None:
+    def _ask_save_status(self, workers: list[WorkerHandle], staging: Path, wait_s: float) -> dict[str, Any]:
+        """Each worker's background write into `staging`, waited for up to wait_s (answered mid-step)."""
+        return {
+            w.worker_id: w.actor.save_status.options(concurrency_group="control").remote(str(staging), wait_s)
+            for w in workers
+        }
+
+    def _finish_pending_save(self) -> None:
         """Wait for the pending checkpoint's writes, then commit it (before a resize, at the end)."""
         pending = self.pending_save
         if pending is None or self._commit_if_written():
             return
-        timeout_s = self.cfg.failure.collective_timeout_s if timeout_s is None else timeout_s
-        control = {
-            w.worker_id: w.actor.save_status.options(concurrency_group="control").remote(
-                str(pending.staging), timeout_s
-            )
-            for w in self.active
-        }
+        timeout_s = self.cfg.failure.collective_timeout_s
+        control = self._ask_save_status(self.active, pending.staging, timeout_s)
         reports = self._gather(control, pending.step, timeout_s=timeout_s + 10.0, phase="checkpoint")
         results = [{**{"rank": rank}, "save": reports[w.worker_id]} for rank, w in enumerate(self.active)]
         self._note_saves(results)
@@ -644,19 +642,14 @@ class Controller:
         if not _is_disk_full(error):
             self.pending_save = None
             self.store.abandon(pending.staging)
-            reason = f"checkpoint write raised in {wid}: {_short_text(error)}"
+            reason = f"checkpoint write raised in {wid}: {_short(error)}"
             raise AttemptFailed(Failure("step_error", (wid,), self.step, reason))
-        # Let the other ranks' writes end before their staging folder goes.
-        for w in self.active:
-            with contextlib.suppress(Exception):
-                ray.get(
-                    w.actor.save_status.options(concurrency_group="control").remote(
-                        str(pending.staging), self.cfg.failure.collective_timeout_s
-                    ),
-                    timeout=self.cfg.failure.collective_timeout_s + 10.0,
-                )
+        # Let the other ranks' writes end (all at once, not one after another) before their folder goes.
+        timeout_s = self.cfg.failure.collective_timeout_s
+        refs = self._ask_save_status(self.active, pending.staging, timeout_s)
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s + 10.0)
         self.pending_save = None
-        reason = f"checkpoint write raised in {wid}: {_short_text(error)}"
+        reason = f"checkpoint write raised in {wid}: {_short(error)}"
         self._save_failed(pending.staging, reason, pending.step)
 
     def _save_failed(self, staging: Any, reason: str, step: int) -> None:
@@ -863,12 +856,7 @@ class Controller:
         wait_s = min(SETTLE_SAVE_WAIT_S, self.cfg.failure.collective_timeout_s)
         ranks = {w.worker_id: rank for rank, w in enumerate(self.active)}
         survivors = [w for w in self.active if w.worker_id not in failure.worker_ids]
-        refs = {
-            w.worker_id: w.actor.save_status.options(concurrency_group="control").remote(
-                str(pending.staging), wait_s
-            )
-            for w in survivors
-        }
+        refs = self._ask_save_status(survivors, pending.staging, wait_s)
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=wait_s + 2.0)
         results = []
         for wid, ref in refs.items():
@@ -944,12 +932,9 @@ def _is_collective_error(e: Exception) -> bool:
     )
 
 
-def _short(e: BaseException) -> str:
+def _short(e: BaseException | str) -> str:
+    """The last line of an error or of a worker's error report (its traceback ends with 'Type: message')."""
     text = str(e).strip().splitlines()
-    return text[-1][:300] if text else type(e).__name__
-
-
-def _short_text(error: str) -> str:
-    """The first line of an error report (a worker's 'Type: message' followed by its traceback)."""
-    lines = error.strip().splitlines()
-    return lines[0][:300] if lines else "unknown error"
+    if text:
+        return text[-1][:300]
+    return "unknown error" if isinstance(e, str) else type(e).__name__

@@ -357,10 +357,10 @@ class TrainWorker:
         write.wait(wait_s)
         return write.report()
 
-    def _join_writer(self, timeout_s: float | None = None) -> None:
+    def _join_writer(self) -> None:
         """Let a background write end before its snapshot or staging folder may be reused."""
         if self._writer is not None:
-            self._writer.wait(timeout_s)
+            self._writer.wait()
 
     def teardown(self) -> dict[str, float]:
         """Leave the attempt: drop engine and process group, forget DeepSpeed's groups of the old world."""
