@@ -1,12 +1,14 @@
 """The run's model: your `model.factory`, a transformers model from a local folder, or one from a config.
 
 Whatever the source, the model is built inside DeepSpeed's zero.Init (parameters partitioned as they
-are created), optionally wrapped with LoRA adapters (runtime/lora.py), and trained with a loss
+are created) with transformers' own weight initialization (runtime/hf_init.py), optionally wrapped
+with LoRA adapters (runtime/lora.py), and trained with a loss
 `loss(model, batch) -> scalar tensor`: yours (`training.loss`) or the causal LM loss below.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -72,7 +74,12 @@ def build_model(config: Any, ds_config: dict[str, Any], *, zero3: bool) -> torch
         if checkpointing:
             _enable_checkpointing(model)
     else:
-        with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=zero3):
+        from elastictrain.runtime.hf_init import exact_hf_init_under_zero3
+
+        # zero.Init partitions each module as it is built; without the second context transformers'
+        # own weight init would write into empty partitions and be lost (see runtime/hf_init.py).
+        init = exact_hf_init_under_zero3() if zero3 else contextlib.nullcontext()
+        with init, deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=zero3):
             if m.factory:
                 from elastictrain.runtime.user_code import user_model
 

@@ -1,0 +1,68 @@
+"""transformers' own weight initialization for models built under DeepSpeed's zero.Init.
+
+Why it is needed: a transformers model initialises its weights in `post_init()`, at the end of its
+`__init__`, by calling `_init_weights(module)` on every submodule (children first). Under zero.Init
+each submodule's parameters are partitioned as soon as that submodule's `__init__` returns, so by the
+time `post_init()` runs they are empty placeholders: `normal_(module.weight, std=0.02)` writes into an
+empty tensor and the weights keep torch's default init (embeddings N(0, 1), linear layers
+kaiming-uniform), and GPT-2 style scaled output projections are lost. transformers only re-runs its
+init itself when it was told about ZeRO-3 (`HfDeepSpeedConfig`) and created the zero.Init context
+itself; a model built inside a zero.Init of ours, or by a user's factory, gets nothing.
+
+What this does: while active, each module's `_initialize_weights` call (the per-module step of
+transformers' `initialize_weights`) runs with that module's partitioned parameters, and its direct
+children's, gathered; every rank computes it from the same seed, rank 0's values are broadcast and
+the parameters partitioned again. The calls happen at the same points and in the same order as
+without DeepSpeed, and the gathered tensors have their full shapes, so the random stream is consumed
+exactly as in `AutoModelForCausalLM.from_config`: for a seed, every parameter is bit-for-bit what
+transformers gives outside DeepSpeed, at any world size. Only one module's parameters are gathered at
+a time, never the whole model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+
+def _params_init_may_touch(module: Any, pretrained_model_class: type) -> list[Any]:
+    """The partitioned parameters `_init_weights(module)` may write: the module's and its children's.
+
+    Children's, because several architectures initialise a child's weight from the parent (GPT-2's
+    `c_proj.weight` scaled by depth is set from its attention and MLP blocks). A child that is a
+    model of its own (a sub-model) initialises itself.
+    """
+    found = {id(p): p for p in module.parameters(recurse=False)}
+    for child in module.children():
+        if not isinstance(child, pretrained_model_class):
+            found.update({id(p): p for p in child.parameters(recurse=False)})
+    # Parameters of a module still inside its own __init__ are not partitioned yet: nothing to gather.
+    return [p for p in found.values() if hasattr(p, "ds_id")]
+
+
+@contextmanager
+def exact_hf_init_under_zero3() -> Iterator[None]:
+    """Make transformers models built inside this block initialise as they would outside DeepSpeed."""
+    import deepspeed
+    from transformers.modeling_utils import PreTrainedModel
+
+    original = PreTrainedModel._initialize_weights
+
+    def initialize_gathered(self: Any, module: Any, is_custom_code: bool = False) -> None:
+        if getattr(module, "_is_hf_initialized", False):
+            return  # already done (a sub-model initialised it): no gather
+        params = _params_init_may_touch(module, PreTrainedModel)
+        if not params:
+            original(self, module, is_custom_code)
+            return
+        # Every rank runs the init (same seed, same values) so their random streams stay equal;
+        # modifier_rank=0 makes rank 0's result the one kept.
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            original(self, module, is_custom_code)
+
+    PreTrainedModel._initialize_weights = initialize_gathered  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        PreTrainedModel._initialize_weights = original  # type: ignore[method-assign]
