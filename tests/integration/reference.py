@@ -42,8 +42,12 @@ def causal_lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
-def train_reference(config: Any, dataset: Any, steps: int, *, micro_batches: int = 1) -> list[float]:
-    """Losses of `steps` optimizer steps; each global batch runs as `micro_batches` equal accumulated parts.
+def train_reference(
+    config: Any, dataset: Any, steps: int, *, micro_batches: int = 1
+) -> tuple[list[float], torch.nn.Module]:
+    """Losses of `steps` optimizer steps, and the trained model.
+
+    Each global batch runs as `micro_batches` equal accumulated parts.
 
     Every sample holds the same number of target tokens, so the mean over equal parts is the mean over
     the global batch: changing `micro_batches` changes only the order of floating-point sums.
@@ -81,4 +85,4 @@ def train_reference(config: Any, dataset: Any, steps: int, *, micro_batches: int
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)
         assert math.isfinite(total), f"reference loss diverged at step {step}"
-    return losses
+    return losses, model
