@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import offload_overrides, tiny_config
 from probe import ProbeGroup, save_checkpoint, train_steps
 from reference import causal_lm_loss, global_batch, reference_model
 
@@ -189,3 +189,15 @@ def test_pretrained_weights_load_exactly_under_zero3(probes, tmp_path, offload):
     assert diff <= LOGITS_ATOL, f"offload={offload}: logits differ from transformers' by {diff:.2e}"
     (first,) = train_steps(probes, range(1))
     assert first == pytest.approx(own_loss, abs=1e-5), (offload, first, own_loss)
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_initial_model_is_transformers_own_with_offloaded_parameters(probes, tmp_path, offload):
+    """Parameters offloaded to CPU or swapped to NVMe while the model is built: the same bits."""
+    (tmp_path / "nvme").mkdir()
+    cfg = tiny_config(tmp_path / "run", *offload_overrides(offload, tmp_path / "nvme"))
+    reference = dict(reference_model(cfg).named_parameters())
+    probes.setup(cfg, world_size=2)
+    initial = probes.full_parameters()
+    wrong = [n for n, t in initial.items() if not torch.equal(t, reference[n].detach())]
+    assert sorted(initial) == sorted(reference) and not wrong, f"offload={offload}: differ: {wrong}"
