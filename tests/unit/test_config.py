@@ -93,7 +93,7 @@ def test_all_problems_are_reported_at_once():
         ("scaling.min_workers=0", "scaling.min_workers: got 0; expected a number >= 1"),
         ("scaling.cpus_per_worker=0", "scaling.cpus_per_worker: got 0.0; expected a number > 0"),
         ("scaling.use_gpu=maybe", "scaling.use_gpu: got 'maybe'; expected true or false"),
-        ("deepspeed.zero_stage=2", "deepspeed.zero_stage: got 2; expected one of 3"),
+        ("deepspeed.zero_stage=4", "deepspeed.zero_stage: got 4; expected one of 0, 1, 2, 3"),
         (
             "deepspeed.offload_optimizer=disk",
             "deepspeed.offload_optimizer: got 'disk'; expected one of none, cpu, nvme",
@@ -251,8 +251,14 @@ def test_user_json_with_auto_values_is_fully_resolved():
         ({"train_micro_batch_size_per_gpu": 8}, "train_micro_batch_size_per_gpu is 8"),
         ({"fp16": {"enabled": True}}, "fp16.enabled is true in ds.json but training.precision is fp32"),
         ({"scheduler": {"type": "OneCycle"}}, "scheduler type 'OneCycle' is not supported"),
-        ({"optimizer": {"type": "SGD"}}, "optimizer type 'SGD' is not supported; expected Adam or AdamW"),
-        ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage is 2 in ds.json; expected 3"),
+        (
+            {"zero_optimization": {"stage": 5}},
+            "zero_optimization.stage is 5 in ds.json; expected 0, 1, 2 or 3",
+        ),
+        (
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
+            "in ds.json: deepspeed.offload_optimizer: got 'nvme' with deepspeed.zero_stage 2",
+        ),
         ({"foo": {"bar": "auto"}}, '"auto" at foo.bar in ds.json cannot be resolved'),
     ],
 )
@@ -260,6 +266,45 @@ def test_conflicting_user_json_is_refused_naming_the_key(tmp_path, content, expe
     f = tmp_path / "ds.json"
     f.write_text(json.dumps(content))
     assert expected in problems(f"deepspeed.config_file={f}")
+
+
+def test_an_optimizer_whose_state_cannot_be_resharded_is_refused_only_when_the_world_size_changes(tmp_path):
+    f = tmp_path / "ds.json"
+    f.write_text(json.dumps({"optimizer": {"type": "OneBitAdam"}}))
+    elastic = problems(f"deepspeed.config_file={f}", "scaling.max_workers=3")
+    assert "optimizer type 'OneBitAdam' keeps state that depends on the world size" in elastic
+    assert "scaling.min_workers == scaling.max_workers" in elastic
+    load_config(None, [f"deepspeed.config_file={f}"])  # min_workers == max_workers: accepted
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["deepspeed.zero_stage=2", "deepspeed.offload_optimizer=cpu", "deepspeed.offload_param=cpu"],
+            "deepspeed.offload_param: got 'cpu' with deepspeed.zero_stage 2; offloading parameters needs",
+        ),
+        (
+            ["deepspeed.zero_stage=1", "deepspeed.offload_optimizer=nvme", "deepspeed.nvme_path=/tmp"],
+            "NVMe only in ZeRO stage 3",
+        ),
+        (
+            ["deepspeed.zero_stage=0", "deepspeed.offload_optimizer=cpu"],
+            "optimizer offload needs ZeRO stage 1, 2 or 3",
+        ),
+        (
+            ["deepspeed.zero_stage=0", "training.precision=fp16"],
+            "elastic checkpoints of fp16 need ZeRO stage 1-3",
+        ),
+    ],
+)
+def test_what_a_zero_stage_cannot_do_is_refused_naming_the_fields(overrides, expected):
+    assert expected in problems(*overrides)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_zero_stage_is_accepted(stage):
+    assert load_config(None, [f"deepspeed.zero_stage={stage}"]).deepspeed.zero_stage == stage
 
 
 def test_user_json_that_is_missing_or_not_json(tmp_path):

@@ -13,9 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.config.schema import Config
+from elastictrain.core.zero import stage_problems
 
 SCHEDULERS_REPLACED = {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"}
-OPTIMIZERS = {"adam", "adamw"}
+# Optimizers whose state is not elementwise per parameter element (so not resharded by slicing).
+UNRESHARDABLE_OPTIMIZERS = {
+    "onebitadam": "per-rank error-feedback buffers",
+    "zerooneadam": "per-rank error-feedback buffers",
+    "onebitlamb": "per-rank error-feedback buffers and scaling coefficients",
+}
 
 
 def _hidden(config: Config) -> int:
@@ -82,6 +88,33 @@ def _generated(config: Config) -> dict[str, Any]:
             "cpu_checkpointing": False,
         }
     return cfg
+
+
+def _adamw(config: Config, *, offloaded: bool) -> dict[str, Any]:
+    """AdamW from training.*; DeepSpeed picks its CPU Adam when the optimizer state is offloaded."""
+    t = config.training
+    params: dict[str, Any] = {
+        "lr": t.lr,
+        "betas": [t.adam_beta1, t.adam_beta2],
+        "eps": t.adam_eps,
+        "weight_decay": t.weight_decay,
+    }
+    if not offloaded:
+        params["torch_adam"] = True  # torch's AdamW: no FusedAdam to JIT-compile, and it runs on CPU
+    return {"type": "AdamW", "params": params}
+
+
+def _enabled(user: dict[str, Any], block: str, auto: bool) -> bool:
+    value = user.get(block, {}).get("enabled", "auto") if isinstance(user.get(block), dict) else False
+    return auto if value == "auto" else bool(value)
+
+
+def _offload_devices(zero: dict[str, Any]) -> tuple[str, str]:
+    def device(name: str) -> str:
+        block = zero.get(name)
+        return str(block.get("device", "none")) if isinstance(block, dict) else "none"
+
+    return device("offload_optimizer"), device("offload_param")
 
 
 def _read_user_json(config: Config) -> dict[str, Any]:
@@ -165,21 +198,23 @@ def check_user_json(config: Config) -> list[str]:
             "or remove the block"
         )
     opt = user.get("optimizer")
-    if isinstance(opt, dict) and str(opt.get("type", "")).lower() not in OPTIMIZERS:
+    opt_type = str(opt.get("type", "")) if isinstance(opt, dict) else ""
+    elastic = config.scaling.min_workers < config.scaling.max_workers
+    if opt_type.lower() in UNRESHARDABLE_OPTIMIZERS and elastic:
         problems.append(
-            f"{key}: optimizer type {opt.get('type')!r} is not supported; expected Adam or AdamW "
-            "(elastic checkpoints reshard Adam's moments)"
+            f"{key}: optimizer type {opt_type!r} keeps state that depends on the world size "
+            f"({UNRESHARDABLE_OPTIMIZERS[opt_type.lower()]}), so its checkpoints cannot be resharded; "
+            "use Adam, AdamW, Lion, SGD or Adagrad, or fix the world size (scaling.min_workers == "
+            "scaling.max_workers)"
         )
-    stage = (
-        user.get("zero_optimization", {}).get("stage", 3)
-        if isinstance(user.get("zero_optimization"), dict)
-        else 3
-    )
-    if stage != 3:
-        problems.append(
-            f"{key}: zero_optimization.stage is {stage} in {path.name}; expected 3 (elastic checkpoints "
-            "reshard ZeRO-3 partitions)"
-        )
+    zero = user.get("zero_optimization") if isinstance(user.get("zero_optimization"), dict) else {}
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        problems.append(f"{key}: zero_optimization.stage is {stage!r} in {path.name}; expected 0, 1, 2 or 3")
+    else:
+        precision = "fp16" if _enabled(user, "fp16", t.precision == "fp16") else t.precision
+        found = stage_problems(stage, *_offload_devices(zero), precision)
+        problems.extend(f"{key}: in {path.name}: {text}" for text in found)
     unresolved: list[str] = []
     without_scheduler = {k: v for k, v in user.items() if k != "scheduler"}  # dropped: see module docstring
     _resolve_auto(without_scheduler, _auto_values(config, 1, 1), "", unresolved)
@@ -210,20 +245,13 @@ def build_deepspeed_config(
     if config.deepspeed.config_file:
         cfg = _read_user_json(config)
         cfg.pop("scheduler", None)  # the LR schedule is training.lr_schedule's
+        if "optimizer" not in cfg:
+            # Hugging Face style: the Trainer would build AdamW from its arguments; so do we.
+            zero = cfg.get("zero_optimization") if isinstance(cfg.get("zero_optimization"), dict) else {}
+            cfg["optimizer"] = _adamw(config, offloaded=_offload_devices(zero)[0] != "none")
     else:
         cfg = _generated(config)
-        offload = config.deepspeed.offload_optimizer
-        cfg["optimizer"] = {
-            "type": "AdamW",
-            "params": {
-                "lr": t.lr,
-                "betas": [t.adam_beta1, t.adam_beta2],
-                "eps": t.adam_eps,
-                "weight_decay": t.weight_decay,
-                # Without offload, torch's AdamW avoids JIT-compiling FusedAdam on CPU.
-                **({"torch_adam": True} if offload == "none" else {}),
-            },
-        }
+        cfg["optimizer"] = _adamw(config, offloaded=config.deepspeed.offload_optimizer != "none")
         if t.grad_clip > 0:
             cfg["gradient_clipping"] = t.grad_clip
     cfg = _resolve_auto(cfg, _auto_values(config, micro_batch_size, grad_accum_steps), "", [])

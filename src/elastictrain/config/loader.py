@@ -23,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from elastictrain.config.errors import ConfigError
 from elastictrain.config.schema import Config
 from elastictrain.core.batch import plan_batch, workable_world_sizes
+from elastictrain.core.zero import stage_problems
 from elastictrain.redact import install_log_redaction, redact
 
 install_log_redaction()  # secrets given in the config or environment never reach a log line
@@ -209,7 +210,8 @@ def validate(config: Config) -> Config:
     _at_least(p, "training.grad_clip", t.grad_clip, 0)
     _choice(p, "training.precision", t.precision, ["fp32", "bf16", "fp16"])
     _at_least(p, "training.log_every_steps", t.log_every_steps, 1)
-    _choice(p, "deepspeed.zero_stage", ds.zero_stage, [3])
+    _choice(p, "deepspeed.zero_stage", ds.zero_stage, [0, 1, 2, 3])
+    p.extend(stage_problems(ds.zero_stage, ds.offload_optimizer, ds.offload_param, t.precision))
     _choice(p, "deepspeed.offload_optimizer", ds.offload_optimizer, ["none", "cpu", "nvme"])
     _choice(p, "deepspeed.offload_param", ds.offload_param, ["none", "cpu", "nvme"])
     if "nvme" in (ds.offload_optimizer, ds.offload_param):

@@ -20,7 +20,6 @@ def reshard_checkpoint(checkpoint: Path, world_size: int, out: Path | None = Non
     from safetensors.torch import save as save_safetensors
 
     from elastictrain.runtime.zero_state import (
-        FIELDS,
         FRAGMENTS_KEY,
         Fragment,
         FragmentReader,
@@ -45,7 +44,7 @@ def reshard_checkpoint(checkpoint: Path, world_size: int, out: Path | None = Non
             length = max(0, min(part, whole.numel - start))
             if length == 0:
                 continue
-            for field in FIELDS:
+            for field in reader.fields(name):
                 tensors[f"{name}::{field}"] = reader.read(name, field, start, length)
             fragments[name] = Fragment(start, length, whole.numel, whole.shape)
         data = save_safetensors(

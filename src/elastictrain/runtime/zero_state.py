@@ -1,30 +1,36 @@
-"""Read and write a ZeRO-3 engine's state as world-size-independent fragments.
+"""Read and write a DeepSpeed engine's state as world-size-independent fragments, for any ZeRO stage.
 
-Each rank owns, for every parameter, one contiguous slice of the flattened parameter (ZeRO-3
-partitions each parameter across the data-parallel ranks). We save that slice of the fp32 master
-weights and of both Adam moments, tagged with its global offset. Loading at any world size M then
-means: each new rank asks for its own slice and reads exactly those bytes from whichever old files
-hold them. There is no conversion step (unlike `ds_to_universal`), and it works when the optimizer
-state is swapped to NVMe, because we go through ZeRO-3's own swap-in / swap-out of each sub-group.
+Each rank saves, for every parameter, the slices of its flattened fp32 master weights and of each
+elementwise optimizer state that it owns (runtime/zero_layouts.py says where they live in stage 0,
+1, 2 and 3), tagged with the slices' global offsets. Loading at any world size M, under any stage,
+then means: each new rank asks for its own slices and reads exactly those bytes from whichever old
+files hold them. There is no conversion step (unlike `ds_to_universal`), the fragments do not depend
+on the stage that wrote them (a ZeRO-2 checkpoint loads under ZeRO-3 and the reverse), and it works
+when the ZeRO-3 optimizer state is swapped to NVMe, because we go through its own swap-in / swap-out.
 
-This touches DeepSpeed internals of `DeepSpeedZeroOptimizer_Stage3` (fp16_groups, grad_position,
-fp32_partitioned_groups_flat, the swap helpers); they are the same ones its universal-checkpoint
-loader uses. Tested against the installed version by the reshard tests.
+This touches DeepSpeed internals (ZeRO-3's fp16_groups, grad_position, fp32_partitioned_groups_flat
+and swap helpers; ZeRO-1/2's `_hp_mapping` tensor fragments); they are the ones its universal
+checkpoint uses. Tested against the installed version by the reshard tests.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-FIELDS = ("fp32", "exp_avg", "exp_avg_sq")
+from elastictrain.runtime.zero_layouts import (
+    FP32,
+    layout_for,
+    rebuild_scalar,
+    scalar_state,
+    unreshardable_state,
+)
+
 FRAGMENTS_KEY = "elastictrain.fragments"
 
 
@@ -38,75 +44,37 @@ class Fragment:
     shape: tuple[int, ...]
 
 
-def _stage3_optimizer(engine: Any) -> Any:
-    optimizer = engine.optimizer
-    if not hasattr(optimizer, "fp32_partitioned_groups_flat"):
-        raise RuntimeError(
-            "elastic checkpoints need ZeRO stage 3 (deepspeed.zero_stage=3); "
-            f"this engine runs {type(optimizer).__name__}"
-        )
-    return optimizer
-
-
-@contextmanager
-def _sub_group(
-    optimizer: Any, group: int, *, write_back: bool
-) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
-    """The fp32 flat partition and optimizer state of one sub-group, swapped in from NVMe if needed."""
-    swappable = optimizer._swappable_optimizer_subgroup(group)
-    if swappable:
-        optimizer._optimizer_states_and_gradient_swap_in(group)
-    flat = optimizer.fp32_partitioned_groups_flat[group]
-    try:
-        yield flat, optimizer.optimizer.state[flat]
-        if write_back:
-            # fp32 master -> the low-precision partitions the forward pass uses (or their NVMe swap).
-            optimizer._reassign_or_swap_out_partitioned_parameters(group)
-    finally:
-        if swappable:
-            if write_back:
-                optimizer._optimizer_states_and_gradient_swap_out(group)
-            else:
-                optimizer._release_swap_buffers(group)
-
-
-def _local_slices(engine: Any) -> Iterator[tuple[int, str, Any, int, int, int]]:
-    """(sub_group, name, param, offset in the flat partition, global start, valid length) per parameter."""
-    optimizer = _stage3_optimizer(engine)
-    names = {param: name for name, param in engine.module.named_parameters()}
-    for group, params in enumerate(optimizer.fp16_groups):
-        for param in params:
-            _, offset, partition_numel = optimizer.grad_position[optimizer.get_param_id(param)]
-            start = optimizer._get_param_partition_rank(param) * partition_numel
-            valid = max(0, min(partition_numel, param.ds_numel - start))
-            yield group, names[param], param, offset, start, valid
+def _optimizer_name(engine: Any) -> str:
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    return type(inner).__name__
 
 
 @torch.no_grad()
 def snapshot_local_state(engine: Any) -> tuple[dict[str, torch.Tensor], dict[str, Fragment], dict[str, Any]]:
     """This rank's fragments as CPU tensors named 'param::field', their positions, and scalar state."""
-    optimizer = _stage3_optimizer(engine)
+    layout = layout_for(engine)
     tensors: dict[str, torch.Tensor] = {}
     fragments: dict[str, Fragment] = {}
-    step_count: float | None = None
-    slices = list(_local_slices(engine))
-    for group in range(len(optimizer.fp16_groups)):
-        with _sub_group(optimizer, group, write_back=False) as (flat, state):
-            if step_count is None and "step" in state:
-                step_count = float(state["step"])
-            for g, name, param, offset, start, valid in slices:
-                if g != group or valid == 0:
-                    continue
-                sources = {"fp32": flat, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
-                for field in FIELDS:
-                    tensors[f"{name}::{field}"] = (
-                        sources[field].narrow(0, offset, valid).detach().to("cpu", copy=True)
-                    )
-                fragments[name] = Fragment(
-                    start, valid, int(param.ds_numel), tuple(int(d) for d in param.ds_shape)
+    scalars: dict[str, Any] = {}
+    for group in range(layout.num_groups()):
+        with layout.open(group, write_back=False) as opened:
+            bad = unreshardable_state(opened)
+            if bad:
+                raise RuntimeError(
+                    f"optimizer {_optimizer_name(engine)}: state {bad} is neither elementwise nor a scalar, "
+                    "so it cannot be resharded; use a fixed world size (min_workers == max_workers)"
                 )
-    scalars: dict[str, Any] = {"optimizer_step": step_count}
-    scaler = getattr(optimizer, "loss_scaler", None)
+            if not scalars.get("optimizer_state"):
+                scalars["optimizer_state"] = scalar_state(opened)
+            fields = opened.fields()
+            for piece in opened.slices:
+                for field, source in fields.items():
+                    part = source.narrow(0, piece.offset, piece.length).detach()
+                    tensors[f"{piece.name}::{field}"] = part.to("cpu", torch.float32, copy=True)
+                fragments[piece.name] = Fragment(piece.start, piece.length, piece.numel, piece.shape)
+    step = (scalars.get("optimizer_state") or {}).get("step")
+    scalars["optimizer_step"] = step["value"] if step else None  # kept for checkpoints' readers
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
     if scaler is not None:
         scalars["loss_scaler"] = {
             k: float(v)
@@ -134,7 +102,13 @@ class FragmentReader:
         # name -> sorted starts, and the (start, length, handle) behind each
         self._index: dict[str, list[tuple[int, int, Any]]] = {}
         self.params: dict[str, Fragment] = {}
+        self._fields: dict[str, list[str]] = {}  # name -> saved fields: "fp32" and the optimizer's states
         for path, handle in zip(files, self._handles, strict=True):
+            for key in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                name, _, field = key.rpartition("::")
+                fields = self._fields.setdefault(name, [])
+                if field not in fields:
+                    fields.append(field)
             meta = handle.metadata() or {}
             if FRAGMENTS_KEY not in meta:
                 raise ValueError(f"{path}: not an elastictrain fragment file (no {FRAGMENTS_KEY} metadata)")
@@ -164,52 +138,70 @@ class FragmentReader:
             i += 1
         return out
 
-    def full(self, name: str, field: str = "fp32") -> torch.Tensor:
+    def fields(self, name: str) -> list[str]:
+        """What was saved for parameter `name`: "fp32" first, then its optimizer state's fields."""
+        found = self._fields.get(name, [])
+        return sorted(found, key=lambda f: (f != FP32, f))
+
+    def full(self, name: str, field: str = FP32) -> torch.Tensor:
         frag = self.params[name]
         return self.read(name, field, 0, frag.numel).view(frag.shape)
 
 
+def _saved_scalars(scalars: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The optimizer's scalar state as saved; checkpoints before it was recorded kept only Adam's step."""
+    saved = scalars.get("optimizer_state")
+    if saved:
+        return dict(saved)
+    step = scalars.get("optimizer_step")
+    if step is None:
+        return {}
+    return {"step": {"value": float(step), "kind": "tensor", "dtype": "torch.float32"}}
+
+
 @torch.no_grad()
 def load_local_state(engine: Any, reader: FragmentReader, scalars: dict[str, Any]) -> None:
-    """Fill this rank's partitions (weights, Adam moments, step) from a checkpoint of any world size."""
-    optimizer = _stage3_optimizer(engine)
-    slices = list(_local_slices(engine))
-    missing = sorted({name for _, name, *_ in slices} - set(reader.params))
+    """Fill this rank's weights, optimizer state and step from a checkpoint of any world size or stage."""
+    layout = layout_for(engine)
+    saved_scalars = _saved_scalars(scalars)
+    names: set[str] = set()
+    for group in range(layout.num_groups()):
+        with layout.open(group, write_back=False) as opened:
+            for piece in opened.to_load():
+                names.add(piece.name)
+                if piece.name in reader.params and reader.params[piece.name].numel != piece.numel:
+                    saved = reader.params[piece.name].numel
+                    raise ValueError(
+                        f"checkpoint does not match the model: {piece.name} has {saved} elements "
+                        f"in the checkpoint and {piece.numel} in the model"
+                    )
+    missing = sorted(names - set(reader.params))
     if missing:
         raise ValueError(f"checkpoint does not match the model: missing parameters {missing[:5]}")
-    for _, name, param, *_ in slices:
-        if reader.params[name].numel != param.ds_numel:
-            raise ValueError(
-                f"checkpoint does not match the model: {name} has {reader.params[name].numel} elements "
-                f"in the checkpoint and {param.ds_numel} in the model"
-            )
-    optimizer._partition_all_parameters()
-    step = scalars.get("optimizer_step")
-    for group in range(len(optimizer.fp16_groups)):
-        with _sub_group(optimizer, group, write_back=True) as (flat, state):
-            if "exp_avg" not in state:
-                # torch's Adam creates its state on the first step; a fresh engine has none yet.
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(flat)
-                state["exp_avg_sq"] = torch.zeros_like(flat)
-            targets = {"fp32": flat, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
-            for g, name, _, offset, start, valid in slices:
-                if g != group:
-                    continue
-                for field in FIELDS:
-                    part = targets[field].narrow(0, offset, valid)
-                    if valid:
-                        part.copy_(reader.read(name, field, start, valid).to(part.dtype))
-            if step is not None and "step" in state:
-                if isinstance(state["step"], torch.Tensor):
-                    state["step"].fill_(step)
-                else:
-                    state["step"] = type(state["step"])(step)
-    scaler = getattr(optimizer, "loss_scaler", None)
+    layout.before_load()
+    for group in range(layout.num_groups()):
+        with layout.open(group, write_back=True) as opened:
+            pieces = opened.to_load()
+            saved_fields = reader.fields(pieces[0].name) if pieces else []
+            for field in saved_fields:
+                if field != FP32 and field not in opened.fields():
+                    # Optimizers create their state at their first step; a fresh engine has none yet.
+                    opened.state[field] = torch.zeros_like(opened.fp32)
+            targets = opened.fields()
+            unknown = sorted(set(targets) - set(saved_fields)) if pieces else []
+            if unknown:
+                raise ValueError(
+                    f"checkpoint has no {unknown} for {pieces[0].name}: it was saved with another "
+                    f"optimizer than {_optimizer_name(engine)} (saved: {saved_fields})"
+                )
+            for key, spec in saved_scalars.items():
+                opened.state[key] = rebuild_scalar(spec, opened.fp32.device)
+            for piece in pieces:
+                for field, target in targets.items():
+                    part = target.narrow(0, piece.offset, piece.length)
+                    part.copy_(reader.read(piece.name, field, piece.start, piece.length).to(part.dtype))
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
     for key, value in (scalars.get("loss_scaler") or {}).items():
         if scaler is not None and hasattr(scaler, key):
             setattr(scaler, key, type(getattr(scaler, key))(value))
-    # Small parameters stay gathered on every rank ("persistent"): refresh them from the new partitions.
-    optimizer.invalidate_secondary_tensor()
-    if optimizer.persistent_parameters:
-        optimizer.persistent_parameters[0].all_gather(optimizer.persistent_parameters)
+    layout.after_load(reader)

@@ -1,0 +1,278 @@
+"""Where a DeepSpeed engine keeps each rank's fp32 master weights and optimizer state, per ZeRO stage.
+
+An elastic checkpoint stores, for every parameter, slices of its flattened fp32 master weights and
+of each elementwise optimizer state (Adam's moments, SGD's momentum, Adagrad's sum, Lion's average)
+tagged with global offsets. Each ZeRO stage keeps those in a different place; a layout names, for
+one rank, every slice it owns as views into the engine's own tensors:
+
+- ZeRO-3 (`Zero3Layout`): each parameter is partitioned on its own; the fp32 partitions of a
+  sub-group are one flat tensor (possibly swapped to NVMe), which is opened group by group.
+- ZeRO-1 and ZeRO-2, and bf16 without ZeRO (`FlatPartitionLayout`): the fp32 copies of a parameter
+  group are flattened into one buffer and cut into equal partitions, so a parameter may span two
+  ranks. DeepSpeed's tensor-fragment mapping (`param._hp_mapping`, what its universal checkpoint
+  uses) says which elements of which parameter this rank's partition holds.
+- No ZeRO in fp32 (`ReplicatedLayout`): every rank holds every parameter and its state; rank r
+  saves the r-th of `world_size` equal slices of each, so the work of saving is shared.
+
+Elementwise state is found by inspection: any tensor in the optimizer's state shaped like the
+fp32 tensor it belongs to. Everything else in the state must be a scalar (a step count); a state
+that is neither cannot be resharded, and `unreshardable_state` says so by name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+FP32 = "fp32"  # the field name of the fp32 master weights; optimizer states keep their own names
+
+
+@dataclass(frozen=True)
+class LocalSlice:
+    """Elements [start, start+length) of parameter `name`, found at `offset` in its group's tensors."""
+
+    name: str
+    start: int
+    length: int
+    numel: int
+    shape: tuple[int, ...]
+    offset: int
+
+
+@dataclass
+class OpenGroup:
+    """One group's fp32 tensor, its optimizer state, and the slices of parameters inside it.
+
+    `slices` are what this rank saves; `load_slices` what it must fill when loading (the same,
+    except where every rank holds whole parameters).
+    """
+
+    fp32: torch.Tensor
+    state: dict[str, Any]
+    slices: list[LocalSlice] = field(default_factory=list)
+    load_slices: list[LocalSlice] | None = None
+
+    def to_load(self) -> list[LocalSlice]:
+        return self.slices if self.load_slices is None else self.load_slices
+
+    def fields(self) -> dict[str, torch.Tensor]:
+        """fp32 and every elementwise optimizer state, each as a tensor shaped like `fp32`."""
+        out = {FP32: self.fp32}
+        for key, value in self.state.items():
+            if isinstance(value, torch.Tensor) and value.shape == self.fp32.shape and value.dim() > 0:
+                out[key] = value
+        return out
+
+
+def _is_scalar(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and value.dim() <= 1
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def unreshardable_state(group: OpenGroup) -> list[str]:
+    """State entries that are neither elementwise like the parameters nor scalars."""
+    elementwise = group.fields()
+    return [k for k, v in group.state.items() if k not in elementwise and v is not None and not _is_scalar(v)]
+
+
+def scalar_state(group: OpenGroup) -> dict[str, dict[str, Any]]:
+    """Scalars of the optimizer state (e.g. Adam's step), with how to rebuild them."""
+    out = {}
+    for key, value in group.state.items():
+        if key in group.fields() or not _is_scalar(value):
+            continue
+        if isinstance(value, torch.Tensor):
+            out[key] = {
+                "value": float(value.item()),
+                "kind": "tensor",
+                "dtype": str(value.dtype),
+                "on_accelerator": value.device.type != "cpu",  # torch keeps Adam's step on the CPU
+            }
+        else:
+            out[key] = {"value": float(value), "kind": type(value).__name__}
+    return out
+
+
+def rebuild_scalar(spec: dict[str, Any], accelerator: Any) -> Any:
+    if spec["kind"] == "tensor":
+        dtype = getattr(torch, spec["dtype"].removeprefix("torch."))
+        device = accelerator if spec.get("on_accelerator") else "cpu"
+        return torch.tensor(spec["value"], dtype=dtype, device=device)
+    return int(spec["value"]) if spec["kind"] == "int" else float(spec["value"])
+
+
+class Zero3Layout:
+    """ZeRO-3: per sub-group flat fp32 partitions, swapped in from NVMe where offloaded."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.optimizer = engine.optimizer
+        names = {param: name for name, param in engine.module.named_parameters()}
+        opt = self.optimizer
+        self._slices: list[list[LocalSlice]] = []
+        for params in opt.fp16_groups:
+            group = []
+            for param in params:
+                _, offset, partition_numel = opt.grad_position[opt.get_param_id(param)]
+                start = opt._get_param_partition_rank(param) * partition_numel
+                valid = max(0, min(partition_numel, param.ds_numel - start))
+                if valid:
+                    shape = tuple(int(d) for d in param.ds_shape)
+                    group.append(LocalSlice(names[param], start, valid, int(param.ds_numel), shape, offset))
+            self._slices.append(group)
+
+    def num_groups(self) -> int:
+        return len(self._slices)
+
+    @contextmanager
+    def open(self, group: int, *, write_back: bool) -> Iterator[OpenGroup]:
+        opt = self.optimizer
+        swappable = opt._swappable_optimizer_subgroup(group)
+        if swappable:
+            opt._optimizer_states_and_gradient_swap_in(group)
+        flat = opt.fp32_partitioned_groups_flat[group]
+        try:
+            yield OpenGroup(flat, opt.optimizer.state[flat], self._slices[group])
+            if write_back:
+                # fp32 master -> the low-precision partitions the forward pass uses (or their NVMe swap).
+                opt._reassign_or_swap_out_partitioned_parameters(group)
+        finally:
+            if swappable:
+                if write_back:
+                    opt._optimizer_states_and_gradient_swap_out(group)
+                else:
+                    opt._release_swap_buffers(group)
+
+    def before_load(self) -> None:
+        self.optimizer._partition_all_parameters()
+
+    def after_load(self, reader: Any) -> None:
+        opt = self.optimizer
+        # Small parameters stay gathered on every rank ("persistent"): refresh them from the partitions.
+        opt.invalidate_secondary_tensor()
+        if opt.persistent_parameters:
+            opt.persistent_parameters[0].all_gather(opt.persistent_parameters)
+
+
+class FlatPartitionLayout:
+    """ZeRO-1/2 (and DeepSpeed's bf16 optimizer): a partition of each group's flattened fp32 copy."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.optimizer = engine.optimizer
+        inner = self.optimizer.optimizer
+        self._flats = [g["params"][0] for g in inner.param_groups]
+        self._slices: list[list[LocalSlice]] = [[] for _ in self._flats]
+        for name, param in engine.module.named_parameters():
+            mapping = getattr(param, "_hp_mapping", None)
+            if mapping is None:
+                continue  # no element of this parameter lives in this rank's partition
+            lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
+            shape = tuple(int(d) for d in param.shape)
+            self._slices[mapping.param_group_index].append(
+                LocalSlice(name, int(lp.start), int(lp.numel), param.numel(), shape, int(hp.start))
+            )
+
+    def num_groups(self) -> int:
+        return len(self._flats)
+
+    @contextmanager
+    def open(self, group: int, *, write_back: bool) -> Iterator[OpenGroup]:
+        flat = self._flats[group]
+        yield OpenGroup(flat, self.optimizer.optimizer.state[flat], self._slices[group])
+
+    def before_load(self) -> None:
+        pass
+
+    def after_load(self, reader: Any) -> None:
+        # Every rank holds every low-precision parameter in these stages: set each from the full fp32
+        # weights (what DeepSpeed's step does with an all-gather), so no collective is needed here.
+        with torch.no_grad():
+            for name, param in self.engine.module.named_parameters():
+                if name in reader.params:
+                    param.data.copy_(reader.full(name, FP32).to(param.dtype))
+        # The optimizer reads state through fragment views it links lazily; make it relink them.
+        if hasattr(self.optimizer, "_hp_optimizer_states_linked"):
+            self.optimizer._hp_optimizer_states_linked = False
+
+
+class ReplicatedLayout:
+    """No ZeRO, fp32: the optimizer works on the parameters themselves, whole on every rank."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.optimizer = engine.optimizer
+        rank = engine.global_rank if hasattr(engine, "global_rank") else 0
+        world = engine.dp_world_size if hasattr(engine, "dp_world_size") else 1
+        self._params: list[tuple[torch.Tensor, LocalSlice]] = []
+        for name, param in engine.module.named_parameters():
+            if not param.requires_grad:
+                continue
+            n = param.numel()
+            part = math.ceil(n / world)
+            start = rank * part
+            length = max(0, min(part, n - start))
+            shape = tuple(int(d) for d in param.shape)
+            self._params.append((param, LocalSlice(name, start, length, n, shape, start)))
+
+    def num_groups(self) -> int:
+        return len(self._params)
+
+    @contextmanager
+    def open(self, group: int, *, write_back: bool) -> Iterator[OpenGroup]:
+        param, piece = self._params[group]
+        flat = param.data.view(-1)
+        state = self.optimizer.state[param]
+        # Elementwise state is viewed flat, like the parameter; writes go to the optimizer's tensors.
+        view = {
+            k: (v.view(-1) if isinstance(v, torch.Tensor) and v.shape == param.shape else v)
+            for k, v in state.items()
+        }
+        whole = LocalSlice(piece.name, 0, piece.numel, piece.numel, piece.shape, 0)
+        holder = _FlatState(state, param.shape, view)
+        yield OpenGroup(flat, holder, [piece] if piece.length else [], load_slices=[whole])
+
+    def before_load(self) -> None:
+        pass
+
+    def after_load(self, reader: Any) -> None:
+        pass
+
+
+class _FlatState(dict):  # type: ignore[type-arg]
+    """The optimizer state of one parameter seen flat; entries added here land in the real state."""
+
+    def __init__(self, real: dict[str, Any], shape: torch.Size, view: dict[str, Any]) -> None:
+        super().__init__(view)
+        self._real, self._shape = real, shape
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == math.prod(self._shape):
+            self._real[key] = value.view(self._shape)
+        else:
+            self._real[key] = value
+        super().__setitem__(key, value)
+
+
+def layout_for(engine: Any) -> Zero3Layout | FlatPartitionLayout | ReplicatedLayout:
+    optimizer = engine.optimizer
+    if optimizer is None or not hasattr(optimizer, "param_groups") and not hasattr(optimizer, "optimizer"):
+        raise RuntimeError("elastic checkpoints need an optimizer; this engine has none")
+    if hasattr(optimizer, "fp32_partitioned_groups_flat"):
+        return Zero3Layout(engine)
+    if any(getattr(p, "_hp_mapping", None) is not None for p in engine.module.parameters()) or hasattr(
+        optimizer, "single_partition_of_fp32_groups"
+    ):
+        return FlatPartitionLayout(engine)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return ReplicatedLayout(engine)
+    raise RuntimeError(
+        f"elastic checkpoints do not support DeepSpeed's {type(optimizer).__name__} "
+        "(fp16 without ZeRO); use ZeRO stage 1-3, or bf16/fp32"
+    )
