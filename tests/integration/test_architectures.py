@@ -191,13 +191,18 @@ def test_pretrained_weights_load_exactly_under_zero3(probes, tmp_path, offload):
     assert first == pytest.approx(own_loss, abs=1e-5), (offload, first, own_loss)
 
 
-@pytest.mark.parametrize("offload", ["cpu", "nvme"])
-def test_initial_model_is_transformers_own_with_offloaded_parameters(probes, tmp_path, offload):
-    """Parameters offloaded to CPU or swapped to NVMe while the model is built: the same bits."""
+@pytest.mark.parametrize(
+    ("stage", "offload"), [(3, "cpu"), (3, "nvme"), (2, "none"), (2, "cpu"), (1, "none"), (0, "none")]
+)
+def test_initial_model_is_transformers_own_under_every_stage_and_offload(probes, tmp_path, stage, offload):
+    """Any ZeRO stage, parameters offloaded to CPU or swapped to NVMe while built: the same bits."""
     (tmp_path / "nvme").mkdir()
-    cfg = tiny_config(tmp_path / "run", *offload_overrides(offload, tmp_path / "nvme"))
+    overrides = offload_overrides(offload, tmp_path / "nvme") if stage == 3 else []
+    if stage < 3:
+        overrides = [f"deepspeed.offload_optimizer={offload}"]
+    cfg = tiny_config(tmp_path / "run", f"deepspeed.zero_stage={stage}", *overrides)
     reference = dict(reference_model(cfg).named_parameters())
     probes.setup(cfg, world_size=2)
     initial = probes.full_parameters()
     wrong = [n for n, t in initial.items() if not torch.equal(t, reference[n].detach())]
-    assert sorted(initial) == sorted(reference) and not wrong, f"offload={offload}: differ: {wrong}"
+    assert sorted(initial) == sorted(reference) and not wrong, f"stage {stage}, {offload}: differ: {wrong}"
