@@ -211,6 +211,11 @@ def check_before_start(config: Config) -> None:
         # Before anything imports deepspeed here (a --local run trains in this process).
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     check_user_code(config)
+    from elastictrain.config.deepspeed_config import owned_settings_notice
+
+    notice = owned_settings_notice(config)
+    if notice:
+        log.warning(notice)
     added = share_module_roots(config)
     if added:
         log.info("workers import user code from %s", ", ".join(added))

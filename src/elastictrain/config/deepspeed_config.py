@@ -224,6 +224,28 @@ def check_user_json(config: Config) -> list[str]:
     return problems
 
 
+OWNED_KEYS = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "scheduler",
+)
+
+
+def owned_settings_notice(config: Config) -> str | None:
+    """One line naming what of the user's JSON elastictrain sets itself (checked: "auto" or agreeing)."""
+    if not config.deepspeed.config_file:
+        return None
+    user = _read_user_json(config)
+    owned = [k for k in OWNED_KEYS if k in user]
+    if not owned:
+        return None
+    return (
+        f"deepspeed.config_file: {', '.join(owned)} set by elastictrain (batch sizes at every world size "
+        "from training.*; the LR schedule is training.lr_schedule)"
+    )
+
+
 def effective_offload(config: Config) -> tuple[str, str]:
     """(optimizer, parameter) offload devices that will actually be used."""
     if config.deepspeed.config_file:

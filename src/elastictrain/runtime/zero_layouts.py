@@ -168,16 +168,54 @@ class FlatPartitionLayout:
         self.optimizer = engine.optimizer
         inner = self.optimizer.optimizer
         self._flats = [g["params"][0] for g in inner.param_groups]
-        self._slices: list[list[LocalSlice]] = [[] for _ in self._flats]
-        for name, param in engine.module.named_parameters():
+        names = {param: name for name, param in engine.module.named_parameters()}
+        if hasattr(self.optimizer, "round_robin_bit16_groups"):
+            self._slices = self._from_flat_layout(names)
+        else:
+            self._slices = self._from_fragment_mapping(names)
+
+    def _from_flat_layout(self, names: dict[Any, str]) -> list[list[LocalSlice]]:
+        """ZeRO-1/2: each parameter's offset in the flat buffer, cut at this rank's partition.
+
+        Read from the buffer's own layout rather than `_hp_mapping`: with `round_robin_gradients`
+        and no alignment padding, DeepSpeed 0.19 links the mapping in the parameters' original order
+        while the buffer holds them reordered, so the mapping names the wrong elements.
+        """
+        import deepspeed.comm as dist
+
+        opt = self.optimizer
+        out: list[list[LocalSlice]] = []
+        for i, params in enumerate(opt.round_robin_bit16_groups):
+            world = dist.get_world_size(group=opt.real_dp_process_group[i])
+            rank = dist.get_rank(group=opt.real_dp_process_group[i])
+            size = opt.bit16_groups_flat[i].numel() // world
+            lo, hi = rank * size, (rank + 1) * size
+            group = []
+            for param, offset in zip(params, opt.round_robin_bit16_offsets[i], strict=True):
+                start, end = max(offset, lo), min(offset + param.numel(), hi)
+                if start < end and param in names:
+                    shape = tuple(int(d) for d in param.shape)
+                    group.append(
+                        LocalSlice(
+                            names[param], start - offset, end - start, param.numel(), shape, start - lo
+                        )
+                    )
+            out.append(group)
+        return out
+
+    def _from_fragment_mapping(self, names: dict[Any, str]) -> list[list[LocalSlice]]:
+        """DeepSpeed's bf16 optimizer: its tensor-fragment mapping (`param._hp_mapping`)."""
+        out: list[list[LocalSlice]] = [[] for _ in self._flats]
+        for param, name in names.items():
             mapping = getattr(param, "_hp_mapping", None)
             if mapping is None:
                 continue  # no element of this parameter lives in this rank's partition
             lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
             shape = tuple(int(d) for d in param.shape)
-            self._slices[mapping.param_group_index].append(
+            out[mapping.param_group_index].append(
                 LocalSlice(name, int(lp.start), int(lp.numel), param.numel(), shape, int(hp.start))
             )
+        return out
 
     def num_groups(self) -> int:
         return len(self._flats)
