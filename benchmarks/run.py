@@ -2,7 +2,7 @@
 
     python -m benchmarks.run [--only NAME[,NAME]] [--smoke] [--reps N] [--results DIR] [--markdown FILE]
 
-Benchmarks: throughput, checkpoint_stall, memory, reshard, recovery, controller_scale. Runs that
+Benchmarks: throughput, checkpoint_stall, memory, reshard, recovery, controller_scale, zero_stages. Runs that
 several benchmarks read (the plain training runs of each system) happen once per repetition.
 `--smoke` runs every benchmark at its smallest size, for the harness's own test: not a measurement.
 """
@@ -25,6 +25,7 @@ from benchmarks import (
     report,
     reshard,
     throughput,
+    zero_stages,
 )
 from benchmarks.common import RESULTS, ROOT, workload
 
@@ -35,6 +36,7 @@ MODULES = {
     "reshard": reshard,
     "recovery": recovery,
     "controller_scale": controller_scale,
+    "zero_stages": zero_stages,
 }
 DEFAULT_REPS = 1  # the full run stays under 25 minutes on 2 cores; more with --reps
 

@@ -69,7 +69,7 @@ def reshard_round_trip(probes: ProbeGroup, cfg: Any, root: Path, load_cfg: Any |
 
 
 @pytest.mark.parametrize(
-    ("stage", "offload"), [(0, "none"), (1, "none"), (2, "none"), (2, "cpu"), (1, "cpu")]
+    ("stage", "offload"), [(0, "none"), (1, "none"), (1, "cpu"), (2, "none"), (2, "cpu"), (3, "none")]
 )
 def test_checkpoints_of_every_stage_reshard_2_to_3_and_2_to_1(probes, tmp_path, stage, offload):
     cfg = tiny_config(
@@ -105,15 +105,24 @@ def test_a_hugging_face_style_zero2_run_trains_end_to_end(ray_local, tmp_path):
     assert run_dir.read_info().last_step == 12
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_sgd_with_momentum_reshards_its_momentum(probes, tmp_path, stage):
+@pytest.mark.parametrize(
+    ("stage", "optimizer", "fields"),
+    [
+        (2, {"type": "SGD", "params": {"lr": "auto", "momentum": 0.9}}, ["fp32", "momentum_buffer"]),
+        (3, {"type": "SGD", "params": {"lr": "auto", "momentum": 0.9}}, ["fp32", "momentum_buffer"]),
+        (2, {"type": "Adagrad", "params": {"lr": "auto"}}, ["fp32", "sum"]),
+    ],
+    ids=["sgd-zero2", "sgd-zero3", "adagrad-zero2"],
+)
+def test_optimizers_beyond_adam_reshard_their_state(probes, tmp_path, stage, optimizer, fields):
+    """The state to reshard is found by inspection: SGD's momentum, Adagrad's sum of squares."""
     ds = {
         "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,
-        "optimizer": {"type": "SGD", "params": {"lr": "auto", "momentum": 0.9, "weight_decay": "auto"}},
+        "optimizer": optimizer,
         "gradient_clipping": "auto",
     }
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ds))
     cfg = tiny_config(tmp_path / "run", f"deepspeed.config_file={path}", "training.lr=0.05")
-    assert reshard_round_trip(probes, cfg, tmp_path) == ["fp32", "momentum_buffer"]
+    assert reshard_round_trip(probes, cfg, tmp_path) == fields
