@@ -1,0 +1,73 @@
+"""Which config changes a run may take when it is resumed, and why the others would break it.
+
+A checkpoint holds the model's weights, the optimizer's state and a position in the global data
+order. A change is safe mid-run when what was saved stays valid and the steps after the resume
+compute what they would have computed: how long to train (and so the LR schedule's length), how
+many workers and where, how often to checkpoint, how to react to failures, where to log, and how
+each rank holds the state (ZeRO stage, offload, micro-batch size: the global batch stays the same).
+Anything that changes the model's shape, the global batch, the data or its order, the optimizer
+or the numbers it computes is refused, with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SAFE_PREFIXES = ("scaling.", "checkpoint.", "failure.", "tracking.", "ray.")
+SAFE_KEYS = {
+    "training.max_steps": "how long to train (the LR schedule's length)",
+    "training.log_every_steps": "how often to log",
+    "training.micro_batch_size": "a rank's memory cap; the global batch stays the same",
+    "deepspeed.zero_stage": "how ranks hold the state; checkpoints load under any stage",
+    "deepspeed.offload_optimizer": "where the optimizer state lives",
+    "deepspeed.offload_param": "where the parameters live",
+    "deepspeed.nvme_path": "where NVMe offload swaps",
+    "deepspeed.activation_checkpointing": "memory against recomputation; the numbers stay the same",
+}
+REFUSED_PREFIXES = {
+    "model.": "the model's shape and weights",
+    "data.": "the data and its order",
+    "training.global_batch_size": "the global batch",
+    "training.seed": "the data order",
+    "training.": "what the optimizer computes",
+    "deepspeed.": "what the optimizer computes",
+    "run.": "the run's identity and folder",
+}
+
+
+@dataclass(frozen=True)
+class ConfigChanges:
+    allowed: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # key -> (before, after)
+    refused: dict[str, str] = field(default_factory=dict)  # key -> why it cannot change
+
+    def refusal(self) -> str:
+        lines = [f"{key}: cannot change when resuming; it changes {why}" for key, why in self.refused.items()]
+        return "\n".join(lines)
+
+
+def classify_changes(before: dict[str, Any], after: dict[str, Any]) -> ConfigChanges:
+    """Compare two flat configs ({"training.max_steps": 40, ...}) key by key."""
+    allowed: dict[str, tuple[Any, Any]] = {}
+    refused: dict[str, str] = {}
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key), after.get(key)
+        if old == new:
+            continue
+        if key in SAFE_KEYS or key.startswith(SAFE_PREFIXES):
+            allowed[key] = (old, new)
+            continue
+        refused[key] = next(
+            (why for prefix, why in REFUSED_PREFIXES.items() if key.startswith(prefix)), "the run"
+        )
+    return ConfigChanges(allowed, refused)
+
+
+def extension_problem(last_step: int, max_steps: int) -> str | None:
+    """A resume that shortens a run below what it already trained is refused."""
+    if max_steps < last_step:
+        return (
+            f"training.max_steps: got {max_steps}; the run has already trained {last_step} steps "
+            f"(expected >= {last_step})"
+        )
+    return None
