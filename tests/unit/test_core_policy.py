@@ -119,3 +119,26 @@ def test_the_rank_outside_the_collective_is_the_culprit_even_if_marks_are_close(
     # Nobody in a collective (or everybody): fall back to the oldest marks.
     same = [WorkerObservation(f"w{i}", True, True, 1000.0 + i, 5) for i in range(3)]
     assert stalled_workers(same) == ("w0",)
+
+
+def test_the_same_error_at_the_same_step_after_a_restart_stops_the_run_at_once():
+    from elastictrain.core.policy import Fail, Failure
+
+    first = Failure("step_error", ("w-aa",), 7, "step raised in w-aa: KeyError: 'param_groups' at 0x7f12ab")
+    again = Failure("step_error", ("w-bb",), 7, "step raised in w-bb: KeyError: 'param_groups' at 0x7f99cd")
+    decision = decide_after_failure(RULES, again, 2, capacity=3, now=0.0, earlier=[first])
+    assert isinstance(decision, Fail)
+    assert decision.reason.startswith("deterministic error (rule: the same error at the same step")
+    assert "KeyError: 'param_groups'" in decision.reason
+
+
+def test_a_different_error_or_step_or_a_lost_worker_is_still_retried():
+    from elastictrain.core.policy import Failure, Restart
+
+    first = Failure("step_error", ("w-a",), 7, "step raised in w-a: ValueError: bad batch")
+    other_step = Failure("step_error", ("w-a",), 8, "step raised in w-a: ValueError: bad batch")
+    other_error = Failure("step_error", ("w-a",), 7, "step raised in w-a: RuntimeError: oom")
+    died = Failure("worker_died", ("w-a",), 7, "worker process died during step: w-a")
+    for failure in (other_step, other_error, died):
+        decision = decide_after_failure(RULES, failure, 2, capacity=3, now=0.0, earlier=[first])
+        assert isinstance(decision, Restart), failure

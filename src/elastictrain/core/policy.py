@@ -5,6 +5,8 @@ Decisions are values; the controller carries them out. Time comes in as an argum
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from elastictrain.core.batch import plan_batch
@@ -86,13 +88,48 @@ def decide_start(rules: ScalingRules, capacity: int, now: float, waiting_since: 
     return Wait(need, deadline, f"{capacity} of the {need} workers needed are available")
 
 
+# Failures a restart cannot cure when they recur: the same code raised on the same data.
+DETERMINISTIC_KINDS = ("step_error", "setup_error")
+
+
+def error_signature(message: str) -> str:
+    """A failure message without what differs between attempts: worker ids, addresses, object ids."""
+    text = re.sub(r"\b(raised in|of) [\w.-]+:", r"\1 <worker>:", message)
+    return re.sub(r"0x[0-9a-fA-F]+|\b[0-9a-f]{16,}\b", "<id>", text)
+
+
+def repeats_earlier_failure(failure: Failure, earlier: Sequence[Failure]) -> bool:
+    """A raised error at the same step with the same message as before a restart: deterministic."""
+    if failure.kind not in DETERMINISTIC_KINDS:
+        return False
+    sig = error_signature(failure.message)
+    same = (e for e in earlier if e.kind == failure.kind and e.step == failure.step)
+    return any(error_signature(e.message) == sig for e in same)
+
+
 def decide_after_failure(
-    rules: ScalingRules, failure: Failure, failures_so_far: int, capacity: int, now: float
+    rules: ScalingRules,
+    failure: Failure,
+    failures_so_far: int,
+    capacity: int,
+    now: float,
+    earlier: Sequence[Failure] = (),
 ) -> Decision:
-    """`failures_so_far` counts this failure; `capacity` is surviving workers plus ready reservations."""
+    """`failures_so_far` counts this failure; `capacity` is surviving workers plus ready reservations.
+
+    Two rules, named in the reason: an error that recurs unchanged at the same step after a restart
+    is deterministic and stops the run at once; any other failure (a worker or node lost, a hang, an
+    error seen once) is retried within failure.max_failures.
+    """
+    if repeats_earlier_failure(failure, earlier):
+        return Fail(
+            f"deterministic error (rule: the same error at the same step after a restart is not retried): "
+            f"step {failure.step} raised again: {failure.message}"
+        )
     if failures_so_far > rules.max_failures:
         return Fail(
-            f"failure budget spent: {failures_so_far} failures > failure.max_failures={rules.max_failures} "
+            f"failure budget spent (rule: transient failures are retried up to failure.max_failures): "
+            f"{failures_so_far} failures > failure.max_failures={rules.max_failures} "
             f"(last: {failure.kind} of {', '.join(failure.worker_ids) or 'the group'} "
             f"at step {failure.step}: {failure.message})"
         )
