@@ -63,7 +63,7 @@ def build_engine(cfg: Any, world_size: int, *, load_universal: bool = False) -> 
     from elastictrain.config.deepspeed_config import build_deepspeed_config
     from elastictrain.core.batch import plan_batch
     from elastictrain.runtime.data import dataset_from_config
-    from elastictrain.runtime.model import build_model, preload_model_code
+    from elastictrain.worker.model import build_model, preload_model_code
 
     plan = plan_batch(cfg.training.global_batch_size, cfg.training.micro_batch_size, world_size)
     if plan is None:
@@ -96,7 +96,7 @@ def train_step(engine: Any, plan: Any, dataset: Any, cfg: Any, step: int, rank: 
 
     from elastictrain.core.data_order import derive_seed, micro_batch_positions
     from elastictrain.core.schedule import learning_rate
-    from elastictrain.runtime.model import loss_function
+    from elastictrain.worker.model import loss_function
 
     t = cfg.training
     lr = learning_rate(
@@ -127,7 +127,7 @@ def _eval_loss(engine: Any, plan: Any, dataset: Any, cfg: Any, rank: int) -> flo
     at any world size, give equal values."""
     import torch
 
-    from elastictrain.runtime.model import loss_function
+    from elastictrain.worker.model import loss_function
 
     batch = _batch(cfg, dataset, engine, range(cfg.training.micro_batch_size))
     with torch.no_grad():

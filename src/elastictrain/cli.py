@@ -285,7 +285,7 @@ def export(
         resolve_checkpoint_path,
         verify_checkpoint,
     )
-    from elastictrain.runtime.export import export_checkpoint
+    from elastictrain.tools.export import export_checkpoint
 
     try:
         path = resolve_checkpoint_path(checkpoint)

@@ -45,7 +45,7 @@ def check_targets(config: Any) -> None:
     """On the driver, before workers start: every LoRA target names modules of the model (built empty)."""
     from accelerate import init_empty_weights
 
-    from elastictrain.runtime.model import forget_hf_deepspeed_config
+    from elastictrain.worker.model import forget_hf_deepspeed_config
     from elastictrain.runtime.user_code import UserCodeError
 
     forget_hf_deepspeed_config()
@@ -85,7 +85,7 @@ def export_adapter(config: Any, checkpoint: Path, out_dir: Path) -> list[Path]:
     )
     from accelerate import init_empty_weights  # a peft dependency
 
-    from elastictrain.runtime.model import forget_hf_deepspeed_config
+    from elastictrain.worker.model import forget_hf_deepspeed_config
 
     forget_hf_deepspeed_config()  # a local run's finished worker may have left it set in this process
     with init_empty_weights():  # parameters on the meta device, buffers real (some inits need them)
@@ -106,7 +106,7 @@ def export_adapter(config: Any, checkpoint: Path, out_dir: Path) -> list[Path]:
 
 
 def _base_structure(config: Any) -> torch.nn.Module:
-    from elastictrain.runtime.model import build_causal_lm
+    from elastictrain.worker.model import build_causal_lm
 
     m = config.model
     if m.factory:

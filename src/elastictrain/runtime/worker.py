@@ -86,7 +86,7 @@ class TrainWorker:
         import deepspeed  # noqa: F401
         from deepspeed.accelerator import get_accelerator
 
-        from elastictrain.runtime.model import preload_model_code
+        from elastictrain.worker.model import preload_model_code
 
         if not self.use_gpu:
             # The CPU all-reduce op is loaded at the first init_distributed; load it now instead.
@@ -169,7 +169,7 @@ class TrainWorker:
         cfg = spec.config
         self._ensure_dataset(cfg)
         torch.manual_seed(cfg.training.seed)  # identical random init on every rank
-        from elastictrain.runtime.model import build_model, loss_function, preload_model_code
+        from elastictrain.worker.model import build_model, loss_function, preload_model_code
 
         # zero.Init patches tensor construction; lazy imports inside it (torch._dynamo) then fail.
         preload_model_code(cfg)

@@ -12,7 +12,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, dtype: str = "float32") -
     import torch
     from safetensors.torch import save_file
 
-    from elastictrain.runtime.model import build_hf_config
+    from elastictrain.worker.model import build_hf_config
     from elastictrain.runtime.zero_state import FragmentReader
 
     manifest = json.loads((checkpoint / MANIFEST).read_text())
