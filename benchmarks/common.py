@@ -458,7 +458,7 @@ def worker_peak_rss(controller: Any) -> list[dict[str, Any]]:
 
 def run_elastictrain(cfg: Any, hook: Any = None) -> Any:
     """Train `cfg` through elastictrain's API on the Ray cluster already connected; returns the RunDir."""
-    from elastictrain.driver import prepare_run_dir, run_training
+    from elastictrain.launch import prepare_run_dir, run_training
     from elastictrain.progress import Reporter
 
     run_dir, _ = prepare_run_dir(cfg, fresh=False)

@@ -20,6 +20,8 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from elastictrain.checkpoint.store import CheckpointStore, Committed, model_mismatch, verify
+from elastictrain.cluster.worker_group import WorkerGroup, WorkerHandle, node_alive
 from elastictrain.config.deepspeed_config import build_deepspeed_config
 from elastictrain.core.batch import BatchPlan, plan_batch
 from elastictrain.core.checkpoints import tag_for_step
@@ -36,11 +38,9 @@ from elastictrain.core.policy import (
 )
 from elastictrain.core.state import RunStatus
 from elastictrain.progress import Reporter
-from elastictrain.run_dir import RunDir
-from elastictrain.runtime.attempt import AttemptSpec
-from elastictrain.runtime.checkpoint_store import CheckpointStore, Committed, model_mismatch, verify
-from elastictrain.runtime.tracker import Tracker
-from elastictrain.runtime.worker_group import WorkerGroup, WorkerHandle, node_alive
+from elastictrain.rundir.run_dir import RunDir
+from elastictrain.tracking.tracker import Tracker
+from elastictrain.worker.attempt import AttemptSpec
 
 log = logging.getLogger("elastictrain.controller")
 

@@ -38,7 +38,7 @@ def quiet_reporter(total: int):  # noqa: ANN201
 
 def run(config, *, tracking: bool = True, hook=None):  # noqa: ANN001, ANN201
     """Train a config in this process (the driver), on the Ray cluster already connected."""
-    from elastictrain.driver import prepare_run_dir, run_training
+    from elastictrain.launch import prepare_run_dir, run_training
 
     run_dir, _ = prepare_run_dir(config, fresh=False)
     reporter = quiet_reporter(config.training.max_steps)

@@ -17,7 +17,7 @@ import torch
 from helpers import at_step, chain, record_losses, run, tiny_config
 from safetensors.torch import load_file
 
-from elastictrain.runtime.checkpoint_store import verify
+from elastictrain.checkpoint.store import verify
 
 pytestmark = pytest.mark.integration
 

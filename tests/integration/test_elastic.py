@@ -10,9 +10,9 @@ import pytest
 import ray
 from helpers import at_step, chain, run, tiny_config, wait_until_replacements_are_warm
 
+from elastictrain.checkpoint.zero_state import FragmentReader
 from elastictrain.core.batch import plan_batch
 from elastictrain.core.data_order import micro_batch_samples
-from elastictrain.runtime.zero_state import FragmentReader
 
 pytestmark = pytest.mark.integration
 

@@ -8,12 +8,12 @@ import pytest
 import ray
 from helpers import offload_overrides, tiny_config
 
+from elastictrain.checkpoint.store import CheckpointStore
+from elastictrain.checkpoint.zero_state import FIELDS, FragmentReader
 from elastictrain.config.deepspeed_config import build_deepspeed_config
 from elastictrain.core.batch import plan_batch
-from elastictrain.runtime.attempt import AttemptSpec
-from elastictrain.runtime.checkpoint_store import CheckpointStore
-from elastictrain.runtime.worker import TrainWorker
-from elastictrain.runtime.zero_state import FIELDS, FragmentReader
+from elastictrain.worker.actor import TrainWorker
+from elastictrain.worker.attempt import AttemptSpec
 
 pytestmark = pytest.mark.integration
 

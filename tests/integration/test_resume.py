@@ -8,7 +8,7 @@ from test_train_end_to_end import _losses
 from typer.testing import CliRunner
 
 from elastictrain.cli import app
-from elastictrain.run_dir import RunDir
+from elastictrain.rundir.run_dir import RunDir
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from mlflow.utils.validation import _validate_metric_name
 
-from elastictrain.runtime.tracker import MlflowTracker, TrackerError, default_tracking_uri, sanitize_key
+from elastictrain.tracking.tracker import MlflowTracker, TrackerError, default_tracking_uri, sanitize_key
 
 pytestmark = pytest.mark.integration
 

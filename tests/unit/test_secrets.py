@@ -58,7 +58,7 @@ def test_the_masked_config_yaml_names_the_same_run(tmp_path):
 
 
 def test_the_run_folder_holds_no_secret(tmp_path):
-    from elastictrain.driver import prepare_run_dir
+    from elastictrain.launch import prepare_run_dir
 
     run_dir, _ = prepare_run_dir(config_with_secrets(tmp_path), fresh=False)
     for path in run_dir.path.rglob("*"):
@@ -69,8 +69,8 @@ def test_the_run_folder_holds_no_secret(tmp_path):
 def test_mlflow_params_and_artifacts_hold_no_secret(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from elastictrain.driver import make_tracker, prepare_run_dir
-    from elastictrain.runtime.tracker import default_tracking_uri
+    from elastictrain.launch import make_tracker, prepare_run_dir
+    from elastictrain.tracking.tracker import default_tracking_uri
 
     uri = default_tracking_uri(tmp_path / "run")
     cfg = config_with_secrets(tmp_path, uri=uri)
@@ -92,7 +92,7 @@ def test_mlflow_params_and_artifacts_hold_no_secret(tmp_path):
 
 
 def test_secret_environment_values_and_url_passwords_never_reach_a_log_line(monkeypatch, caplog, tmp_path):
-    from elastictrain.runtime.tracker import MlflowTracker
+    from elastictrain.tracking.tracker import MlflowTracker
 
     install_log_redaction()
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "env-password-4242")

@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 from elastictrain.cli import app
 from elastictrain.config import ConfigError, load_config
-from elastictrain.runtime.data import collate_items, dataset_from_config
+from elastictrain.worker.data import collate_items, dataset_from_config
 from elastictrain.worker.model import causal_lm_loss, loss_function
-from elastictrain.runtime.user_code import (
+from elastictrain.worker.user_code import (
     UserCodeError,
     attach,
     call_factory,

@@ -5,15 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from elastictrain.runtime.checkpoint_store import MANIFEST
+from elastictrain.checkpoint.store import MANIFEST
 
 
 def export_checkpoint(checkpoint: Path, out_dir: Path, dtype: str = "float32") -> list[Path]:
     import torch
     from safetensors.torch import save_file
 
+    from elastictrain.checkpoint.zero_state import FragmentReader
     from elastictrain.worker.model import build_hf_config
-    from elastictrain.runtime.zero_state import FragmentReader
 
     manifest = json.loads((checkpoint / MANIFEST).read_text())
     files = [checkpoint / f["name"] for f in manifest["files"] if f["name"].endswith(".safetensors")]

@@ -1,7 +1,7 @@
 """The run's model: your `model.factory`, a transformers model from a local folder, or one from a config.
 
 Whatever the source, the model is built inside DeepSpeed's zero.Init (parameters partitioned as they
-are created), optionally wrapped with LoRA adapters (runtime/lora.py), and trained with a loss
+are created), optionally wrapped with LoRA adapters (worker/lora.py), and trained with a loss
 `loss(model, batch) -> scalar tensor`: yours (`training.loss`) or the causal LM loss below.
 """
 
@@ -33,7 +33,7 @@ def preload_model_code(config: Any) -> None:
 
     m = config.model
     if m.factory:
-        from elastictrain.runtime.user_code import resolve
+        from elastictrain.worker.user_code import resolve
 
         resolve(config, "model.factory")  # imports the user's module
     else:
@@ -74,7 +74,7 @@ def build_model(config: Any, ds_config: dict[str, Any], *, zero3: bool) -> torch
     else:
         with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=zero3):
             if m.factory:
-                from elastictrain.runtime.user_code import user_model
+                from elastictrain.worker.user_code import user_model
 
                 model = user_model(config)
                 if checkpointing:
@@ -82,7 +82,7 @@ def build_model(config: Any, ds_config: dict[str, Any], *, zero3: bool) -> torch
             else:
                 model = build_causal_lm(dict(m.hf_config), activation_checkpointing=checkpointing)
     if m.lora.enabled:
-        from elastictrain.runtime.lora import apply_lora
+        from elastictrain.worker.lora import apply_lora
 
         model = apply_lora(model, m.lora, activation_checkpointing=checkpointing)
     return model
@@ -132,6 +132,6 @@ def causal_lm_loss(model: Any, batch: Any) -> torch.Tensor:
 
 
 def loss_function(config: Any) -> Any:
-    from elastictrain.runtime.user_code import user_callable
+    from elastictrain.worker.user_code import user_callable
 
     return user_callable(config, "training.loss") or causal_lm_loss

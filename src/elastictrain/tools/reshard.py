@@ -12,14 +12,14 @@ import math
 import shutil
 from pathlib import Path
 
-from elastictrain.runtime.checkpoint_store import MANIFEST
-from elastictrain.runtime.durable import fsync_dir, write_bytes_durably
+from elastictrain.checkpoint.store import MANIFEST
+from elastictrain.rundir.durable import fsync_dir, write_bytes_durably
 
 
 def reshard_checkpoint(checkpoint: Path, world_size: int, out: Path | None = None) -> Path:
     from safetensors.torch import save as save_safetensors
 
-    from elastictrain.runtime.zero_state import (
+    from elastictrain.checkpoint.zero_state import (
         FIELDS,
         FRAGMENTS_KEY,
         Fragment,

@@ -22,7 +22,7 @@ from typing import Any
 
 from elastictrain.core.data_order import derive_seed, micro_batch_positions, sample_at
 from elastictrain.core.schedule import learning_rate
-from elastictrain.runtime.attempt import AttemptSpec
+from elastictrain.worker.attempt import AttemptSpec
 
 # Frames from these files mean "waiting for the other ranks".
 _COLLECTIVE_MODULES = (
@@ -58,7 +58,7 @@ class TrainWorker:
         self._mark = ("idle", -1, time.time())
         self._train_thread: int | None = None
         self._lock = threading.Lock()
-        self._writer: Any = None  # the last checkpoint's ShardWrite (runtime.shard_writer)
+        self._writer: Any = None  # the last checkpoint's ShardWrite (checkpoint/writer.py)
         self._write_delay_s = 0.0  # tests and chaos runs: a slow disk
         self._idle_since = time.time()  # when this actor's last step or save ended
 
@@ -195,8 +195,8 @@ class TrainWorker:
     def _ensure_dataset(self, cfg: Any) -> None:
         import dataclasses
 
-        from elastictrain.runtime.data import dataset_from_config
-        from elastictrain.runtime.user_code import user_callable
+        from elastictrain.worker.data import dataset_from_config
+        from elastictrain.worker.user_code import user_callable
 
         key = (repr(dataclasses.asdict(cfg.data)), cfg.training.seed)
         if key != self._dataset_key:  # kept across attempts: part of what a warm actor saves
@@ -207,7 +207,7 @@ class TrainWorker:
     def _load(self, checkpoint_dir: Path) -> None:
         import json
 
-        from elastictrain.runtime.zero_state import FragmentReader, load_local_state
+        from elastictrain.checkpoint.zero_state import FragmentReader, load_local_state
 
         manifest = json.loads((checkpoint_dir / "manifest.json").read_text())
         entries = [f for f in manifest["files"] if f["name"].endswith(".safetensors")]
@@ -247,7 +247,7 @@ class TrainWorker:
     def _train_step(self, step: int) -> dict[str, Any]:
         import torch
 
-        from elastictrain.runtime.data import collate_items, to_device
+        from elastictrain.worker.data import collate_items, to_device
 
         assert self.spec is not None
         spec, cfg, engine = self.spec, self.spec.config, self.engine
@@ -316,8 +316,8 @@ class TrainWorker:
         With `background`, only the snapshot blocks: the write runs in a thread while training goes
         on, and its outcome comes back in the next `train_step` results (or from `save_status`).
         """
-        from elastictrain.runtime.shard_writer import ShardWrite
-        from elastictrain.runtime.zero_state import FRAGMENTS_KEY, fragments_metadata, snapshot_local_state
+        from elastictrain.checkpoint.writer import ShardWrite
+        from elastictrain.checkpoint.zero_state import FRAGMENTS_KEY, fragments_metadata, snapshot_local_state
 
         assert self.spec is not None and self.engine is not None, "save_shard before setup"
         self._join_writer()  # one snapshot in host memory at a time

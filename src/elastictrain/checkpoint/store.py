@@ -32,7 +32,7 @@ from elastictrain.core.checkpoints import (
     tag_for_step,
     tags_to_delete,
 )
-from elastictrain.runtime.durable import (
+from elastictrain.rundir.durable import (
     crash_point,
     fsync_dir,
     replace_text_atomically,

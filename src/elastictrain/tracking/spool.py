@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from elastictrain.runtime.durable import replace_text_atomically
+from elastictrain.rundir.durable import replace_text_atomically
 
 log = logging.getLogger("elastictrain.tracker")
 

@@ -36,7 +36,7 @@ class ShardWrite:
         """Serialize and write durably in the calling thread; the result or the error is kept."""
         from safetensors.torch import save as save_safetensors
 
-        from elastictrain.runtime.durable import write_bytes_durably
+        from elastictrain.rundir.durable import write_bytes_durably
 
         t0 = time.perf_counter()
         try:

@@ -1,6 +1,6 @@
 """Wires one run together on the driver: Ray connection, run folder, MLflow, worker group, controller.
 
-With `local=True` the run has one worker in this process instead (runtime/local.py), and nothing here
+With `local=True` the run has one worker in this process instead (control/local.py), and nothing here
 imports Ray.
 """
 
@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any
 from elastictrain.config import Config, config_digest, to_flat_dict, to_yaml
 from elastictrain.progress import Reporter
 from elastictrain.redact import install_log_redaction, redact_text
-from elastictrain.run_dir import RunDir
-from elastictrain.runtime.tracker import MlflowTracker, NullTracker, Tracker, default_tracking_uri
+from elastictrain.rundir.run_dir import RunDir
+from elastictrain.tracking.tracker import MlflowTracker, NullTracker, Tracker, default_tracking_uri
 
 if TYPE_CHECKING:
+    from elastictrain.control.local import LocalSummary
     from elastictrain.controller import RunSummary
-    from elastictrain.runtime.local import LocalSummary
 
-log = logging.getLogger("elastictrain.driver")
+log = logging.getLogger("elastictrain.launch")
 
 
 class RunFolderConflict(RuntimeError):
@@ -160,8 +160,8 @@ def run_training(
     reporter = reporter or Reporter(config.training.max_steps)
     if local:
         return _run_local(config, run_dir, tracking=tracking, reporter=reporter)
+    from elastictrain.cluster.worker_group import WorkerGroup, WorkerResources
     from elastictrain.controller import Controller
-    from elastictrain.runtime.worker_group import WorkerGroup, WorkerResources
 
     reporter.event(connect_ray(config, address))
     tracker = make_tracker(config, run_dir, tracking)
@@ -191,7 +191,7 @@ def run_training(
 
 def take_over(run_dir: RunDir, reporter: Reporter) -> None:
     """Record this process as the run's driver; remove what a killed earlier driver left on this host."""
-    from elastictrain.liveness import remove_dead_buffers, this_driver
+    from elastictrain.rundir.liveness import remove_dead_buffers, this_driver
 
     run_dir.set_extra("driver", this_driver())
     removed = remove_dead_buffers(run_dir.read_events())
@@ -205,7 +205,7 @@ def check_before_start(config: Config) -> None:
 
     Also puts the folders of user modules on PYTHONPATH, so workers started from here import them.
     """
-    from elastictrain.runtime.user_code import check_user_code, share_module_roots
+    from elastictrain.worker.user_code import check_user_code, share_module_roots
 
     if not config.scaling.use_gpu:
         # Before anything imports deepspeed here (a --local run trains in this process).
@@ -220,8 +220,8 @@ def export_at_finish(config: Config, run_dir: RunDir, reporter: Reporter) -> Non
     """At the end of a LoRA run, write the adapter (peft's layout) from the last checkpoint."""
     if not config.model.lora.enabled:
         return
-    from elastictrain.runtime.checkpoint_store import CheckpointStore
-    from elastictrain.runtime.lora import export_adapter
+    from elastictrain.checkpoint.store import CheckpointStore
+    from elastictrain.worker.lora import export_adapter
 
     last = CheckpointStore(run_dir.checkpoints_dir).latest_committed()
     if last is None:
@@ -233,7 +233,7 @@ def export_at_finish(config: Config, run_dir: RunDir, reporter: Reporter) -> Non
 
 
 def _run_local(config: Config, run_dir: RunDir, *, tracking: bool, reporter: Reporter) -> LocalSummary:
-    from elastictrain.runtime.local import run_local
+    from elastictrain.control.local import run_local
 
     tracker = make_tracker(config, run_dir, tracking)
     take_over(run_dir, reporter)

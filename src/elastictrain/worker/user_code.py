@@ -203,18 +203,18 @@ def check_user_code(config: Any) -> None:
                 "checkpoint inside your module (torch.utils.checkpoint)"
             )
     if config.model.lora.enabled:
-        from elastictrain.runtime.lora import check_targets
+        from elastictrain.worker.lora import check_targets
 
         check_targets(config)
     if config.data.source == "hf":
-        from elastictrain.runtime.hf_data import check_hf_data
+        from elastictrain.worker.hf_data import check_hf_data
 
         try:
             check_hf_data(config.data)
         except ValueError as e:
             raise UserCodeError(str(e)) from e
     if config.data.source == "factory":
-        from elastictrain.runtime.data import collate_items
+        from elastictrain.worker.data import collate_items
 
         dataset = user_dataset(config)
         collate = user_callable(config, "data.collate")

@@ -19,8 +19,8 @@ from typing import Any
 
 from elastictrain.core.state import RunStatus
 from elastictrain.progress import Reporter
-from elastictrain.run_dir import RunDir
-from elastictrain.runtime.tracker import Tracker
+from elastictrain.rundir.run_dir import RunDir
+from elastictrain.tracking.tracker import Tracker
 
 
 @dataclass
@@ -44,7 +44,7 @@ class LocalRun:
     """The controller's loop for one in-process worker: steps, committed checkpoints, run folder, MLflow."""
 
     def __init__(self, config: Any, run_dir: RunDir, tracker: Tracker, reporter: Reporter) -> None:
-        from elastictrain.runtime.checkpoint_store import CheckpointStore
+        from elastictrain.checkpoint.store import CheckpointStore
 
         self.cfg = config
         self.run_dir = run_dir
@@ -63,8 +63,8 @@ class LocalRun:
     def run(self) -> LocalSummary:
         from elastictrain.config.deepspeed_config import build_deepspeed_config
         from elastictrain.core.batch import plan_batch
-        from elastictrain.runtime.attempt import AttemptSpec
-        from elastictrain.runtime.worker import TrainWorker
+        from elastictrain.worker.actor import TrainWorker
+        from elastictrain.worker.attempt import AttemptSpec
 
         cfg = self.cfg
         # Ray workers' output is not shown; here, DeepSpeed's per-micro-step deprecation notice would be.
@@ -134,7 +134,7 @@ class LocalRun:
             self.reporter.close()
 
     def _resume_point(self) -> Any:
-        from elastictrain.runtime.checkpoint_store import model_mismatch, verify
+        from elastictrain.checkpoint.store import model_mismatch, verify
 
         rejected: list[str] = []
         while True:

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from elastictrain.redact import install_log_redaction
-from elastictrain.runtime.durable import crash_point
-from elastictrain.runtime.spool import Spool
+from elastictrain.rundir.durable import crash_point
+from elastictrain.tracking.spool import Spool
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient

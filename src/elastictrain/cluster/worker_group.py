@@ -18,7 +18,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from elastictrain.runtime.worker import TrainWorker
+from elastictrain.worker.actor import TrainWorker
 
 log = logging.getLogger("elastictrain.workers")
 

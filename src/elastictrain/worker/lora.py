@@ -46,7 +46,7 @@ def check_targets(config: Any) -> None:
     from accelerate import init_empty_weights
 
     from elastictrain.worker.model import forget_hf_deepspeed_config
-    from elastictrain.runtime.user_code import UserCodeError
+    from elastictrain.worker.user_code import UserCodeError
 
     forget_hf_deepspeed_config()
     with init_empty_weights():
@@ -76,8 +76,8 @@ def export_adapter(config: Any, checkpoint: Path, out_dir: Path) -> list[Path]:
     The model is built on the meta device (no memory for the base weights) just to give peft the
     structure; the adapter weights come from the checkpoint's fragments.
     """
-    from elastictrain.runtime.checkpoint_store import MANIFEST
-    from elastictrain.runtime.zero_state import FragmentReader
+    from elastictrain.checkpoint.store import MANIFEST
+    from elastictrain.checkpoint.zero_state import FragmentReader
 
     manifest = json.loads((checkpoint / MANIFEST).read_text())
     reader = FragmentReader(
@@ -110,7 +110,7 @@ def _base_structure(config: Any) -> torch.nn.Module:
 
     m = config.model
     if m.factory:
-        from elastictrain.runtime.user_code import user_model
+        from elastictrain.worker.user_code import user_model
 
         return user_model(config)
     if m.pretrained:

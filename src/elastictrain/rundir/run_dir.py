@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.core.state import RunStatus
-from elastictrain.runtime.durable import fsync_dir, replace_text_atomically, write_bytes_durably
+from elastictrain.rundir.durable import fsync_dir, replace_text_atomically, write_bytes_durably
 
-log = logging.getLogger("elastictrain.run_dir")
+log = logging.getLogger("elastictrain.rundir.run_dir")
 
 RUN_JSON = "run.json"
 CONFIG_YAML = "config.yaml"
