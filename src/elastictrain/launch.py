@@ -205,7 +205,8 @@ def check_before_start(config: Config) -> None:
 
     Also puts the folders of user modules on PYTHONPATH, so workers started from here import them.
     """
-    from elastictrain.worker.user_code import check_user_code, share_module_roots
+    from elastictrain.preflight import check_user_code
+    from elastictrain.worker.user_code import share_module_roots
 
     if not config.scaling.use_gpu:
         # Before anything imports deepspeed here (a --local run trains in this process).
@@ -221,7 +222,7 @@ def export_at_finish(config: Config, run_dir: RunDir, reporter: Reporter) -> Non
     if not config.model.lora.enabled:
         return
     from elastictrain.checkpoint.store import CheckpointStore
-    from elastictrain.worker.lora import export_adapter
+    from elastictrain.tools.adapter import export_adapter
 
     last = CheckpointStore(run_dir.checkpoints_dir).latest_committed()
     if last is None:

@@ -365,7 +365,7 @@ class MlflowTracker:
         return exp.experiment_id
 
     def _base_tags(self) -> dict[str, str]:
-        from elastictrain import __version__
+        from elastictrain.version import __version__
 
         return {"elastictrain.run": self.run_name, "elastictrain.version": __version__, **self.tags}
 

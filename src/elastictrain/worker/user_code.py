@@ -6,9 +6,7 @@ objects themselves; it records each one's import path in the config when it has 
 label such as '<__main__.build_model>', and carries the object to the workers by value (Ray
 cloudpickles it). Either way the run's config.yaml says which code trained it.
 
-`check_user_code` runs on the driver before any actor starts, so a path that does not import, a
-factory that returns the wrong kind of object or a dataset without a length fails at once, naming the
-field.
+`elastictrain.preflight.check_user_code` tries all of it on the driver before any actor starts.
 """
 
 from __future__ import annotations
@@ -180,52 +178,6 @@ def user_callable(config: Any, field: str) -> Callable[..., Any] | None:
         value = _field_value(config, field)
         raise UserCodeError(f"{field}: {value!r} is {_describe(fn)}; expected a callable")
     return fn
-
-
-# -- early checks on the driver ------------------------------------------------------------------------
-def check_user_code(config: Any) -> None:
-    """Resolve every user-code field and try the factories, before any worker starts.
-
-    The model factory is called under torch.device("meta"), so checking it allocates no weights. The
-    dataset is built for real (its length is needed), and its first item collated.
-    """
-    import torch
-
-    for field in FIELDS:
-        user_callable(config, field) if field in ("data.collate", "training.loss") else resolve(config, field)
-    if config.model.factory is not None:
-        with torch.device("meta"):
-            model = user_model(config)
-        if config.deepspeed.activation_checkpointing and not hasattr(model, "gradient_checkpointing_enable"):
-            raise UserCodeError(
-                f"deepspeed.activation_checkpointing: true, but the model of model.factory "
-                f"{config.model.factory!r} has no gradient_checkpointing_enable(); set it to false and "
-                "checkpoint inside your module (torch.utils.checkpoint)"
-            )
-    if config.model.lora.enabled:
-        from elastictrain.worker.lora import check_targets
-
-        check_targets(config)
-    if config.data.source == "hf":
-        from elastictrain.worker.hf_data import check_hf_data
-
-        try:
-            check_hf_data(config.data)
-        except ValueError as e:
-            raise UserCodeError(str(e)) from e
-    if config.data.source == "factory":
-        from elastictrain.worker.data import collate_items
-
-        dataset = user_dataset(config)
-        collate = user_callable(config, "data.collate")
-        try:
-            collate_items([dataset[0]], collate)
-        except Exception as e:  # noqa: BLE001 - reported with the fields involved
-            raise UserCodeError(
-                f"data.factory: collating item 0 of {config.data.factory!r} with "
-                f"{'data.collate ' + repr(config.data.collate) if collate else 'the default collate'} "
-                f"failed: {type(e).__name__}: {e}"
-            ) from e
 
 
 def share_module_roots(config: Any) -> list[str]:
