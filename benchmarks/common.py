@@ -424,23 +424,19 @@ def steady_samples_per_s(step_times: list[float], global_batch: int, warmup: int
 def record_steps(records: list[dict[str, Any]]) -> Callable[[Any], None]:
     """A controller hook keeping each reported step's time (as the controller measures it) and wall clock."""
 
+    def after_step(controller: Any, _index: int, results: list[dict[str, Any]]) -> None:
+        records.append(
+            {
+                "step": controller.step,
+                "time": time.time(),
+                "step_s": controller.pipeline.last_step_s,
+                "rank_step_s": max(r["step_time_s"] for r in results),
+                "world_size": controller.world_size,
+            }
+        )
+
     def hook(controller: Any) -> None:
-        original = controller._report
-
-        def report(s: int, results: list[dict[str, Any]]) -> None:
-            t_prev = controller.last_step_done_at
-            original(s, results)
-            records.append(
-                {
-                    "step": controller.step,
-                    "time": time.time(),
-                    "step_s": controller.last_step_done_at - t_prev if t_prev is not None else None,
-                    "rank_step_s": max(r["step_time_s"] for r in results),
-                    "world_size": controller.world_size,
-                }
-            )
-
-        controller._report = report
+        controller.callbacks.after_step.append(after_step)
 
     return hook
 

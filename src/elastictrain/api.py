@@ -27,7 +27,7 @@ from elastictrain.config import Config, load_config, validate
 
 if TYPE_CHECKING:
     from elastictrain.control.local import LocalSummary
-    from elastictrain.controller import RunSummary
+    from elastictrain.control.loop import RunSummary
     from elastictrain.progress import Reporter
 
 log = logging.getLogger("elastictrain.api")

@@ -23,7 +23,7 @@ from elastictrain.tracking.tracker import MlflowTracker, NullTracker, Tracker, d
 
 if TYPE_CHECKING:
     from elastictrain.control.local import LocalSummary
-    from elastictrain.controller import RunSummary
+    from elastictrain.control.loop import RunSummary
 
 log = logging.getLogger("elastictrain.launch")
 
@@ -159,9 +159,9 @@ def run_training(
     """Run (or continue) a run. Check its user code first: `check_before_start`."""
     reporter = reporter or Reporter(config.training.max_steps)
     if local:
-        return _run_local(config, run_dir, tracking=tracking, reporter=reporter)
+        return _run_local(config, run_dir, tracking=tracking, reporter=reporter, hook=controller_hook)
     from elastictrain.cluster.worker_group import WorkerGroup, WorkerResources
-    from elastictrain.controller import Controller
+    from elastictrain.control.loop import Controller
 
     reporter.event(connect_ray(config, address))
     tracker = make_tracker(config, run_dir, tracking)
@@ -233,15 +233,20 @@ def export_at_finish(config: Config, run_dir: RunDir, reporter: Reporter) -> Non
     reporter.event(f"LoRA adapter of {last.tag} exported to {out} (load with peft.PeftModel.from_pretrained)")
 
 
-def _run_local(config: Config, run_dir: RunDir, *, tracking: bool, reporter: Reporter) -> LocalSummary:
-    from elastictrain.control.local import run_local
+def _run_local(
+    config: Config, run_dir: RunDir, *, tracking: bool, reporter: Reporter, hook: Any = None
+) -> LocalSummary:
+    from elastictrain.control.local import LocalRun
 
     tracker = make_tracker(config, run_dir, tracking)
     take_over(run_dir, reporter)
     reporter.event(f"run folder {run_dir.path}; one local worker in this process (no Ray)")
     status = "KILLED"
     try:
-        summary = run_local(config, run_dir, tracker, reporter)
+        run = LocalRun(config, run_dir, tracker, reporter)
+        if hook is not None:
+            hook(run)
+        summary = run.run()
         export_at_finish(config, run_dir, reporter)
         status = "FINISHED"
         return summary

@@ -5,7 +5,13 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from elastictrain.chaos import at_step, chain, record_losses, wait_until_replacements_are_warm  # noqa: F401
+from elastictrain.chaos import (  # noqa: F401
+    after_attempt_start,
+    at_step,
+    chain,
+    record_losses,
+    wait_until_replacements_are_warm,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "conf" / "tiny-cpu.yaml"

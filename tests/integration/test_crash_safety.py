@@ -275,7 +275,7 @@ def test_a_full_disk_skips_the_save_training_goes_on_and_the_next_save_retries(
     seen: dict[str, object] = {}
 
     def fill_the_disk(controller: Any) -> None:  # after step-000004 is committed
-        controller._finish_pending_save()  # written in the background: wait for its commit
+        controller.saves.finish(controller.step)  # written in the background: wait for its commit
         size = sum(f.stat().st_size for f in (checkpoints / "step-000004").iterdir())
         free = os.statvfs(tiny_tmpfs).f_bavail * os.statvfs(tiny_tmpfs).f_frsize
         with open(filler, "wb") as f:
@@ -283,7 +283,7 @@ def test_a_full_disk_skips_the_save_training_goes_on_and_the_next_save_retries(
         seen["size"] = size
 
     def free_the_disk(controller: Any) -> None:  # after the failed save at step 8
-        controller._finish_pending_save()  # the background write's failure is handled by now
+        controller.saves.finish(controller.step)  # the background write's failure is handled by now
         seen["step4_ok_after_failure"] = verify(checkpoints / "step-000004").ok
         seen["leftovers"] = [p.name for p in checkpoints.iterdir() if p.name.startswith(".")]
         filler.unlink()

@@ -11,13 +11,17 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from dataclasses import dataclass, field
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from elastictrain.cluster.calls import DIED, NODE_LOST, RAISED, TIMED_OUT, Calls, Reply
 from elastictrain.worker.actor import TrainWorker
 
 log = logging.getLogger("elastictrain.workers")
@@ -170,24 +174,6 @@ class WorkerGroup:
         except Exception as e:  # noqa: BLE001
             log.debug("remove placement group of %s: %s", handle.worker_id, e)
 
-    def alive(self, timeout_s: float = 5.0) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
-        """(answering, not answering) among current workers, asked on the control channel."""
-        refs = {w.worker_id: w.actor.info.options(concurrency_group="control").remote() for w in self.workers}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-        ok_refs = set(ready)
-        answering, silent = [], []
-        for w in self.workers:
-            ref = refs[w.worker_id]
-            if ref in ok_refs:
-                try:
-                    ray.get(ref)
-                    answering.append(w)
-                    continue
-                except Exception:  # noqa: BLE001 - dead actor
-                    pass
-            silent.append(w)
-        return answering, silent
-
     def progress(self, timeout_s: float = 5.0) -> dict[str, dict[str, Any] | None]:
         refs = {
             w.worker_id: w.actor.progress.options(concurrency_group="control").remote() for w in self.workers
@@ -201,14 +187,76 @@ class WorkerGroup:
                 out[wid] = None
         return out
 
+    # -- calls --
+    def call(self, workers: Sequence[WorkerHandle], method: str, *args: Any, control: bool = False) -> Calls:
+        calls: Calls = {}
+        for w in workers:
+            fn = getattr(w.actor, method)
+            calls[w.worker_id] = (fn.options(concurrency_group="control") if control else fn).remote(*args)
+        return calls
+
+    def call_each(
+        self, workers: Sequence[WorkerHandle], method: str, args: Sequence[tuple[Any, ...]]
+    ) -> Calls:
+        return {w.worker_id: getattr(w.actor, method).remote(*a) for w, a in zip(workers, args, strict=True)}
+
+    def gather(
+        self, calls: Calls, timeout_s: float, *, stop_on_error: bool = False, grace_s: float = 3.0
+    ) -> dict[str, Reply]:
+        pending = {ref: wid for wid, ref in calls.items()}
+        replies: dict[str, Reply] = {}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            left = max(0.0, deadline - time.monotonic())
+            if stop_on_error:  # one at a time, to notice the first error at once
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(1.0, left))
+            else:
+                ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=left)
+            for ref in ready:
+                wid = pending.pop(ref)
+                replies[wid] = _reply(wid, ref)
+                if stop_on_error and not replies[wid].ok:
+                    ray.wait(list(pending), num_returns=len(pending), timeout=grace_s)
+                    for other, owid in pending.items():
+                        replies[owid] = _reply(owid, other)
+                    pending.clear()
+                    break
+            if pending and time.monotonic() >= deadline:
+                break
+        for wid in pending.values():
+            replies[wid] = Reply(wid, error=TIMED_OUT, detail=f"no answer in {timeout_s:.0f}s")
+        return self._mark_lost_nodes(replies)
+
+    def _mark_lost_nodes(self, replies: dict[str, Reply]) -> dict[str, Reply]:
+        if not any(r.error == DIED for r in replies.values()):
+            return replies
+        alive = self.nodes_alive()
+        node_of = {w.worker_id: w.node_id for w in self.workers}
+        out = {}
+        for wid, r in replies.items():
+            node = node_of.get(wid, "")
+            lost = r.error == DIED and wid in node_of and node not in alive
+            out[wid] = replace(r, error=NODE_LOST, node_id=node) if lost else replace(r, node_id=node)
+        return out
+
+    def nodes_alive(self) -> set[str]:
+        return {str(n.get("NodeID")) for n in ray.nodes() if n.get("Alive")}
+
     def shutdown(self) -> None:
         for w in list(self.workers):
             self.remove(w)
         self.release_pending()
 
 
-def node_alive(node_id: str) -> bool:
-    for node in ray.nodes():
-        if node.get("NodeID") == node_id:
-            return bool(node.get("Alive"))
-    return False
+def _reply(worker_id: str, ref: Any) -> Reply:
+    """The outcome of a finished (or, if not finished, timed-out) call, without waiting."""
+    try:
+        return Reply(worker_id, ray.get(ref, timeout=0))
+    except RayActorError as e:
+        return Reply(worker_id, error=DIED, detail=str(e))
+    except RayTaskError as e:
+        return Reply(worker_id, error=RAISED, detail=str(e))
+    except GetTimeoutError:
+        return Reply(worker_id, error=TIMED_OUT, detail="no answer yet")
+    except Exception as e:  # noqa: BLE001 - e.g. an argument that cannot be unpickled: the call raised
+        return Reply(worker_id, error=RAISED, detail=f"{type(e).__name__}: {e}")

@@ -6,7 +6,9 @@ your model, dataset or loss stops right there in a plain debugger, and an except
 you with its frames. Scaling out is a config change: a run folder written here resumes on Ray at any
 world size, and the reverse, since checkpoints do not depend on the world size.
 
-Nothing on this path imports Ray; a test runs it with Ray made unimportable.
+Built from the Ray loop's parts: the run recorder (events, run.json, MLflow), the choice of the
+checkpoint to resume from, and the manifest. Nothing on this path imports Ray; a test runs it with
+Ray made unimportable.
 """
 
 from __future__ import annotations
@@ -17,6 +19,13 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastictrain.checkpoint.store import CheckpointStore
+from elastictrain.control.callbacks import Callbacks
+from elastictrain.control.errors import RunFailed
+from elastictrain.control.manifest import manifest_fields
+from elastictrain.control.record import RunRecorder
+from elastictrain.control.resume import ResumePoints
+from elastictrain.core.batch import BatchPlan
 from elastictrain.core.state import RunStatus
 from elastictrain.progress import Reporter
 from elastictrain.rundir.run_dir import RunDir
@@ -43,22 +52,26 @@ def loopback_port() -> int:
 class LocalRun:
     """The controller's loop for one in-process worker: steps, committed checkpoints, run folder, MLflow."""
 
-    def __init__(self, config: Any, run_dir: RunDir, tracker: Tracker, reporter: Reporter) -> None:
-        from elastictrain.checkpoint.store import CheckpointStore
+    world_size = 1
 
+    def __init__(
+        self,
+        config: Any,
+        run_dir: RunDir,
+        tracker: Tracker,
+        reporter: Reporter,
+        callbacks: Callbacks | None = None,
+    ) -> None:
         self.cfg = config
-        self.run_dir = run_dir
-        self.tracker = tracker
-        self.reporter = reporter
+        self.callbacks = callbacks or Callbacks()
         self.store = CheckpointStore(run_dir.checkpoints_dir)
+        self.recorder = RunRecorder(run_dir, tracker, reporter)
+        self.resume = ResumePoints(self.store, dict(config.model.hf_config), self.recorder)
         self.step = 0
         self.step_results: list[dict[str, Any]] = []  # for callers that inspect a run (tests, notebooks)
 
     def event(self, name: str, message: str = "", style: str = "", **fields: Any) -> None:
-        record = self.run_dir.append_event(name, step=self.step, message=message, **fields)
-        self.tracker.log_event(record)
-        if message:
-            self.reporter.event(message, style)
+        self.recorder.event(name, message, style, step=self.step, **fields)
 
     def run(self) -> LocalSummary:
         from elastictrain.config.deepspeed_config import build_deepspeed_config
@@ -66,18 +79,22 @@ class LocalRun:
         from elastictrain.worker.actor import TrainWorker
         from elastictrain.worker.attempt import AttemptSpec
 
-        cfg = self.cfg
+        cfg, recorder = self.cfg, self.recorder
         # Ray workers' output is not shown; here, DeepSpeed's per-micro-step deprecation notice would be.
         warnings.filterwarnings(
             "ignore", message=r".*reduce_scatter_tensor.* is deprecated", category=FutureWarning
         )
         self.store.clean_partials()
-        resume = self._resume_point()
+        try:
+            resume = self.resume.find(self.step)
+        except RunFailed as e:  # a checkpoint of another model
+            raise ValueError(str(e)) from None
         self.step = resume.manifest["step"] if resume else 0
         if resume:
             self.event("resume", f"resuming from checkpoint {resume.tag} (step {self.step})", tag=resume.tag)
         else:
-            self.event("start", f"starting run {self.run_dir.read_info().name} at step 0 (local, 1 worker)")
+            name = recorder.run_dir.read_info().name
+            self.event("start", f"starting run {name} at step 0 (local, 1 worker)")
         plan = plan_batch(cfg.training.global_batch_size, cfg.training.micro_batch_size, 1)
         assert plan is not None  # any global batch splits at world size 1
         worker = TrainWorker("local", cfg.scaling.use_gpu)
@@ -94,12 +111,12 @@ class LocalRun:
             checkpoint_dir=str(resume.path) if resume else None,
             start_step=self.step,
         )
-        self.reporter.start(self.step)
-        self.run_dir.update(status=RunStatus.STARTING.value, last_step=self.step)
+        recorder.reporter.start(self.step)
+        recorder.set_status(RunStatus.STARTING, step=self.step)
         try:
             timings = worker.setup(spec)
-            self.run_dir.record_world_size(self.step, 1, "start")
-            self.run_dir.update(status=RunStatus.RUNNING.value, message=None)
+            recorder.record_world_size(self.step, 1, "start")
+            recorder.set_status(RunStatus.RUNNING, step=self.step)
             self.event(
                 "attempt_started",
                 f"local worker: micro batch {plan.micro_batch_size} x accumulation {plan.grad_accum_steps} "
@@ -108,7 +125,9 @@ class LocalRun:
                 world_size=1,
                 checkpoint=resume.tag if resume else None,
             )
-            self.tracker.log_metrics({"world_size": 1.0}, step=self.step)
+            recorder.metrics({"world_size": 1.0}, step=self.step)
+            for callback in self.callbacks.after_attempt_start:
+                callback(self)
             every = cfg.checkpoint.every_steps
             while self.step < cfg.training.max_steps:
                 t0 = time.perf_counter()
@@ -117,44 +136,21 @@ class LocalRun:
                 self._report(result, time.perf_counter() - t0)
                 if self.step % every == 0 or self.step == cfg.training.max_steps:
                     self._checkpoint(worker, plan)
-            self.run_dir.update(status=RunStatus.FINISHED.value, message="finished", last_step=self.step)
+            recorder.set_status(RunStatus.FINISHED, "finished", step=self.step)
             self.event("finish", f"finished at step {self.step}", style="green")
             return LocalSummary(RunStatus.FINISHED, self.step, "finished")
         except KeyboardInterrupt:
-            self.run_dir.update(status=RunStatus.STOPPED.value, message="interrupted", last_step=self.step)
+            recorder.record_end(RunStatus.STOPPED, "interrupted", step=self.step)
             self.event("stop", "interrupted; resume with `elastictrain resume --local`", style="yellow")
             raise
         except Exception as e:
             message = f"{type(e).__name__}: {e}"
-            self.run_dir.update(status=RunStatus.FAILED.value, message=message, last_step=self.step)
+            recorder.record_end(RunStatus.FAILED, message, step=self.step)
             self.event("fail", f"run failed: {message}", style="bold red", reason=message)
             raise
         finally:
             worker.teardown()
-            self.reporter.close()
-
-    def _resume_point(self) -> Any:
-        from elastictrain.checkpoint.store import model_mismatch, verify
-
-        rejected: list[str] = []
-        while True:
-            found = self.store.latest_committed(rejected=tuple(rejected))
-            if found is None:
-                return None
-            mismatch = model_mismatch(found.manifest, dict(self.cfg.model.hf_config))
-            if mismatch:
-                what = "; ".join(mismatch)
-                raise ValueError(f"checkpoint {found.path} was saved from another model: {what}")
-            result = verify(found.path)
-            if result.ok:
-                return found
-            rejected.append(found.tag)
-            self.event(
-                "checkpoint_rejected",
-                f"checkpoint {found.tag} does not verify: {'; '.join(result.problems)}",
-                style="bold red",
-                tag=found.tag,
-            )
+            recorder.reporter.close()
 
     def _report(self, result: dict[str, Any], seconds: float) -> None:
         self.step = result["step"] + 1
@@ -168,43 +164,27 @@ class LocalRun:
             "tokens_per_s": gbs * self.cfg.data.seq_len / seconds if seconds > 0 else 0.0,
             "world_size": 1.0,
         }
-        self.tracker.log_metrics(metrics, step=self.step)
-        self.reporter.step(self.step, metrics, log_line=self.step % self.cfg.training.log_every_steps == 0)
-        self.run_dir.update(last_step=self.step, last_metrics={k: round(v, 6) for k, v in metrics.items()})
+        self.recorder.step_metrics(self.step, metrics, log_every=self.cfg.training.log_every_steps)
+        for callback in self.callbacks.after_step:
+            callback(self, result["step"], [result])
 
-    def _checkpoint(self, worker: Any, plan: Any) -> None:
+    def _checkpoint(self, worker: Any, plan: BatchPlan) -> None:
         """The same commit as a Ray run's (manifest fields included), with one rank's file."""
         t0 = time.perf_counter()
         staging = self.store.begin(self.step)
         report = worker.save_shard(str(staging))
-        samples = self.step * self.cfg.training.global_batch_size
-        info = self.run_dir.read_info()
-        committed = self.store.commit(
-            self.step,
-            staging,
-            [report["file"]],
-            {
-                "world_size": 1,
-                "samples_consumed": samples,
-                "data_position": {"samples_consumed": samples, "seed": self.cfg.training.seed},
-                "rng": {
-                    "scheme": "torch reseeded per micro-batch from (training.seed, data position)",
-                    "seed": self.cfg.training.seed,
-                },
-                "global_batch_size": self.cfg.training.global_batch_size,
-                "plan": {
-                    "micro_batch_size": plan.micro_batch_size,
-                    "grad_accum_steps": plan.grad_accum_steps,
-                },
-                "engine_state": report["engine_state"],
-                "model": {"hf_config": dict(self.cfg.model.hf_config)},
-                "run_id": info.run_id,
-                "config_digest": info.config_digest,
-            },
+        fields = manifest_fields(
+            self.cfg,
+            world_size=1,
+            plan=plan,
+            samples=self.step * self.cfg.training.global_batch_size,
+            engine_state=report["engine_state"],
+            info=self.recorder.run_dir.read_info(),
         )
+        committed = self.store.commit(self.step, staging, [report["file"]], fields)
         removed = self.store.prune(self.cfg.checkpoint.keep_last, protect=(committed.tag,))
         seconds = time.perf_counter() - t0
-        self.tracker.log_metrics({"checkpoint_time_s": seconds}, step=self.step)
+        self.recorder.metrics({"checkpoint_time_s": seconds}, step=self.step)
         self.event(
             "checkpoint",
             f"checkpoint {committed.tag} committed in {seconds:.2f}s",
@@ -214,5 +194,7 @@ class LocalRun:
         )
 
 
-def run_local(config: Any, run_dir: RunDir, tracker: Tracker, reporter: Reporter) -> LocalSummary:
-    return LocalRun(config, run_dir, tracker, reporter).run()
+def run_local(
+    config: Any, run_dir: RunDir, tracker: Tracker, reporter: Reporter, callbacks: Callbacks | None = None
+) -> LocalSummary:
+    return LocalRun(config, run_dir, tracker, reporter, callbacks).run()
