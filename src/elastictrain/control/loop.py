@@ -99,7 +99,9 @@ class Controller:
         recorder, max_steps = self.recorder, self.cfg.training.max_steps
         try:
             self._begin()
-            while self.step < max_steps:
+            # Finished only when a committed checkpoint holds max_steps: a failure during the last
+            # segment's save leaves the step counter at max_steps but that checkpoint abandoned.
+            while self._committed_step() < max_steps:
                 size = self.capacity.acquire(initial=self.attempt == 0, step=self.step)
                 try:
                     self._start_attempt(size)
@@ -116,6 +118,11 @@ class Controller:
         except KeyboardInterrupt:
             recorder.record_end(RunStatus.STOPPED, "interrupted", step=self.step)
             self._event("stop", "interrupted; resume with `elastictrain resume`", style="yellow")
+            raise
+        except Exception as e:  # a bug or an error no part handles: still the run's recorded end
+            message = f"{type(e).__name__}: {e}"
+            recorder.record_end(RunStatus.FAILED, message, step=self.step)
+            self._event("fail", f"run failed: {message}", style="bold red", reason=message)
             raise
         finally:
             recorder.reporter.close()
@@ -253,6 +260,13 @@ class Controller:
             if not ahead and self._grow():
                 return
         self.saves.finish(self.step)  # the last checkpoint is committed before the run says finished
+        if self._committed_step() < max_steps:  # not written (e.g. a full disk): training again won't help
+            previous = self.resume.latest()
+            raise RunFailed(
+                f"the final checkpoint (step {max_steps}) could not be saved: {self.saves.last_failure}; "
+                f"resume with `elastictrain resume` (from {previous.tag if previous else 'step 0'}) "
+                "once it can be written"
+            )
 
     def _grow(self) -> bool:
         """Move to a larger world size at this checkpoint if warm workers for it are there."""
@@ -309,6 +323,10 @@ class Controller:
             world_size=decision.world_size if isinstance(decision, Restart) else None,
         )
         self.pipeline.recovering_since = detected
+
+    def _committed_step(self) -> int:
+        latest = self.resume.latest()
+        return int(latest.manifest["step"]) if latest else 0
 
     def _teardown(self) -> None:
         teardown(self.group, self.active, self.recorder, self.step)

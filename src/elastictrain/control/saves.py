@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastictrain.checkpoint.store import CheckpointStore, Committed
+from elastictrain.checkpoint.store import CheckpointError, CheckpointStore, Committed
 from elastictrain.cluster.calls import Calls, Group
 from elastictrain.control.errors import AttemptFailed
 from elastictrain.control.failures import gather_results, is_disk_full, short
@@ -75,6 +75,7 @@ class SaveCoordinator:
         self.pending: PendingSave | None = None
         self.last_committed: Committed | None = None
         self.failed_at: float | None = None  # when a save was last given up (the step clock restarts)
+        self.last_failure = ""  # why
         self._pause_parts: tuple[int, list[float]] | None = None  # the last save's step, per-rank pause
         self._workers: list[Any] = []  # the attempt's workers, in rank order
         self._manifest: ManifestFields | None = None
@@ -253,6 +254,7 @@ class SaveCoordinator:
             previous=previous.tag if previous else None,
         )
         self.failed_at = self.clock()
+        self.last_failure = reason
 
     def _commit_if_written(self, step: int) -> bool:
         """Commit the pending checkpoint if every rank's file is in; True when nothing is pending anymore."""
@@ -266,7 +268,7 @@ class SaveCoordinator:
             committed = self.store.commit(
                 pending.step, pending.staging, [pending.files[n] for n in pending.names], pending.manifest
             )
-        except OSError as e:
+        except (OSError, CheckpointError) as e:  # a rank file missing, or the disk refused
             self._failed(pending.staging, f"{type(e).__name__}: {e}", pending.step, step)
             return True
         self.resume.saved_anew(committed.tag)
