@@ -26,7 +26,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on loopback (FACTS.md)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on loopback (launch.py)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ _COMMON = (
 )
 
 SMOKE = Workload("smoke", _COMMON, warmup_steps=1, measured_steps=3, peer_timeout_s=240)
-# FACTS.md's peer workload: a 4-layer Llama, hidden 256, sequence 128 (about 0.5-1 s per step on 2 cores).
+# The peers' workload: a 4-layer Llama, hidden 256, sequence 128 (about 0.5-1 s per step on 2 cores).
 FULL = Workload(
     "full",
     (
@@ -300,8 +300,8 @@ def run_peer(
     """Launch one peer run and wait for it (killing its whole process group at the time limit).
 
     `after_kill_timeout_s` bounds the wait once the injected failure happened: a restart that hangs
-    (FACTS.md: torchrun's) is stopped and reported as such. `extra_procs` starts more torchrun agents
-    (the nodes of an elastic torchrun job, one rank each).
+    (torchrun's did, for 15 minutes, on this machine) is stopped and reported as such. `extra_procs`
+    starts more torchrun agents (the nodes of an elastic torchrun job, one rank each).
     """
     tmp.mkdir(parents=True, exist_ok=True)
     spec = {
@@ -379,7 +379,7 @@ def _kill_group(p: subprocess.Popen[bytes]) -> None:
 
 
 def _remove_shm(port: int) -> None:
-    # DeepSpeed's CPU all-reduce leaves ~69 MB per rank in /dev/shm, named after the rendezvous (FACTS.md).
+    # DeepSpeed's CPU all-reduce leaves ~69 MB per rank in /dev/shm, named after the rendezvous.
     for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
         with contextlib.suppress(OSError):
             os.unlink(path)

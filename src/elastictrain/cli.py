@@ -225,8 +225,9 @@ def sync(
     from elastictrain.config import ConfigError, load_config
     from elastictrain.redact import redact_text
     from elastictrain.rundir.run_dir import RunDir, RunDirError
+    from elastictrain.tracking.run_tracker import run_tracker
     from elastictrain.tracking.spool import SPOOL_DIR
-    from elastictrain.tracking.tracker import MlflowTracker, TrackerError, default_tracking_uri
+    from elastictrain.tracking.tracker import TrackerError, default_tracking_uri
 
     try:
         rd = RunDir.open(run_dir)
@@ -238,16 +239,7 @@ def sync(
         return
     info = rd.read_info()
     uri = info.mlflow_tracking_uri or cfg.tracking.uri or default_tracking_uri(rd.path)
-    tracker = MlflowTracker(
-        uri,
-        cfg.tracking.experiment,
-        run_name=info.name,
-        run_id=info.mlflow_run_id,
-        tags={"elastictrain.run_id": info.run_id},
-        spool_dir=rd.path,
-        on_run_id=lambda rid: rd.update(mlflow_run_id=rid, mlflow_tracking_uri=uri),
-        start_wait_s=0.0,
-    )
+    tracker = run_tracker(rd, uri, cfg.tracking.experiment, start_wait_s=0.0)
     try:
         tracker.start()
     except TrackerError as e:

@@ -19,7 +19,8 @@ from elastictrain.config import Config, config_digest, to_flat_dict, to_yaml
 from elastictrain.progress import Reporter
 from elastictrain.redact import install_log_redaction, redact_text
 from elastictrain.rundir.run_dir import RunDir
-from elastictrain.tracking.tracker import MlflowTracker, NullTracker, Tracker, default_tracking_uri
+from elastictrain.tracking.run_tracker import run_tracker
+from elastictrain.tracking.tracker import NullTracker, Tracker, default_tracking_uri
 
 if TYPE_CHECKING:
     from elastictrain.control.local import LocalSummary
@@ -127,16 +128,7 @@ def make_tracker(config: Config, run_dir: RunDir, enabled: bool = True) -> Track
         return NullTracker()
     info = run_dir.read_info()
     uri = config.tracking.uri or info.mlflow_tracking_uri or default_tracking_uri(run_dir.path)
-    tracker = MlflowTracker(
-        uri,
-        config.tracking.experiment,
-        run_name=info.name,
-        run_id=info.mlflow_run_id,
-        tags={"elastictrain.run_id": info.run_id},
-        # Everything is spooled in the run folder first: an MLflow outage loses nothing (tracker.py).
-        spool_dir=run_dir.path,
-        on_run_id=lambda rid: run_dir.update(mlflow_run_id=rid, mlflow_tracking_uri=redact_text(uri)),
-    )
+    tracker = run_tracker(run_dir, uri, config.tracking.experiment)
     run_id = tracker.start()  # "" while the server does not answer: the run is created when it does
     if info.mlflow_run_id is None:
         if run_id:  # the URI without its password, if it held one (redact.py)

@@ -113,6 +113,20 @@ def test_secret_environment_values_and_url_passwords_never_reach_a_log_line(monk
     assert f"http://bob:{MASK}@127.0.0.1:9" in caplog.text
 
 
+def test_every_tracker_of_a_run_records_its_uri_without_the_password(tmp_path):
+    from elastictrain.rundir.run_dir import RunDir
+    from elastictrain.tracking.run_tracker import run_tracker
+
+    rd = RunDir.create(tmp_path / "run", name="r", config_yaml="{}\n", config_digest="d")
+    uri = f"http://bob:{URL_PASSWORD}@127.0.0.1:9"
+    tracker = run_tracker(rd, uri, "e", start_wait_s=0.0)  # what the driver and `elastictrain sync` build
+    assert tracker.on_run_id is not None
+    tracker.on_run_id("run-123")  # the tracker learnt the run id from MLflow
+    info = rd.read_info()
+    assert info.mlflow_run_id == "run-123" and info.mlflow_tracking_uri == f"http://bob:{MASK}@127.0.0.1:9"
+    assert URL_PASSWORD not in rd.run_json.read_text()
+
+
 def test_redaction_holds_when_a_library_installed_its_own_record_factory(monkeypatch, caplog):
     # Ray and others set a LogRecord factory of their own; ours must wrap it, not give up.
     original = logging.getLogRecordFactory()

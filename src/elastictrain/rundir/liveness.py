@@ -5,7 +5,8 @@ the pod evicted, the head restarted) never does. Each driver records who it is (
 start time) so that `elastictrain status` can tell a live run from an orphaned one on that host.
 
 A killed worker group also leaves DeepSpeed's CPU all-reduce buffers in /dev/shm (about 69 MB per
-rank, FACTS.md); the next driver of the run removes those of the run's dead rendezvous.
+rank, named after the rendezvous' address and port); the next driver of the run removes those of the
+run's dead rendezvous.
 """
 
 from __future__ import annotations

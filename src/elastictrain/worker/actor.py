@@ -380,9 +380,6 @@ class TrainWorker:
         self._set_mark("idle", -1)
         return {"teardown_s": time.perf_counter() - t0}
 
-    def ready(self) -> bool:
-        return True
-
 
 def _reset_zero_counters() -> None:
     """ZeRO-3 numbers parameters (and counts persisted ones) in process-wide counters; ranks must agree.

@@ -91,10 +91,6 @@ def encode_bytes(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).to(torch.long)
 
 
-def decode_bytes(tokens: torch.Tensor) -> str:
-    return bytes(int(t) for t in tokens.tolist()).decode("utf-8", errors="replace")
-
-
 class PackedTextDataset:
     """Map-style dataset: sample i is tokens [i*seq_len, (i+1)*seq_len) of the encoded corpus."""
 
