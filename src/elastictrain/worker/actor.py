@@ -7,9 +7,7 @@ same actor can join the next attempt in well under a second.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import glob
 import os
 import socket
 import sys
@@ -23,6 +21,12 @@ from typing import Any
 from elastictrain.core.data_order import derive_seed, micro_batch_positions, sample_at
 from elastictrain.core.schedule import learning_rate
 from elastictrain.worker.attempt import AttemptSpec
+from elastictrain.worker.dist import (
+    destroy_process_group,
+    remove_shm_buffers,
+    reset_zero_counters,
+    zero_stage,
+)
 
 # Frames from these files mean "waiting for the other ranks".
 _COLLECTIVE_MODULES = (
@@ -173,8 +177,8 @@ class TrainWorker:
 
         # zero.Init patches tensor construction; lazy imports inside it (torch._dynamo) then fail.
         preload_model_code(cfg)
-        _reset_zero_counters()
-        model = build_model(cfg, spec.ds_config, zero3=cfg_zero_stage(spec) == 3)
+        reset_zero_counters()
+        model = build_model(cfg, spec.ds_config, zero3=zero_stage(spec) == 3)
         self.loss_fn = loss_function(cfg)
         self.engine, *_ = deepspeed.initialize(
             model=model,
@@ -242,7 +246,7 @@ class TrainWorker:
     def _abandon_attempt(self) -> None:
         self.engine = None
         gc.collect()
-        _destroy_process_group(self.use_gpu)
+        destroy_process_group(self.use_gpu)
 
     def _train_step(self, step: int) -> dict[str, Any]:
         import torch
@@ -373,65 +377,9 @@ class TrainWorker:
             addr_port = (self.spec.master_addr, self.spec.master_port)
         self.engine = None
         gc.collect()
-        _destroy_process_group(self.use_gpu)
+        destroy_process_group(self.use_gpu)
         if addr_port is not None:
-            _remove_shm_buffers(*addr_port)
+            remove_shm_buffers(*addr_port)
         self.spec = None
         self._set_mark("idle", -1)
         return {"teardown_s": time.perf_counter() - t0}
-
-
-def _reset_zero_counters() -> None:
-    """ZeRO-3 numbers parameters (and counts persisted ones) in process-wide counters; ranks must agree.
-
-    A warm actor has built engines before and a new one has not: without this reset their parameter
-    ids differ and ZeRO-3's cross-rank checks fail ("disagreement on list contents").
-    """
-    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
-    from deepspeed.runtime.zero.partition_parameters import Init, InsertPostInitMethodToModuleSubClasses
-
-    # Module ids come from a mutable default argument, `count=[0]`, shared by every engine built.
-    module_counter = DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__
-    if module_counter and isinstance(module_counter[0], list):
-        module_counter[0][0] = 0
-    Init.param_id = 0
-    Init.num_persisted_parameters = 0
-    Init.num_persisted_elements = 0
-    InsertPostInitMethodToModuleSubClasses.num_module_parameters = 0
-    InsertPostInitMethodToModuleSubClasses.num_module_elements = 0
-
-
-def cfg_zero_stage(spec: AttemptSpec) -> int:
-    return int(spec.ds_config.get("zero_optimization", {}).get("stage", 0))
-
-
-def _destroy_process_group(use_gpu: bool) -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        if use_gpu:
-            # A communicator whose peer died must be aborted, not waited on.
-            with contextlib.suppress(Exception):  # best effort; destroy below still runs
-                dist.distributed_c10d._abort_process_group()  # type: ignore[attr-defined]
-        try:
-            import deepspeed.comm as ds_comm
-
-            ds_comm.destroy_process_group()  # also releases deepspeed.utils.groups' references
-        except Exception:  # noqa: BLE001 - a broken group may refuse a clean destroy
-            if dist.is_initialized():
-                dist.destroy_process_group()
-    try:
-        import deepspeed.comm.comm as ds_comm_state
-        from deepspeed.utils import groups
-
-        ds_comm_state.cdb = None
-        groups._release_process_group_references(group=None)
-    except ImportError:
-        pass
-
-
-def _remove_shm_buffers(master_addr: str, master_port: int) -> None:
-    # DeepSpeed's CPU all-reduce keeps ~69 MB of shared memory per rank, named after the rendezvous.
-    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{master_addr}_{master_port}_*"):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
