@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from elastictrain.cli import app
 from elastictrain.config import load_config, to_yaml
 from elastictrain.rundir.run_dir import RunDir
-from elastictrain.tracking.tracker import MlflowTracker
+from elastictrain.tracking.mlflow_tracker import MlflowTracker
 
 pytestmark = pytest.mark.integration
 STEPS = range(1, 31)

@@ -92,7 +92,7 @@ def test_mlflow_params_and_artifacts_hold_no_secret(tmp_path):
 
 
 def test_secret_environment_values_and_url_passwords_never_reach_a_log_line(monkeypatch, caplog, tmp_path):
-    from elastictrain.tracking.tracker import MlflowTracker
+    from elastictrain.tracking.mlflow_tracker import MlflowTracker
 
     install_log_redaction()
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "env-password-4242")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from elastictrain.redact import redact_text
 from elastictrain.rundir.run_dir import RunDir
-from elastictrain.tracking.tracker import MlflowTracker
+from elastictrain.tracking.mlflow_tracker import MlflowTracker
 
 
 def run_tracker(run_dir: RunDir, uri: str, experiment: str, *, start_wait_s: float = 5.0) -> MlflowTracker:
@@ -23,7 +23,7 @@ def run_tracker(run_dir: RunDir, uri: str, experiment: str, *, start_wait_s: flo
         run_name=info.name,
         run_id=info.mlflow_run_id,
         tags={"elastictrain.run_id": info.run_id},
-        # Everything is spooled in the run folder first: an MLflow outage loses nothing (tracker.py).
+        # Everything is spooled in the run folder first: an MLflow outage loses nothing (mlflow_tracker.py).
         spool_dir=run_dir.path,
         on_run_id=record_run_id,
         start_wait_s=start_wait_s,
