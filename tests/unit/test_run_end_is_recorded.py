@@ -67,3 +67,13 @@ def test_an_unexpected_error_leaves_the_run_failed_in_run_json_and_events(tmp_pa
     assert info.status == "FAILED" and "RuntimeError: a bug in the loop" in info.message
     assert r.events("fail")[0]["reason"] == "RuntimeError: a bug in the loop"
     assert r.group.workers == []  # the workers are shut down all the same
+
+
+def test_a_finished_run_run_again_has_nothing_to_train_and_stays_finished(tmp_path: Path):
+    first = make_run(tmp_path)
+    assert first.run().status.value == "FINISHED"
+    again = make_run(tmp_path, run_dir=first.run_dir)  # e.g. `fit` called twice with one config
+    summary = again.run()
+    assert summary.status.value == "FINISHED" and summary.step == 12
+    assert again.status == "FINISHED" and again.group.workers == []
+    assert len(again.events("attempt_started")) == 1  # the first run's only: no worker was set up again

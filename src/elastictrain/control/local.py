@@ -112,7 +112,7 @@ class LocalRun:
             start_step=self.step,
         )
         recorder.reporter.start(self.step)
-        recorder.set_status(RunStatus.STARTING, step=self.step)
+        recorder.begin(step=self.step, nothing_to_train=self.step >= cfg.training.max_steps)
         try:
             timings = worker.setup(spec)
             recorder.record_world_size(self.step, 1, "start")

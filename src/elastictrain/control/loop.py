@@ -142,7 +142,7 @@ class Controller:
             )
         resumed = self.resume.find(self.step)
         self.pipeline.step = resumed.manifest["step"] if resumed else 0
-        self.recorder.set_status(RunStatus.STARTING, step=self.step)
+        self.recorder.begin(step=self.step, nothing_to_train=self.step >= self.cfg.training.max_steps)
         if resumed:
             self._event(
                 "resume",

@@ -72,7 +72,7 @@ class StepPipeline:
                 inflight.append((next_step, self._submit(next_step)))
                 next_step += 1
             if next_step == end and save is None:
-                save = self.saves.queue(end)
+                save = self.saves.queue(end, current=self.step)
                 if save.calls and end < max_steps and not resize_may_follow:
                     # Never past the next checkpoint, whose snapshot must queue behind its last step.
                     limit = min(max_steps, end + PIPELINE_DEPTH, end + self.cfg.checkpoint.every_steps)
@@ -83,7 +83,7 @@ class StepPipeline:
             )
             self._report(step, list(results.values()))
         if save is None:  # the segment was empty (resumed exactly at a checkpoint step)
-            save = self.saves.queue(end)
+            save = self.saves.queue(end, current=self.step)
         return save, following
 
     def restart_clock(self) -> None:

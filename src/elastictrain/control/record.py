@@ -54,6 +54,12 @@ class RunRecorder:
             transition(self.status, status)
         self._write_status(status, message, step)
 
+    def begin(self, *, step: int, nothing_to_train: bool) -> None:
+        """A driver takes the run up: STARTING, unless it finished and there is nothing to train
+        (e.g. `fit` called again on a finished run), which stays FINISHED."""
+        if not (self.status is RunStatus.FINISHED and nothing_to_train):
+            self.set_status(RunStatus.STARTING, step=step)
+
     def record_end(self, status: RunStatus, message: str, *, step: int) -> None:
         """How the run ended (failed, stopped), whatever state it was in when that struck."""
         self._write_status(status, message, step)

@@ -86,9 +86,11 @@ class SaveCoordinator:
         self._manifest = manifest
 
     # -- queue --
-    def queue(self, step: int) -> QueuedSave:
-        """Queue every rank's snapshot (and write) of the state after `step` steps behind its last step."""
-        self.finish(step)  # one save in flight: bounds host memory to one snapshot per rank
+    def queue(self, step: int, *, current: int) -> QueuedSave:
+        """Queue every rank's snapshot (and write) of the state after `step` steps behind its last step.
+
+        `current` is the loop's step now (steps before `step` may still be running)."""
+        self.finish(current)  # one save in flight: bounds host memory to one snapshot per rank
         started = self.clock()
         try:
             staging = self.store.begin(step)
