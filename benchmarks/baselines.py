@@ -75,14 +75,12 @@ def elastictrain(world_size: int, w: Workload, tmp: Path, rep: int, *extra: str)
 
         def hook(controller: Any) -> None:
             record_steps(steps)(controller)
-            shutdown = controller.group.shutdown
 
-            def read_memory_then_shutdown() -> None:
-                if controller.active:  # read before the actors go: /proc of their processes
-                    memory.extend(worker_peak_rss(controller))
-                shutdown()
+            def read_memory(c: Any) -> None:
+                if c.active:  # read before the actors go: /proc of their processes
+                    memory.extend(worker_peak_rss(c))
 
-            controller.group.shutdown = read_memory_then_shutdown
+            controller.callbacks.before_shutdown.append(read_memory)
 
         t0 = time.time()
         run_dir = run_elastictrain(cfg, hook)

@@ -26,7 +26,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on loopback (FACTS.md)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on loopback (launch.py)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ _COMMON = (
 )
 
 SMOKE = Workload("smoke", _COMMON, warmup_steps=1, measured_steps=3, peer_timeout_s=240)
-# FACTS.md's peer workload: a 4-layer Llama, hidden 256, sequence 128 (about 0.5-1 s per step on 2 cores).
+# The peers' workload: a 4-layer Llama, hidden 256, sequence 128 (about 0.5-1 s per step on 2 cores).
 FULL = Workload(
     "full",
     (
@@ -300,8 +300,8 @@ def run_peer(
     """Launch one peer run and wait for it (killing its whole process group at the time limit).
 
     `after_kill_timeout_s` bounds the wait once the injected failure happened: a restart that hangs
-    (FACTS.md: torchrun's) is stopped and reported as such. `extra_procs` starts more torchrun agents
-    (the nodes of an elastic torchrun job, one rank each).
+    (torchrun's did, for 15 minutes, on this machine) is stopped and reported as such. `extra_procs`
+    starts more torchrun agents (the nodes of an elastic torchrun job, one rank each).
     """
     tmp.mkdir(parents=True, exist_ok=True)
     spec = {
@@ -379,7 +379,7 @@ def _kill_group(p: subprocess.Popen[bytes]) -> None:
 
 
 def _remove_shm(port: int) -> None:
-    # DeepSpeed's CPU all-reduce leaves ~69 MB per rank in /dev/shm, named after the rendezvous (FACTS.md).
+    # DeepSpeed's CPU all-reduce leaves ~69 MB per rank in /dev/shm, named after the rendezvous.
     for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -424,23 +424,19 @@ def steady_samples_per_s(step_times: list[float], global_batch: int, warmup: int
 def record_steps(records: list[dict[str, Any]]) -> Callable[[Any], None]:
     """A controller hook keeping each reported step's time (as the controller measures it) and wall clock."""
 
+    def after_step(controller: Any, _index: int, results: list[dict[str, Any]]) -> None:
+        records.append(
+            {
+                "step": controller.step,
+                "time": time.time(),
+                "step_s": controller.pipeline.last_step_s,
+                "rank_step_s": max(r["step_time_s"] for r in results),
+                "world_size": controller.world_size,
+            }
+        )
+
     def hook(controller: Any) -> None:
-        original = controller._report
-
-        def report(s: int, results: list[dict[str, Any]]) -> None:
-            t_prev = controller.last_step_done_at
-            original(s, results)
-            records.append(
-                {
-                    "step": controller.step,
-                    "time": time.time(),
-                    "step_s": controller.last_step_done_at - t_prev if t_prev is not None else None,
-                    "rank_step_s": max(r["step_time_s"] for r in results),
-                    "world_size": controller.world_size,
-                }
-            )
-
-        controller._report = report
+        controller.callbacks.after_step.append(after_step)
 
     return hook
 
@@ -458,7 +454,7 @@ def worker_peak_rss(controller: Any) -> list[dict[str, Any]]:
 
 def run_elastictrain(cfg: Any, hook: Any = None) -> Any:
     """Train `cfg` through elastictrain's API on the Ray cluster already connected; returns the RunDir."""
-    from elastictrain.driver import prepare_run_dir, run_training
+    from elastictrain.launch import prepare_run_dir, run_training
     from elastictrain.progress import Reporter
 
     run_dir, _ = prepare_run_dir(cfg, fresh=False)

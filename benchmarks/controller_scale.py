@@ -1,11 +1,14 @@
-"""Controller scale: decision time per control-loop iteration and failure detection with many workers.
+"""Controller scale: what the control loop does per check of its workers, at 64 to 4,096 simulated workers.
 
-Pure code only (elastictrain.core), on simulated observations of 64 to 4,096 workers. One iteration
-is what the controller does per look at its workers: build the snapshot of observations, run
-`detect_failure`, and on a failure decide (`decide_after_failure`) and, for a hang, name the culprit
-(`stalled_workers`). Three cases: all healthy, one worker dead, one worker hung (every other rank
-waiting inside a collective). Detection latency: a thread marks a worker dead at a random moment
-while a loop iterates back to back; the latency is from that moment to the iteration that reports it.
+The loop checks its workers by gathering a step's replies from every rank (control/failures.py
+`gather_results`, over the worker group). Here the group is the fake one (cluster/fake.py), so the
+time measured is the loop's own: reading the replies, reducing the step's results, and on a failure
+classifying it (one node query for the whole group; for a hang, every worker's progress and
+`stalled_workers`) and deciding what follows (`decide_after_failure`). The workers' side (making the
+replies) is done before the clock starts. Three cases: all healthy, one worker dead, one worker hung
+(every other rank waiting inside a collective). Detection latency: a thread kills a worker at a
+random moment while the loop checks back to back; the latency is from that moment to the check that
+reports it.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import statistics
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from benchmarks.common import Result, Target, median
 
 HANG_TIMEOUT_S = 120.0
+STEP = 100
 
 
 def _rules(n: int) -> Any:
@@ -35,79 +40,69 @@ def _rules(n: int) -> Any:
     )
 
 
-def iteration(state: dict[str, list[Any]], n: int, now: float, rules: Any) -> Any:
-    from elastictrain.core.membership import WorkerObservation, detect_failure, stalled_workers
+def _group(n: int) -> Any:
+    """n fake workers on n // 8 nodes, set up for an attempt at world size n."""
+    from elastictrain.cluster.fake import FakeGroup
+
+    group = FakeGroup(n, nodes=max(1, n // 8), warmup_polls=0)
+    group.request(n)
+    workers = group.start_workers(n, None)
+    group.poll_warm()
+    specs = [(SimpleNamespace(rank=r, world_size=n, start_step=STEP),) for r in range(n)]
+    group.gather(group.call_each(workers, "setup", specs), 1.0)
+    return group
+
+
+def check(group: Any, calls: Any, rules: Any, now: float) -> Any:
+    """One check of the loop: gather a step's replies; on a failure, classify it and decide."""
+    from elastictrain.control.errors import AttemptFailed
+    from elastictrain.control.failures import gather_results
     from elastictrain.core.policy import decide_after_failure
 
-    obs = [
-        WorkerObservation(
-            worker_id=state["ids"][i],
-            answering=state["answering"][i],
-            node_alive=True,
-            last_progress=state["progress"][i],
-            step=100,
-            in_collective=state["in_collective"][i],
-        )
-        for i in range(n)
-    ]
-    failure = detect_failure(obs, now, HANG_TIMEOUT_S, 100)
-    if failure is None:
-        return None
-    if failure.kind == "hang":
-        stalled_workers(obs)
-    alive = sum(state["answering"])
-    return decide_after_failure(rules, failure, 1, alive, now)
-
-
-def _state(n: int, now: float) -> dict[str, list[Any]]:
-    return {
-        "ids": [f"w{i:05d}" for i in range(n)],
-        "answering": [True] * n,
-        "progress": [now] * n,
-        "in_collective": [False] * n,
-    }
+    try:
+        results = gather_results(group, calls, STEP, timeout_s=HANG_TIMEOUT_S, phase="step")
+    except AttemptFailed as e:
+        capacity = len(group.workers) - len(e.failure.worker_ids)
+        return decide_after_failure(rules, e.failure, 1, capacity, now)
+    values = list(results.values())
+    sum(r["loss"] for r in values) / len(values)  # the step's mean loss, as the pipeline reports it
+    return None
 
 
 def time_case(n: int, case: str, iterations: int) -> float:
-    now = 1000.0
-    st = _state(n, now)
     rules = _rules(n)
-    if case == "dead":
-        st["answering"][n // 3] = False
-    elif case == "hang":
-        st["in_collective"] = [True] * n
-        st["in_collective"][n // 3] = False
-        now += HANG_TIMEOUT_S + 1
     samples = []
     for _ in range(iterations):
+        group = _group(n)
+        if case == "dead":
+            group.die_at_step(rank=n // 3, step=STEP)
+        elif case == "hang":
+            group.hang_at_step(rank=n // 3, step=STEP)
+        calls = group.call(group.workers, "train_step", STEP)  # the workers' side: not timed
         t0 = time.perf_counter()
-        iteration(st, n, now, rules)
+        check(group, calls, rules, 1000.0)
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
 
 
-def _kill_later(state: dict[str, list[Any]], victim: int, died: list[float]) -> None:
+def _kill_later(group: Any, victim: int, died: list[float]) -> None:
     time.sleep(random.uniform(0.005, 0.03))
     died.append(time.perf_counter())
-    state["answering"][victim] = False
+    group.workers[victim].dead = True
 
 
 def detection_latency(n: int, trials: int) -> float:
     rules = _rules(n)
     latencies = []
     for t in range(trials):
-        st = _state(n, time.monotonic())
+        group = _group(n)
         died: list[float] = []
-
-        th = threading.Thread(target=_kill_later, args=(st, (t * 7919) % n, died))
+        th = threading.Thread(target=_kill_later, args=(group, (t * 7919) % n, died))
         th.start()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            now = time.monotonic()
-            for i in range(n):  # the observations arrive: healthy workers report progress
-                if st["answering"][i]:
-                    st["progress"][i] = now
-            if iteration(st, n, now, rules) is not None:
+            calls = group.call(group.workers, "train_step", STEP)
+            if check(group, calls, rules, time.monotonic()) is not None:
                 latencies.append(time.perf_counter() - died[0])
                 break
         th.join()
@@ -116,7 +111,7 @@ def detection_latency(n: int, trials: int) -> float:
 
 def run(reps: int, smoke: bool) -> Result:
     sizes = (64, 256) if smoke else (64, 256, 1024, 4096)
-    iterations = 20 if smoke else 200
+    iterations = 5 if smoke else 30
     runs = []
     for rep in range(max(reps, 3)):
         for n in sizes:
@@ -143,9 +138,11 @@ def run(reps: int, smoke: bool) -> Result:
         Target(f"controller iteration at {largest} workers (worst case)", worst, 0.010, "<=", unit="s")
     ]
     notes = [
-        "Decision time covers the pure core only; gathering observations from Ray (actor calls) is not "
-        "simulated here: on a real cluster the controller waits on step results and learns of a death "
-        "from Ray (see the recovery benchmark's detection time).",
+        "A check is what the loop does per step with every rank's reply in hand (fake worker group, "
+        "cluster/fake.py): gather, reduce, and on a failure classify (one node query; for a hang every "
+        "worker's progress and stalled_workers) and decide. Waiting for Ray's replies and writing run.json "
+        "are not in it: on a real cluster the loop waits on step results and learns of a death from Ray "
+        "(see the recovery benchmark's detection time).",
     ]
     if smoke:
         notes.append("smoke: 64 and 256 workers only.")

@@ -36,7 +36,7 @@ from benchmarks.common import (
 
 
 def schedule(w: Workload) -> dict[str, int]:
-    """(checkpoint every, failure after step): a few steps after a checkpoint, as FACTS.md's peer runs."""
+    """(checkpoint every, failure after step): a few steps after a checkpoint, for every system alike."""
     if w.steps <= 6:
         return {"every": 2, "at": 3}
     return {"every": 5, "at": w.steps - 3}
@@ -214,7 +214,7 @@ def peer_node_lost(system: str, w: Workload, tmp: Path, hang_s: float) -> dict[s
 
 
 def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
-    # Ray Train restarted in ~22 s here (FACTS.md), torchrun hung for 15 minutes: the limit sits well
+    # Ray Train restarted in ~22 s on this machine, torchrun hung for 15 minutes: the limit sits well
     # above the former and keeps the latter's cost bounded; a loaded machine needs more.
     hang_s = 180.0 if smoke else 120.0
     scenarios: dict[str, dict[str, Any]] = {

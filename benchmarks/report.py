@@ -27,7 +27,7 @@ def _status(t: dict[str, Any]) -> str:
 # Why a target can be missed and what would close it: shown under the table for each missed row.
 WHY = {
     "throughput": "elastictrain's driver reports every step and queues at most two steps per actor "
-    "(controller.PIPELINE_DEPTH); a slower driver or a machine busier during its run shows here. Closing "
+    "(PIPELINE_DEPTH in control/pipeline.py); a slower driver or a busier machine shows here. Closing "
     "it: deeper pipelining, or reporting every k steps.",
     "checkpoint stall": "training waits only for each rank's host-memory snapshot (elastictrain_snapshot_s, "
     "a few ms); the fsynced write runs in a background thread. The rest of the measured pause is the "

@@ -73,7 +73,7 @@ def _bytes(path: Path) -> int:
 
 
 def one_rep(w: Workload, tmp: Path, rep: int, M: int) -> dict[str, Any]:  # noqa: N803
-    from elastictrain.runtime.reshard import reshard_checkpoint
+    from elastictrain.tools.reshard import reshard_checkpoint
 
     src = baselines.peer("deepspeed", N, w, tmp, rep)
     save = (src.out or {})["save"]

@@ -62,8 +62,8 @@ def build_engine(cfg: Any, world_size: int, *, load_universal: bool = False) -> 
 
     from elastictrain.config.deepspeed_config import build_deepspeed_config
     from elastictrain.core.batch import plan_batch
-    from elastictrain.runtime.data import dataset_from_config
-    from elastictrain.runtime.model import build_model, preload_model_code
+    from elastictrain.worker.data import dataset_from_config
+    from elastictrain.worker.model import build_model, preload_model_code
 
     plan = plan_batch(cfg.training.global_batch_size, cfg.training.micro_batch_size, world_size)
     if plan is None:
@@ -83,8 +83,8 @@ def build_engine(cfg: Any, world_size: int, *, load_universal: bool = False) -> 
 
 def _batch(cfg: Any, dataset: Any, engine: Any, positions: range) -> Any:
     from elastictrain.core.data_order import sample_at
-    from elastictrain.runtime.data import collate_items, to_device
-    from elastictrain.runtime.user_code import user_callable
+    from elastictrain.worker.data import collate_items, to_device
+    from elastictrain.worker.user_code import user_callable
 
     items = [dataset[sample_at(p, len(dataset), cfg.training.seed)] for p in positions]
     return to_device(collate_items(items, user_callable(cfg, "data.collate")), engine.device)
@@ -96,7 +96,7 @@ def train_step(engine: Any, plan: Any, dataset: Any, cfg: Any, step: int, rank: 
 
     from elastictrain.core.data_order import derive_seed, micro_batch_positions
     from elastictrain.core.schedule import learning_rate
-    from elastictrain.runtime.model import loss_function
+    from elastictrain.worker.model import loss_function
 
     t = cfg.training
     lr = learning_rate(
@@ -127,7 +127,7 @@ def _eval_loss(engine: Any, plan: Any, dataset: Any, cfg: Any, rank: int) -> flo
     at any world size, give equal values."""
     import torch
 
-    from elastictrain.runtime.model import loss_function
+    from elastictrain.worker.model import loss_function
 
     batch = _batch(cfg, dataset, engine, range(cfg.training.micro_batch_size))
     with torch.no_grad():
@@ -148,8 +148,8 @@ def _save_fragments(engine: Any, out_dir: Path, rank: int, world_size: int, step
     """elastictrain's checkpoint write (TrainWorker.save_shard): snapshot, then a durable file per rank."""
     from safetensors.torch import save as save_safetensors
 
-    from elastictrain.runtime.durable import write_bytes_durably
-    from elastictrain.runtime.zero_state import FRAGMENTS_KEY, fragments_metadata, snapshot_local_state
+    from elastictrain.checkpoint.zero_state import FRAGMENTS_KEY, fragments_metadata, snapshot_local_state
+    from elastictrain.rundir.durable import write_bytes_durably
 
     t0 = time.perf_counter()
     tensors, fragments, scalars = snapshot_local_state(engine)
@@ -291,7 +291,7 @@ def train(spec: dict[str, Any], rank: int, world_size: int, *, report: Any = Non
             loads["universal_load_s"] = _max_over_ranks(time.perf_counter() - t0)
             loads["universal_eval_loss"] = _eval_loss(engine, plan, dataset, cfg, rank)
         if spec.get("load_fragments"):
-            from elastictrain.runtime.zero_state import FragmentReader, load_local_state
+            from elastictrain.checkpoint.zero_state import FragmentReader, load_local_state
 
             dist.barrier()
             t0 = time.perf_counter()

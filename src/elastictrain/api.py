@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 from elastictrain.config import Config, load_config, validate
 
 if TYPE_CHECKING:
-    from elastictrain.controller import RunSummary
+    from elastictrain.control.local import LocalSummary
+    from elastictrain.control.loop import RunSummary
     from elastictrain.progress import Reporter
-    from elastictrain.runtime.local import LocalSummary
 
 log = logging.getLogger("elastictrain.api")
 
@@ -62,8 +62,8 @@ def fit(
     The run continues a run of the same config in `run.dir` (fresh=True moves it aside and starts
     over). Returns the run's summary: `summary.status.value` is "FINISHED" when it finished.
     """
-    from elastictrain.driver import check_before_start, prepare_run_dir, run_training
-    from elastictrain.runtime.user_code import attach, label_for
+    from elastictrain.launch import check_before_start, prepare_run_dir, run_training
+    from elastictrain.worker.user_code import attach, label_for
 
     if isinstance(config, Config):
         if overrides:

@@ -1,7 +1,8 @@
 """Controller hooks for fault injection and observation: used by the tests, benchmarks and chaos runs.
 
-Each hook is a function of the controller, applied before the run starts (`run_training(...,
-controller_hook=...)`); `at_step` runs an action (kill a worker, remove a node) at a chosen step.
+A hook is a function of the controller, applied before the run starts (`run_training(...,
+controller_hook=...)`); it registers callbacks (control/callbacks.py) and replaces nothing.
+`at_step` runs an action (kill a worker, remove a node) at a chosen step.
 """
 
 from __future__ import annotations
@@ -10,41 +11,47 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+Hook = Callable[[Any], None]
 
-def at_step(step: int, action: Callable[[Any], None]) -> Callable[[Any], None]:
+
+def at_step(step: int, action: Callable[[Any], None]) -> Hook:
     """A controller hook running `action(controller)` once, right after `step` steps are reported."""
 
     def hook(controller: Any) -> None:
-        original = controller._report
-        fired = []
+        fired: list[bool] = []
 
-        def report(s: int, results: list[dict[str, Any]]) -> None:
-            original(s, results)
-            if controller.step == step and not fired:
+        def after_step(c: Any, _index: int, _results: list[dict[str, Any]]) -> None:
+            if c.step == step and not fired:
                 fired.append(True)
-                action(controller)
+                action(c)
 
-        controller._report = report
+        controller.callbacks.after_step.append(after_step)
 
     return hook
 
 
-def record_losses(losses: list[float]) -> Callable[[Any], None]:
+def after_attempt_start(action: Callable[[Any], None]) -> Hook:
+    """A controller hook running `action(controller)` each time an attempt's workers are set up."""
+
+    def hook(controller: Any) -> None:
+        controller.callbacks.after_attempt_start.append(action)
+
+    return hook
+
+
+def record_losses(losses: list[float]) -> Hook:
     """A controller hook appending each reported step's mean loss."""
 
     def hook(controller: Any) -> None:
-        original = controller._report
-
-        def report(s: int, results: list[dict[str, Any]]) -> None:
+        def after_step(_c: Any, _index: int, results: list[dict[str, Any]]) -> None:
             losses.append(sum(r["loss"] for r in results) / len(results))
-            original(s, results)
 
-        controller._report = report
+        controller.callbacks.after_step.append(after_step)
 
     return hook
 
 
-def chain(*hooks: Callable[[Any], None]) -> Callable[[Any], None]:
+def chain(*hooks: Hook) -> Hook:
     def hook(controller: Any) -> None:
         for h in hooks:
             h(controller)
@@ -56,7 +63,7 @@ def wait_until_replacements_are_warm(controller: Any) -> None:
     """Block the driver until started replacement actors finished warming up (so a grow can happen)."""
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
-        controller._start_new_workers()
+        controller.capacity.start_new_workers(controller.step)
         controller.group.poll_warm(timeout_s=1.0)
         if not controller.group.pending and not controller.group.warming:
             return

@@ -69,12 +69,12 @@ def train(
     if print_config:
         out.print(to_yaml(cfg), markup=False)
         return
-    from elastictrain.driver import RunFolderConflict, prepare_run_dir, run_training
+    from elastictrain.launch import RunFolderConflict, prepare_run_dir, run_training
 
     _check_user_code(cfg)
     if not local:
         _check_ray_address(address or cfg.ray.address)
-    from elastictrain.run_dir import RunDirError
+    from elastictrain.rundir.run_dir import RunDirError
 
     try:
         run_dir, resumed = prepare_run_dir(cfg, fresh=fresh)
@@ -106,8 +106,8 @@ def _check_ray_address(address: str | None) -> None:
 
 
 def _check_user_code(cfg) -> None:  # noqa: ANN001
-    from elastictrain.driver import check_before_start
-    from elastictrain.runtime.user_code import UserCodeError
+    from elastictrain.launch import check_before_start
+    from elastictrain.worker.user_code import UserCodeError
 
     try:
         check_before_start(cfg)
@@ -126,8 +126,8 @@ def resume(
 ) -> None:
     """Continue a run from its latest committed checkpoint, into the same MLflow run."""
     from elastictrain.config import ConfigError, load_config
-    from elastictrain.driver import run_training
-    from elastictrain.run_dir import RunDir, RunDirError
+    from elastictrain.launch import run_training
+    from elastictrain.rundir.run_dir import RunDir, RunDirError
 
     try:
         rd = RunDir.open(run_dir)
@@ -146,8 +146,8 @@ def resume(
 @app.command()
 def status(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> None:
     """Show a run's state, world-size history, checkpoints, last metrics and MLflow run."""
-    from elastictrain.run_dir import RunDir, RunDirError
-    from elastictrain.runtime.checkpoint_store import CheckpointStore
+    from elastictrain.checkpoint.store import CheckpointStore
+    from elastictrain.rundir.run_dir import RunDir, RunDirError
 
     try:
         rd = RunDir.open(run_dir)
@@ -159,7 +159,7 @@ def status(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> Non
         f"run       {info.name} ({info.run_id})\nstatus    {info.status}"
         + (f": {info.message}" if info.message else "")
     )
-    from elastictrain.liveness import driver_state
+    from elastictrain.rundir.liveness import driver_state
 
     driver = driver_state(info.extra.get("driver"), info.status, str(run_dir))
     if driver is not None:
@@ -179,12 +179,12 @@ def status(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> Non
 @app.command()
 def runs(root: Annotated[Path, typer.Argument(help="folder holding run folders")] = Path("runs")) -> None:
     """List the runs under a folder."""
-    from elastictrain.run_dir import list_runs
+    from elastictrain.rundir.run_dir import list_runs
 
     found = list_runs(root)
     if not found:
         out.print(f"no runs under {root}")
-    from elastictrain.liveness import ACTIVE_STATUSES, driver_state
+    from elastictrain.rundir.liveness import ACTIVE_STATUSES, driver_state
 
     for path, info in found:
         driver = driver_state(info.extra.get("driver"), info.status)
@@ -200,7 +200,7 @@ def verify(
     ],
 ) -> None:
     """Check every file of a checkpoint against the sizes and sha256 in its manifest."""
-    from elastictrain.runtime.checkpoint_store import (
+    from elastictrain.checkpoint.store import (
         CheckpointError,
         resolve_checkpoint_path,
         verify_checkpoint,
@@ -224,9 +224,10 @@ def sync(
     """Send to MLflow what a run spooled while its tracking server was unreachable (in order, once)."""
     from elastictrain.config import ConfigError, load_config
     from elastictrain.redact import redact_text
-    from elastictrain.run_dir import RunDir, RunDirError
-    from elastictrain.runtime.spool import SPOOL_DIR
-    from elastictrain.runtime.tracker import MlflowTracker, TrackerError, default_tracking_uri
+    from elastictrain.rundir.run_dir import RunDir, RunDirError
+    from elastictrain.tracking.run_tracker import run_tracker
+    from elastictrain.tracking.spool import SPOOL_DIR
+    from elastictrain.tracking.tracker import TrackerError, default_tracking_uri
 
     try:
         rd = RunDir.open(run_dir)
@@ -238,16 +239,7 @@ def sync(
         return
     info = rd.read_info()
     uri = info.mlflow_tracking_uri or cfg.tracking.uri or default_tracking_uri(rd.path)
-    tracker = MlflowTracker(
-        uri,
-        cfg.tracking.experiment,
-        run_name=info.name,
-        run_id=info.mlflow_run_id,
-        tags={"elastictrain.run_id": info.run_id},
-        spool_dir=rd.path,
-        on_run_id=lambda rid: rd.update(mlflow_run_id=rid, mlflow_tracking_uri=uri),
-        start_wait_s=0.0,
-    )
+    tracker = run_tracker(rd, uri, cfg.tracking.experiment, start_wait_s=0.0)
     try:
         tracker.start()
     except TrackerError as e:
@@ -280,12 +272,12 @@ def export(
     out_dir: Annotated[Path, typer.Option("--out", help="output folder for safetensors + config.json")],
 ) -> None:
     """Write consolidated weights (safetensors) and the model config, loadable with from_pretrained."""
-    from elastictrain.runtime.checkpoint_store import (
+    from elastictrain.checkpoint.store import (
         CheckpointError,
         resolve_checkpoint_path,
         verify_checkpoint,
     )
-    from elastictrain.runtime.export import export_checkpoint
+    from elastictrain.tools.export import export_checkpoint
 
     try:
         path = resolve_checkpoint_path(checkpoint)
@@ -311,12 +303,12 @@ def reshard(
     ] = None,
 ) -> None:
     """Rewrite a checkpoint as the ZeRO-3 partitions of another world size (training never needs this)."""
-    from elastictrain.runtime.checkpoint_store import (
+    from elastictrain.checkpoint.store import (
         CheckpointError,
         resolve_checkpoint_path,
         verify_checkpoint,
     )
-    from elastictrain.runtime.reshard import reshard_checkpoint
+    from elastictrain.tools.reshard import reshard_checkpoint
 
     try:
         path = resolve_checkpoint_path(checkpoint)
@@ -334,7 +326,7 @@ def build_ops_command(
     gpu: Annotated[bool, typer.Option("--gpu", help="build for the GPU accelerator")] = False,
 ) -> None:
     """Compile DeepSpeed's ops (CPU Adam, async I/O for NVMe offload, shared-memory comm) once."""
-    from elastictrain.runtime.ops import build_ops
+    from elastictrain.worker.ops import build_ops
 
     for name, state in build_ops(use_gpu=gpu).items():
         out.print(f"{name:<22} {state}")

@@ -3,6 +3,16 @@
 from __future__ import annotations
 
 import socket
+from typing import Any
+
+from elastictrain.worker.user_code import (
+    FIELDS,
+    UserCodeError,
+    resolve,
+    user_callable,
+    user_dataset,
+    user_model,
+)
 
 
 class PreflightError(Exception):
@@ -29,3 +39,64 @@ def check_ray_address(target: str | None, timeout_s: float = 5.0) -> None:
             f"`ray start --head --port={port}`, give the host:port of a running head (--address, ray.address "
             "or RAY_ADDRESS), or set none of them to start a local cluster"
         ) from None
+
+
+# -- user code, tried on the driver ------------------------------------------------------------------------
+def check_user_code(config: Any) -> None:
+    """Resolve every user-code field and try the factories, before any worker starts.
+
+    The model factory is called under torch.device("meta"), so checking it allocates no weights. The
+    dataset is built for real (its length is needed), and its first item collated.
+    """
+    import torch
+
+    for field in FIELDS:
+        user_callable(config, field) if field in ("data.collate", "training.loss") else resolve(config, field)
+    if config.model.factory is not None:
+        with torch.device("meta"):
+            model = user_model(config)
+        if config.deepspeed.activation_checkpointing and not hasattr(model, "gradient_checkpointing_enable"):
+            raise UserCodeError(
+                f"deepspeed.activation_checkpointing: true, but the model of model.factory "
+                f"{config.model.factory!r} has no gradient_checkpointing_enable(); set it to false and "
+                "checkpoint inside your module (torch.utils.checkpoint)"
+            )
+    if config.model.lora.enabled:
+        check_targets(config)
+    if config.data.source == "hf":
+        from elastictrain.worker.hf_data import check_hf_data
+
+        try:
+            check_hf_data(config.data)
+        except ValueError as e:
+            raise UserCodeError(str(e)) from e
+    if config.data.source == "factory":
+        from elastictrain.worker.data import collate_items
+
+        dataset = user_dataset(config)
+        collate = user_callable(config, "data.collate")
+        try:
+            collate_items([dataset[0]], collate)
+        except Exception as e:  # noqa: BLE001 - reported with the fields involved
+            raise UserCodeError(
+                f"data.factory: collating item 0 of {config.data.factory!r} with "
+                f"{'data.collate ' + repr(config.data.collate) if collate else 'the default collate'} "
+                f"failed: {type(e).__name__}: {e}"
+            ) from e
+
+
+def check_targets(config: Any) -> None:
+    """On the driver, before workers start: every LoRA target names modules of the model (built empty)."""
+    from accelerate import init_empty_weights
+
+    from elastictrain.tools.adapter import base_structure
+    from elastictrain.worker.lora import _check_targets
+    from elastictrain.worker.model import forget_hf_deepspeed_config
+
+    forget_hf_deepspeed_config()
+    with init_empty_weights():
+        model = base_structure(config)
+    try:
+        _check_targets(model, config.model.lora)
+    except ValueError as e:
+        raise UserCodeError(str(e)) from None

@@ -5,7 +5,13 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from elastictrain.chaos import at_step, chain, record_losses, wait_until_replacements_are_warm  # noqa: F401
+from elastictrain.chaos import (  # noqa: F401
+    after_attempt_start,
+    at_step,
+    chain,
+    record_losses,
+    wait_until_replacements_are_warm,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "conf" / "tiny-cpu.yaml"
@@ -38,7 +44,7 @@ def quiet_reporter(total: int):  # noqa: ANN201
 
 def run(config, *, tracking: bool = True, hook=None):  # noqa: ANN001, ANN201
     """Train a config in this process (the driver), on the Ray cluster already connected."""
-    from elastictrain.driver import prepare_run_dir, run_training
+    from elastictrain.launch import prepare_run_dir, run_training
 
     run_dir, _ = prepare_run_dir(config, fresh=False)
     reporter = quiet_reporter(config.training.max_steps)

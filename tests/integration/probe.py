@@ -9,11 +9,12 @@ logits of a batch. Nothing here trains; `setup` is the code under test.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from elastictrain.runtime.worker import TrainWorker
+from elastictrain.worker.actor import TrainWorker
 
 
 class ProbeWorker(TrainWorker):
@@ -61,7 +62,7 @@ class ProbeGroup:
 
         from elastictrain.config.deepspeed_config import build_deepspeed_config
         from elastictrain.core.batch import plan_batch
-        from elastictrain.runtime.attempt import AttemptSpec
+        from elastictrain.worker.attempt import AttemptSpec
 
         self.teardown()
         self.attempt += 1
@@ -132,7 +133,7 @@ def save_checkpoint(group: ProbeGroup, config: Any, root: Any, step: int) -> Any
     """Each rank writes its fragment file (`save_shard`); the product's store commits them as a checkpoint."""
     import ray
 
-    from elastictrain.runtime.checkpoint_store import CheckpointStore
+    from elastictrain.checkpoint.store import CheckpointStore
 
     store = CheckpointStore(root)
     staging = store.begin(step)
@@ -143,3 +144,21 @@ def save_checkpoint(group: ProbeGroup, config: Any, root: Any, step: int) -> Any
         "model": {"hf_config": dict(config.model.hf_config)},
     }
     return store.commit(step, staging, [o["file"] for o in outs], fields).path
+
+
+def assert_same_state(a: Path, b: Path) -> list[str]:
+    """Every saved field of every parameter equal in checkpoints a and b; returns the fields compared."""
+    from elastictrain.checkpoint.zero_state import FragmentReader
+
+    ra = FragmentReader(sorted(a.glob("*.safetensors")))
+    rb = FragmentReader(sorted(b.glob("*.safetensors")))
+    assert set(ra.params) == set(rb.params) and ra.params
+    for name in ra.params:
+        assert ra.fields(name) == rb.fields(name), (name, ra.fields(name), rb.fields(name))
+        for field in ra.fields(name):
+            x, y = ra.full(name, field), rb.full(name, field)
+            assert x.shape == y.shape and bool((x == y).all()), f"{name}::{field} differs: {a} -> {b}"
+    some = next(iter(ra.params))
+    moments = [f for f in ra.fields(some) if f != "fp32"]
+    assert moments and all(float(ra.full(some, f).abs().sum()) > 0 for f in moments), "untrained state"
+    return ra.fields(some)

@@ -17,7 +17,7 @@ import torch
 from helpers import at_step, chain, record_losses, run, tiny_config
 from safetensors.torch import load_file
 
-from elastictrain.runtime.checkpoint_store import verify
+from elastictrain.checkpoint.store import verify
 
 pytestmark = pytest.mark.integration
 
@@ -81,7 +81,7 @@ def test_a_worker_lost_while_the_checkpoint_is_written_drops_it_and_restarts_fro
     cfg = tiny_config(tmp_path / "run", "scaling.min_workers=1", "scaling.max_workers=2")
 
     def kill_last(controller: Any) -> None:  # step-000004's files are still being written
-        assert controller.pending_save is not None and controller.pending_save.step == 4
+        assert controller.saves.pending is not None and controller.saves.pending.step == 4
         ray.kill(controller.active[-1].actor)
 
     summary, rd, out = run(cfg, hook=chain(at_step(1, slow_disk), at_step(5, kill_last)), tracking=False)

@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 from helpers import TINY
 
+from elastictrain.checkpoint.store import CheckpointStore, verify
 from elastictrain.core.batch import plan_batch
 from elastictrain.core.data_order import micro_batch_samples
-from elastictrain.run_dir import RunDir
-from elastictrain.runtime.checkpoint_store import CheckpointStore, verify
+from elastictrain.rundir.run_dir import RunDir
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,8 @@ import torch
 from helpers import TINY, run, tiny_config
 from typer.testing import CliRunner
 
+from elastictrain.checkpoint.zero_state import FragmentReader
 from elastictrain.cli import app
-from elastictrain.runtime.zero_state import FragmentReader
 
 pytestmark = pytest.mark.integration
 cli = CliRunner()

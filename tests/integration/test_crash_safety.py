@@ -18,15 +18,15 @@ from typing import Any
 
 import pytest
 
-from elastictrain.runtime.checkpoint_store import CheckpointError, CheckpointStore, verify
-from elastictrain.runtime.durable import write_bytes_durably
+from elastictrain.checkpoint.store import CheckpointError, CheckpointStore, verify
+from elastictrain.rundir.durable import write_bytes_durably
 
 SAVE_TWO_CHECKPOINTS = textwrap.dedent(
     """
     import sys
     from pathlib import Path
-    from elastictrain.runtime.checkpoint_store import CheckpointStore
-    from elastictrain.runtime.durable import write_bytes_durably
+    from elastictrain.checkpoint.store import CheckpointStore
+    from elastictrain.rundir.durable import write_bytes_durably
 
     store = CheckpointStore(Path(sys.argv[1]))
     for step in (4, 8):
@@ -155,7 +155,7 @@ def test_a_full_disk_while_committing_keeps_the_previous_checkpoint_and_leaves_n
     """ENOSPC injected at the manifest write (the integration test fills a real tmpfs instead)."""
     store = make_checkpoints(tmp_path, (4,))
     staging = store.begin(8)
-    import elastictrain.runtime.checkpoint_store as cs
+    import elastictrain.checkpoint.store as cs
 
     def full(path: Path, data: bytes) -> str:
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
@@ -207,12 +207,12 @@ def test_resume_rejects_a_corrupted_checkpoint_says_so_everywhere_and_falls_back
     from helpers import quiet_reporter, run, tiny_config
     from mlflow.tracking import MlflowClient
 
-    from elastictrain.driver import run_training
+    from elastictrain.launch import run_training
 
     cfg = tiny_config(tmp_path / "run")  # 12 steps, checkpoints every 4
     with pytest.raises(KeyboardInterrupt):
         run(cfg, hook=_stop_at(9))
-    from elastictrain.run_dir import RunDir
+    from elastictrain.rundir.run_dir import RunDir
 
     rd = RunDir.open(tmp_path / "run")
     assert rd.read_info().status == "STOPPED"
@@ -275,7 +275,7 @@ def test_a_full_disk_skips_the_save_training_goes_on_and_the_next_save_retries(
     seen: dict[str, object] = {}
 
     def fill_the_disk(controller: Any) -> None:  # after step-000004 is committed
-        controller._finish_pending_save()  # written in the background: wait for its commit
+        controller.saves.finish(controller.step)  # written in the background: wait for its commit
         size = sum(f.stat().st_size for f in (checkpoints / "step-000004").iterdir())
         free = os.statvfs(tiny_tmpfs).f_bavail * os.statvfs(tiny_tmpfs).f_frsize
         with open(filler, "wb") as f:
@@ -283,7 +283,7 @@ def test_a_full_disk_skips_the_save_training_goes_on_and_the_next_save_retries(
         seen["size"] = size
 
     def free_the_disk(controller: Any) -> None:  # after the failed save at step 8
-        controller._finish_pending_save()  # the background write's failure is handled by now
+        controller.saves.finish(controller.step)  # the background write's failure is handled by now
         seen["step4_ok_after_failure"] = verify(checkpoints / "step-000004").ok
         seen["leftovers"] = [p.name for p in checkpoints.iterdir() if p.name.startswith(".")]
         filler.unlink()

@@ -21,7 +21,7 @@ from helpers import REPO, TINY
 from typer.testing import CliRunner
 
 from elastictrain.cli import app
-from elastictrain.run_dir import RunDir
+from elastictrain.rundir.run_dir import RunDir
 
 pytestmark = pytest.mark.integration
 cli = CliRunner()

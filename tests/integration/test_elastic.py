@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 import ray
-from helpers import at_step, chain, run, tiny_config, wait_until_replacements_are_warm
+from helpers import after_attempt_start, at_step, chain, run, tiny_config, wait_until_replacements_are_warm
 
+from elastictrain.checkpoint.zero_state import FragmentReader
 from elastictrain.core.batch import plan_batch
 from elastictrain.core.data_order import micro_batch_samples
-from elastictrain.runtime.zero_state import FragmentReader
 
 pytestmark = pytest.mark.integration
 
@@ -139,17 +139,11 @@ NUM_SAMPLES = 120000 // 64
 def inject(kind: str, worker_index: int, at: int, attempt: int = 1) -> Callable[[Any], None]:
     """A hook that arms a fault in one worker of an attempt, before the attempt's first step."""
 
-    def hook(controller: Any) -> None:
-        original = controller._start_attempt
+    def arm(controller: Any) -> None:
+        if controller.attempt == attempt:
+            ray.get(controller.active[worker_index].actor.inject_fault.remote(kind, at))
 
-        def start(size: int) -> None:
-            original(size)
-            if controller.attempt == attempt:
-                ray.get(controller.active[worker_index].actor.inject_fault.remote(kind, at))
-
-        controller._start_attempt = start
-
-    return hook
+    return after_attempt_start(arm)
 
 
 def test_hung_worker_is_detected_within_the_timeout_and_replaced(ray_local, tmp_path):

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO
 
-from elastictrain.run_dir import RunDir
+from elastictrain.rundir.run_dir import RunDir
 
 pytestmark = pytest.mark.integration
 pytest.importorskip(

@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import REPO, quiet_reporter
 
-from elastictrain.runtime.zero_state import FragmentReader
+from elastictrain.checkpoint.zero_state import FragmentReader
 
 pytestmark = pytest.mark.integration
 

@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 
 from elastictrain.cli import app
 from elastictrain.config import load_config, to_yaml
-from elastictrain.run_dir import RunDir
-from elastictrain.runtime.tracker import MlflowTracker
+from elastictrain.rundir.run_dir import RunDir
+from elastictrain.tracking.mlflow_tracker import MlflowTracker
 
 pytestmark = pytest.mark.integration
 STEPS = range(1, 31)
@@ -121,7 +121,7 @@ CHILD = textwrap.dedent(
     import os, signal, sys
     sys.path.insert(0, {tests!r})
     from pathlib import Path
-    from elastictrain.run_dir import RunDir
+    from elastictrain.rundir.run_dir import RunDir
     from test_mlflow_outage import tracker_for, log_steps
     rd = RunDir.open(sys.argv[1])
     tracker = tracker_for(rd, sys.argv[2])
@@ -187,7 +187,7 @@ def test_sync_of_a_folder_that_is_not_a_run(tmp_path: Path) -> None:
 
 
 def test_the_spool_survives_a_torn_line_and_drops_acked_records_as_it_grows(tmp_path: Path) -> None:
-    from elastictrain.runtime.spool import COMPACT_BYTES, Spool
+    from elastictrain.tracking.spool import COMPACT_BYTES, Spool
 
     spool = Spool(tmp_path)
     for i in range(3):

@@ -26,8 +26,8 @@ from helpers import run, tiny_config
 from mlflow.tracking import MlflowClient
 from reference import global_batch, train_reference
 
-from elastictrain.run_dir import RunDir
-from elastictrain.runtime.data import dataset_from_config
+from elastictrain.rundir.run_dir import RunDir
+from elastictrain.worker.data import dataset_from_config
 
 pytestmark = pytest.mark.integration
 
@@ -96,7 +96,7 @@ def test_two_worker_run_reports_the_plain_pytorch_loss_at_every_step(ray_local, 
     # One tensor in the checkpoint for a tied pair; the export ties them again and is the reference model.
     latest = run_dir.checkpoints_dir / "step-000020"
     manifest = json.loads((latest / "manifest.json").read_text())
-    from elastictrain.runtime.zero_state import FragmentReader
+    from elastictrain.checkpoint.zero_state import FragmentReader
 
     saved = set(FragmentReader([latest / f["name"] for f in manifest["files"]]).params)
     assert ("lm_head.weight" in saved) is not tied and "model.embed_tokens.weight" in saved
@@ -124,7 +124,7 @@ def test_local_run_with_tied_embeddings_reports_the_plain_pytorch_loss(tmp_path)
     """`train --local` (one worker, no Ray) with a tied model: the case that started at loss 64."""
     from helpers import quiet_reporter
 
-    from elastictrain.driver import prepare_run_dir, run_training
+    from elastictrain.launch import prepare_run_dir, run_training
 
     cfg = config(tmp_path / "run", True)
     run_dir, _ = prepare_run_dir(cfg, fresh=False)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from helpers import run, tiny_config
+from helpers import at_step, run, tiny_config
 from test_train_end_to_end import _losses
 from typer.testing import CliRunner
 
 from elastictrain.cli import app
-from elastictrain.run_dir import RunDir
+from elastictrain.rundir.run_dir import RunDir
 
 pytestmark = pytest.mark.integration
 
@@ -16,17 +16,10 @@ pytestmark = pytest.mark.integration
 def _interrupt_after(step: int):  # noqa: ANN202
     """A controller hook that stops the driver (as Ctrl-C would) once `step` steps are done."""
 
-    def hook(controller) -> None:  # noqa: ANN001
-        original = controller._report
+    def stop(controller) -> None:  # noqa: ANN001
+        raise KeyboardInterrupt
 
-        def report(s, results):  # noqa: ANN001, ANN202
-            original(s, results)
-            if controller.step == step:
-                raise KeyboardInterrupt
-
-        controller._report = report
-
-    return hook
+    return at_step(step, stop)
 
 
 def test_resume_continues_the_same_run_and_matches_an_uninterrupted_one(ray_local, tmp_path):

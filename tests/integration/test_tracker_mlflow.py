@@ -15,7 +15,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 from mlflow.utils.validation import _validate_metric_name
 
-from elastictrain.runtime.tracker import MlflowTracker, TrackerError, default_tracking_uri, sanitize_key
+from elastictrain.tracking.mlflow_tracker import MlflowTracker
+from elastictrain.tracking.tracker import default_tracking_uri, sanitize_key
 
 pytestmark = pytest.mark.integration
 
@@ -76,9 +77,15 @@ def check_first_session(uri: str, run_id: str, tmp: Path, events: list[dict[str,
     return client
 
 
-def first_session(uri: str, experiment: str) -> tuple[str, list[dict[str, Any]]]:
+def first_session(uri: str, experiment: str, spool: Path) -> tuple[str, list[dict[str, Any]]]:
     tracker = MlflowTracker(
-        uri, experiment, run_name="demo", flush_interval_s=0.2, tags={"elastictrain.run_id": "abc"}
+        uri,
+        experiment,
+        run_name="demo",
+        spool_dir=spool,
+        flush_interval_s=0.2,
+        tags={"elastictrain.run_id": "abc"},
+        start_wait_s=60.0,  # the run id is known once start() returns
     )
     events = [
         {"time": "2026-01-01T00:00:00+00:00", "event": "start", "step": 0, "message": "starting"},
@@ -102,7 +109,7 @@ def test_embedded_sqlite_store(tmp_path: Path) -> None:
     run_dir.mkdir()
     uri = default_tracking_uri(run_dir)
     assert uri == f"sqlite:///{run_dir.resolve()}/mlflow.db"
-    run_id, events = first_session(uri, "elastictrain")
+    run_id, events = first_session(uri, "elastictrain", run_dir)
     check_first_session(uri, run_id, tmp_path / "dl", events)
     # The default store keeps everything, artifacts included, inside the run folder.
     assert (run_dir / "mlflow.db").is_file()
@@ -113,9 +120,11 @@ def test_resume_appends_to_the_same_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     uri = default_tracking_uri(run_dir)
-    run_id, events = first_session(uri, "elastictrain")
+    run_id, events = first_session(uri, "elastictrain", run_dir)
 
-    tracker = MlflowTracker(uri, "elastictrain", run_name="demo", run_id=run_id, flush_interval_s=0.2)
+    tracker = MlflowTracker(
+        uri, "elastictrain", run_name="demo", spool_dir=run_dir, run_id=run_id, flush_interval_s=0.2
+    )
     more = [{"time": "2026-01-01T01:00:00+00:00", "event": "resume", "step": 20}]
     try:
         assert tracker.start() == run_id
@@ -140,13 +149,15 @@ def test_resume_appends_to_the_same_run(tmp_path: Path) -> None:
 
 
 def test_real_mlflow_server(mlflow_server: str, tmp_path: Path) -> None:
-    run_id, events = first_session(mlflow_server, "elastictrain-server")
+    run_id, events = first_session(mlflow_server, "elastictrain-server", tmp_path)
     check_first_session(mlflow_server, run_id, tmp_path / "dl", events)
 
 
 def test_resume_through_the_server(mlflow_server: str, tmp_path: Path) -> None:
-    run_id, _ = first_session(mlflow_server, "elastictrain-server-resume")
-    tracker = MlflowTracker(mlflow_server, "ignored-on-resume", run_name="demo", run_id=run_id)
+    run_id, _ = first_session(mlflow_server, "elastictrain-server-resume", tmp_path)
+    tracker = MlflowTracker(
+        mlflow_server, "ignored-on-resume", run_name="demo", spool_dir=tmp_path, run_id=run_id
+    )
     try:
         tracker.start()
         tracker.log_params(PARAMS)
@@ -160,19 +171,28 @@ def test_resume_through_the_server(mlflow_server: str, tmp_path: Path) -> None:
 
 
 def test_unreachable_server_never_blocks_training(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     caplog.set_level(logging.DEBUG, logger="elastictrain.tracker")
     uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
 
-    # A new run needs the store now: start() says so instead of hanging.
-    with pytest.raises(TrackerError, match="could not create"):
-        MlflowTracker(uri, "exp", run_name="demo").start()
+    # A new run does not wait for the store either: start() returns after start_wait_s, without a run
+    # id yet; the thread creates the run when the store answers (test_mlflow_outage.py).
+    new = MlflowTracker(uri, "exp", run_name="demo", spool_dir=tmp_path / "new", start_wait_s=0.5)
+    try:
+        t0 = time.monotonic()
+        assert new.start() == ""
+        assert time.monotonic() - t0 < 0.5 + 5
+    finally:
+        new.close()
+    caplog.clear()  # what follows counts the resumed tracker's reports only
 
     # Resuming a known run id goes on without the store; the thread keeps trying in the background.
-    tracker = MlflowTracker(uri, "exp", run_name="demo", run_id="0" * 32, flush_interval_s=0.1)
+    tracker = MlflowTracker(
+        uri, "exp", run_name="demo", spool_dir=tmp_path, run_id="0" * 32, flush_interval_s=0.1
+    )
     try:
         assert tracker.start() == "0" * 32
         calls = 0
@@ -201,9 +221,11 @@ def test_data_logged_while_the_server_is_down_arrives_when_it_is_back(
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     port = free_port()
     with mlflow_server_factory(tmp_path, port) as uri:
-        run_id, _ = first_session(uri, "outage")
+        run_id, _ = first_session(uri, "outage", tmp_path / "spool")
     # The driver restarts while the server is down: it resumes by run id and trains on.
-    tracker = MlflowTracker(uri, "outage", run_name="demo", run_id=run_id, flush_interval_s=0.1)
+    tracker = MlflowTracker(
+        uri, "outage", run_name="demo", spool_dir=tmp_path / "spool", run_id=run_id, flush_interval_s=0.1
+    )
     try:
         tracker.start()
         tracker.log_params(PARAMS)
@@ -223,18 +245,27 @@ def test_data_logged_while_the_server_is_down_arrives_when_it_is_back(
 
 
 def test_pending_metrics_are_bounded(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     uri = f"http://127.0.0.1:{free_port()}"
-    tracker = MlflowTracker(uri, "exp", run_name="demo", run_id="0" * 32, max_pending_metrics=50)
+    tracker = MlflowTracker(
+        uri,
+        "exp",
+        run_name="demo",
+        spool_dir=tmp_path,
+        run_id="0" * 32,
+        max_pending_metrics=50,
+        start_wait_s=0,
+    )
     try:
         tracker.start()
         for step in range(100):
             tracker.log_metrics({"loss": 1.0}, step=step)
-        assert tracker.pending_metrics == 50
-        assert sum("dropping the oldest" in r.getMessage() for r in caplog.records) == 1
+        assert tracker.pending_metrics == 50  # in memory; the rest waits in the spool, nothing dropped
+        assert tracker.spooled == 100
+        assert sum("the rest wait in" in r.getMessage() for r in caplog.records) == 1
     finally:
         tracker.close()
 

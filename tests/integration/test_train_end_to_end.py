@@ -9,8 +9,8 @@ import pytest
 from helpers import at_step, chain, offload_overrides, record_losses, run, tiny_config
 from mlflow.tracking import MlflowClient
 
-from elastictrain.run_dir import RunDir
-from elastictrain.runtime.checkpoint_store import verify_checkpoint
+from elastictrain.checkpoint.store import verify_checkpoint
+from elastictrain.rundir.run_dir import RunDir
 
 pytestmark = pytest.mark.integration
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 from helpers import REPO, at_step, chain, quiet_reporter, wait_until_replacements_are_warm
 
+from elastictrain.checkpoint.zero_state import FragmentReader
 from elastictrain.core.batch import plan_batch
 from elastictrain.core.data_order import micro_batch_samples
-from elastictrain.runtime.zero_state import FragmentReader
 
 pytestmark = pytest.mark.integration
 

@@ -15,9 +15,7 @@ from typing import Any
 
 import pytest
 from helpers import REPO, tiny_config
-from probe import ProbeGroup, save_checkpoint, train_steps
-
-from elastictrain.runtime.zero_state import FragmentReader
+from probe import ProbeGroup, assert_same_state, save_checkpoint, train_steps
 
 pytestmark = pytest.mark.integration
 
@@ -30,22 +28,6 @@ def probes(ray_local) -> Any:  # noqa: ANN001
     yield group
     group.teardown()
     group.kill()
-
-
-def assert_same_state(a: Path, b: Path) -> list[str]:
-    """Every saved field of every parameter equal in checkpoints a and b; returns the fields compared."""
-    ra = FragmentReader(sorted(a.glob("*.safetensors")))
-    rb = FragmentReader(sorted(b.glob("*.safetensors")))
-    assert set(ra.params) == set(rb.params) and ra.params
-    for name in ra.params:
-        assert ra.fields(name) == rb.fields(name), (name, ra.fields(name), rb.fields(name))
-        for field in ra.fields(name):
-            x, y = ra.full(name, field), rb.full(name, field)
-            assert x.shape == y.shape and bool((x == y).all()), f"{name}::{field} differs: {a} -> {b}"
-    some = next(iter(ra.params))
-    moments = [f for f in ra.fields(some) if f != "fp32"]
-    assert moments and all(float(ra.full(some, f).abs().sum()) > 0 for f in moments), "untrained state"
-    return ra.fields(some)
 
 
 def reshard_round_trip(probes: ProbeGroup, cfg: Any, root: Path, load_cfg: Any | None = None) -> list[str]:

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from elastictrain.checkpoint.store import CheckpointStore
 from elastictrain.cli import app
 from elastictrain.config import ConfigError, load_config
-from elastictrain.runtime.checkpoint_store import CheckpointStore
-from elastictrain.runtime.durable import write_bytes_durably
+from elastictrain.rundir.durable import write_bytes_durably
 
 cli = CliRunner()
 TINY = Path(__file__).resolve().parents[2] / "conf" / "tiny-cpu.yaml"
@@ -229,10 +229,10 @@ class _NoCluster:
 
 def test_a_checkpoint_from_another_model_is_refused_naming_the_difference(tmp_path):
     from elastictrain.config import config_digest, to_yaml
-    from elastictrain.controller import Controller
+    from elastictrain.control.loop import Controller
     from elastictrain.progress import Reporter
-    from elastictrain.run_dir import RunDir
-    from elastictrain.runtime.tracker import NullTracker
+    from elastictrain.rundir.run_dir import RunDir
+    from elastictrain.tracking.tracker import NullTracker
 
     cfg = load_config(TINY, [f"run.dir={tmp_path}/run"])
     rd = RunDir.create(tmp_path / "run", name="x", config_yaml=to_yaml(cfg), config_digest=config_digest(cfg))

@@ -1,4 +1,4 @@
-"""The core (and the decisions it makes) must import without ray, deepspeed, torch or mlflow."""
+"""The core, the control loop and its fake worker group import without ray, deepspeed, torch, mlflow."""
 
 from __future__ import annotations
 
@@ -12,9 +12,12 @@ PROBE = """
 import sys
 for name in ("ray", "deepspeed", "mlflow", "torch", "transformers"):
     sys.modules[name] = None  # importing any of them now raises ImportError
-import importlib, pkgutil, elastictrain.core as core
-for m in pkgutil.walk_packages(core.__path__, core.__name__ + "."):
-    importlib.import_module(m.name)
+import importlib, pkgutil, elastictrain.core as core, elastictrain.control as control
+for package in (core, control):
+    for m in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        importlib.import_module(m.name)
+importlib.import_module("elastictrain.cluster.calls")
+importlib.import_module("elastictrain.cluster.fake")
 print("core is pure")
 """
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.liveness import dead_rendezvous, driver_state, remove_dead_buffers, this_driver
+from elastictrain.rundir.liveness import dead_rendezvous, driver_state, remove_dead_buffers, this_driver
 
 
 def _dead_pid() -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.run_dir import RunDir, RunDirError, RunInfo, list_runs
+from elastictrain.rundir.run_dir import RunDir, RunDirError, RunInfo, list_runs
 
 
 def ticking_clock(start: datetime | None = None) -> Callable[[], datetime]:

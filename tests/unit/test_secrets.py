@@ -58,7 +58,7 @@ def test_the_masked_config_yaml_names_the_same_run(tmp_path):
 
 
 def test_the_run_folder_holds_no_secret(tmp_path):
-    from elastictrain.driver import prepare_run_dir
+    from elastictrain.launch import prepare_run_dir
 
     run_dir, _ = prepare_run_dir(config_with_secrets(tmp_path), fresh=False)
     for path in run_dir.path.rglob("*"):
@@ -69,8 +69,8 @@ def test_the_run_folder_holds_no_secret(tmp_path):
 def test_mlflow_params_and_artifacts_hold_no_secret(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from elastictrain.driver import make_tracker, prepare_run_dir
-    from elastictrain.runtime.tracker import default_tracking_uri
+    from elastictrain.launch import make_tracker, prepare_run_dir
+    from elastictrain.tracking.tracker import default_tracking_uri
 
     uri = default_tracking_uri(tmp_path / "run")
     cfg = config_with_secrets(tmp_path, uri=uri)
@@ -92,7 +92,7 @@ def test_mlflow_params_and_artifacts_hold_no_secret(tmp_path):
 
 
 def test_secret_environment_values_and_url_passwords_never_reach_a_log_line(monkeypatch, caplog, tmp_path):
-    from elastictrain.runtime.tracker import MlflowTracker
+    from elastictrain.tracking.mlflow_tracker import MlflowTracker
 
     install_log_redaction()
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "env-password-4242")
@@ -111,6 +111,20 @@ def test_secret_environment_values_and_url_passwords_never_reach_a_log_line(monk
     assert "env-password-4242" not in caplog.text and URL_PASSWORD not in caplog.text
     assert f"connecting with password {MASK}" in caplog.text
     assert f"http://bob:{MASK}@127.0.0.1:9" in caplog.text
+
+
+def test_every_tracker_of_a_run_records_its_uri_without_the_password(tmp_path):
+    from elastictrain.rundir.run_dir import RunDir
+    from elastictrain.tracking.run_tracker import run_tracker
+
+    rd = RunDir.create(tmp_path / "run", name="r", config_yaml="{}\n", config_digest="d")
+    uri = f"http://bob:{URL_PASSWORD}@127.0.0.1:9"
+    tracker = run_tracker(rd, uri, "e", start_wait_s=0.0)  # what the driver and `elastictrain sync` build
+    assert tracker.on_run_id is not None
+    tracker.on_run_id("run-123")  # the tracker learnt the run id from MLflow
+    info = rd.read_info()
+    assert info.mlflow_run_id == "run-123" and info.mlflow_tracking_uri == f"http://bob:{MASK}@127.0.0.1:9"
+    assert URL_PASSWORD not in rd.run_json.read_text()
 
 
 def test_redaction_holds_when_a_library_installed_its_own_record_factory(monkeypatch, caplog):

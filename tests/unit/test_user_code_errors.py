@@ -15,13 +15,13 @@ from typer.testing import CliRunner
 
 from elastictrain.cli import app
 from elastictrain.config import ConfigError, load_config
-from elastictrain.runtime.data import collate_items, dataset_from_config
-from elastictrain.runtime.model import causal_lm_loss, loss_function
-from elastictrain.runtime.user_code import (
+from elastictrain.preflight import check_user_code
+from elastictrain.worker.data import collate_items, dataset_from_config
+from elastictrain.worker.model import causal_lm_loss, loss_function
+from elastictrain.worker.user_code import (
     UserCodeError,
     attach,
     call_factory,
-    check_user_code,
     label_for,
     share_module_roots,
     user_model,

@@ -2,7 +2,6 @@
 
 from elastictrain.config.errors import ConfigError
 from elastictrain.config.loader import (
-    batch_split,
     config_digest,
     load_config,
     to_flat_dict,
@@ -15,7 +14,6 @@ from elastictrain.config.schema import Config
 __all__ = [
     "Config",
     "ConfigError",
-    "batch_split",
     "config_digest",
     "load_config",
     "to_flat_dict",

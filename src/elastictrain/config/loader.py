@@ -22,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from elastictrain.config.errors import ConfigError
 from elastictrain.config.schema import Config
-from elastictrain.core.batch import plan_batch, workable_world_sizes
+from elastictrain.core.batch import workable_world_sizes
 from elastictrain.core.zero import stage_problems
 from elastictrain.redact import install_log_redaction, redact
 
@@ -341,11 +341,6 @@ def _writable(folder: str) -> bool:
 def valid_world_sizes(config: Config) -> list[int]:
     s, t = config.scaling, config.training
     return workable_world_sizes(t.global_batch_size, t.micro_batch_size, s.min_workers, s.max_workers)
-
-
-def batch_split(global_batch_size: int, micro_batch_size_cap: int, world_size: int) -> tuple[int, int] | None:
-    plan = plan_batch(global_batch_size, micro_batch_size_cap, world_size)
-    return None if plan is None else (plan.micro_batch_size, plan.grad_accum_steps)
 
 
 def _no_world_size_message(config: Config) -> str:

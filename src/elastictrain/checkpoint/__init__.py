@@ -1,0 +1,1 @@
+"""Checkpoint format and storage: rank files, the commit protocol, verification, reading fragments."""

@@ -1,0 +1,247 @@
+"""The commit protocol of checkpoints in RUN_DIR/checkpoints.
+
+Ranks write their files into a hidden staging folder. Only when every rank has reported its files
+(durably written, with sizes and sha256) does the controller write `manifest.json` (fsynced), rename the
+staging folder to `step-NNNNNN` (a rename is atomic), fsync the parent, and then replace `latest`.
+A crash at any moment leaves either no new folder, a hidden partial one (cleaned up later), or a
+committed one: the previous committed checkpoint stays loadable throughout. Folders are deleted by
+first renaming them to a hidden `.trash-` name, so a crash mid-delete never leaves a half-deleted
+folder that still holds its manifest. Every file's sha256 is checked again before a checkpoint is
+loaded (`verify_checkpoint`); one that fails is rejected and the previous one is used.
+
+Crash points (see durable.crash_point), in the order a save passes them: shard_partial,
+shard_written, manifest_partial, manifest_written, renamed, latest_tmp_written, committed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from elastictrain.core.checkpoints import (
+    CheckpointListing,
+    choose_resume_tag,
+    step_of_tag,
+    tag_for_step,
+    tags_to_delete,
+)
+from elastictrain.rundir.durable import (
+    crash_point,
+    fsync_dir,
+    replace_text_atomically,
+    sha256_of_file,
+    write_bytes_durably,
+)
+
+MANIFEST = "manifest.json"
+FORMAT = "elastictrain.zero3-fragments/1"
+STAGING_PREFIX = ".staging-"
+TRASH_PREFIX = ".trash-"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Committed:
+    tag: str
+    path: Path
+    manifest: dict[str, Any]
+
+
+class CheckpointStore:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def begin(self, step: int) -> Path:
+        """A fresh, empty staging folder for the checkpoint after `step` optimizer steps."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        staging = self.root / f"{STAGING_PREFIX}{tag_for_step(step)}"
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir()
+        return staging
+
+    def commit(
+        self, step: int, staging: Path, files: list[dict[str, Any]], fields: dict[str, Any]
+    ) -> Committed:
+        """Make a staged checkpoint count: manifest, rename, then `latest`. Files must all be present."""
+        tag = tag_for_step(step)
+        for f in files:
+            path = staging / f["name"]
+            if not path.is_file() or path.stat().st_size != f["bytes"]:
+                raise CheckpointError(
+                    f"checkpoint {tag}: {f['name']} is missing or has the wrong size; not committed"
+                )
+        manifest = {
+            "format": FORMAT,
+            "tag": tag,
+            "step": step,
+            "created_at": datetime.now(timezone.utc).isoformat(),
+            **fields,
+            "files": sorted(files, key=lambda f: f["name"]),
+        }
+        write_bytes_durably(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
+        fsync_dir(staging)
+        final = self.root / tag
+        if final.exists():  # an older commit of the same step (e.g. re-run after a crash): replace it
+            self._discard(final)
+        os.rename(staging, final)
+        fsync_dir(self.root)
+        crash_point("renamed")
+        replace_text_atomically(self.root / "latest", tag + "\n")
+        crash_point("committed")
+        return Committed(tag, final, manifest)
+
+    def abandon(self, staging: Path) -> None:
+        """Drop a save that cannot complete (e.g. the disk is full); committed checkpoints stay."""
+        shutil.rmtree(staging, ignore_errors=True)
+
+    def _discard(self, folder: Path) -> None:
+        # Atomically out of sight first: a crash mid-delete must not leave a half-deleted checkpoint.
+        trash = self.root / f"{TRASH_PREFIX}{folder.name}-{os.getpid()}-{time.monotonic_ns()}"
+        os.rename(folder, trash)
+        fsync_dir(self.root)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def listing(self) -> CheckpointListing:
+        if not self.root.is_dir():
+            return CheckpointListing((), None)
+        committed = tuple(
+            sorted(
+                (
+                    p.name
+                    for p in self.root.iterdir()
+                    if step_of_tag(p.name) is not None and (p / MANIFEST).is_file()
+                ),
+                key=lambda t: step_of_tag(t) or 0,
+            )
+        )
+        latest_file = self.root / "latest"
+        latest = latest_file.read_text().strip() if latest_file.is_file() else None
+        return CheckpointListing(committed, latest or None)
+
+    def manifest(self, tag: str) -> dict[str, Any]:
+        path = self.root / tag / MANIFEST
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"checkpoint {tag}: cannot read {path}: {e}") from e
+
+    def latest_committed(self, rejected: tuple[str, ...] = ()) -> Committed | None:
+        tag = choose_resume_tag(self.listing(), rejected)
+        return None if tag is None else Committed(tag, self.root / tag, self.manifest(tag))
+
+    def prune(self, keep_last: int, protect: tuple[str, ...] = ()) -> list[str]:
+        doomed = tags_to_delete(self.listing().committed, keep_last, protect)
+        for tag in doomed:
+            self._discard(self.root / tag)
+        return doomed
+
+    def clean_partials(self) -> list[str]:
+        """Remove what a crash mid-save or mid-delete left (staging, trash, temporary `latest`)."""
+        if not self.root.is_dir():
+            return []
+        prefixes = (STAGING_PREFIX, TRASH_PREFIX, ".latest.tmp-")
+        removed = sorted(p.name for p in self.root.iterdir() if p.name.startswith(prefixes))
+        for name in removed:
+            path = self.root / name
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        return removed
+
+
+@dataclass(frozen=True)
+class Verification:
+    path: Path
+    problems: list[str]
+    files: int
+    bytes: int
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _check_file(path: Path, entry: Any) -> str | None:
+    if not isinstance(entry, dict) or not {"name", "bytes", "sha256"} <= set(entry):
+        return f"{path / MANIFEST}: a file entry lacks name, bytes or sha256 ({entry!r})"
+    name = str(entry["name"])
+    file = path / name
+    # A manifest names files inside its own folder only: no absolute paths, no '..'.
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        return f"{path / MANIFEST}: file name {name!r} points outside the checkpoint folder"
+    if not file.is_file():
+        return f"{file}: missing"
+    size = file.stat().st_size
+    if size != entry["bytes"]:
+        return f"{file}: {size} bytes, manifest says {entry['bytes']} (truncated or altered)"
+    if sha256_of_file(file) != entry["sha256"]:
+        return f"{file}: sha256 differs from the manifest (corrupted)"
+    return None
+
+
+def verify(path: Path, threads: int = 8) -> Verification:
+    """Check every file of a checkpoint folder against its manifest's sizes and sha256.
+
+    Files are hashed in parallel threads (hashlib releases the GIL), so this costs about one read of
+    the checkpoint at disk speed.
+    """
+    t0 = time.perf_counter()
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        entries = manifest["files"]
+        if not isinstance(entries, list) or not entries:
+            raise ValueError("no 'files' list")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return Verification(path, [f"{path / MANIFEST}: unreadable or not a manifest ({e})"], 0, 0, 0.0)
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(entries)))) as pool:
+        results = list(pool.map(lambda entry: _check_file(path, entry), entries))
+    total = sum(int(e.get("bytes", 0)) for e in entries if isinstance(e, dict))
+    problems = [r for r in results if r]
+    return Verification(path, problems, len(entries), total, time.perf_counter() - t0)
+
+
+def verify_checkpoint(path: Path) -> list[str]:
+    """Problems found in a committed checkpoint folder: missing, truncated or altered files."""
+    return verify(path).problems
+
+
+def model_mismatch(manifest: dict[str, Any], hf_config: dict[str, Any]) -> list[str]:
+    """How the model a checkpoint was saved from differs from the configured one (empty: same model)."""
+    saved = (manifest.get("model") or {}).get("hf_config")
+    if not isinstance(saved, dict):
+        return []  # an older manifest without the model: the load itself checks every shape
+    keys = sorted(set(saved) | set(hf_config))
+    return [
+        f"model.hf_config.{k}: checkpoint has {saved.get(k)!r}, config has {hf_config.get(k)!r}"
+        for k in keys
+        if saved.get(k) != hf_config.get(k)
+    ]
+
+
+def resolve_checkpoint_path(path: str | Path) -> Path:
+    """Accept a checkpoint folder, a checkpoints/ folder (uses latest) or a run folder."""
+    p = Path(path)
+    for candidate in (p, p / "checkpoints"):
+        if (candidate / MANIFEST).is_file():
+            return candidate
+        store = CheckpointStore(candidate)
+        found = store.latest_committed()
+        if found is not None:
+            return found.path
+    raise CheckpointError(
+        f"{p}: no committed checkpoint here; expected a folder holding {MANIFEST}, a checkpoints/ folder, "
+        "or a run folder with committed checkpoints"
+    )

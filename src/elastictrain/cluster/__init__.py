@@ -1,0 +1,1 @@
+"""Every Ray call: reservations, actors, calls and gathers with typed errors."""

@@ -1,0 +1,339 @@
+"""A worker group without Ray, for unit tests and benchmarks of the control loop: scripted scenarios.
+
+Each fake worker answers the calls the loop makes (setup, train_step, save_shard, save_status,
+teardown, free_port) at once and in order, as an actor runs its calls one after another. Rank files
+are real (a few bytes each), so the checkpoint store commits and verifies them as it would a real
+run's. A scenario is scripted before or during the run:
+
+    group = FakeGroup(capacity=4)
+    group.die_at_step(rank=1, step=5)             # the rank's process dies running step 5
+    group.write_fails(rank=0, error=ENOSPC)       # its next background write ends in this error
+    group.save_hangs(rank=1)                      # its next background write never ends
+    group.drop_file(rank=1)                       # its next write says done, but the file is not there
+    group.die_in_save(rank=0)                     # its process dies taking the next snapshot
+    group.add_capacity(2)                         # two more reservations are placed
+
+A call to a dead worker replies DIED (NODE_LOST once its node is removed); a call to a hung worker
+TIMED_OUT, at once: the fake never waits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elastictrain.cluster.calls import DIED, NODE_LOST, RAISED, TIMED_OUT, Calls, Reply
+
+ENOSPC = "OSError: [Errno 28] No space left on device"
+
+
+class _Died(Exception):
+    pass
+
+
+class _Hung(Exception):
+    pass
+
+
+@dataclass
+class _Write:
+    staging: str
+    name: str
+    rank: int
+    state: str = "writing"  # writing, done, error
+    error: str = ""
+    hangs: bool = False
+    drop: bool = False
+    file: dict[str, Any] | None = None
+
+    def finish(self) -> None:
+        """The background write ends (unless scripted to hang)."""
+        if self.state != "writing" or self.hangs:
+            return
+        if self.error:
+            self.state = "error"
+            return
+        data = f"{self.name} of {self.staging}".encode()
+        path = Path(self.staging) / self.name
+        if not self.drop:
+            path.write_bytes(data)
+        self.file = {"name": self.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        self.state = "done"
+
+    def report(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"staging": self.staging, "state": self.state, "write_s": 0.0}
+        if self.state == "done":
+            out["file"] = self.file
+        elif self.state == "error":
+            out["error"] = self.error
+        return out
+
+
+@dataclass
+class FakeWorker:
+    worker_id: str
+    node_id: str
+    warm: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+    dead: bool = False
+    hung: bool = False
+    spec: Any = None
+    writer: _Write | None = None
+    step: int = -1
+    calls: list[str] = field(default_factory=list)  # every method called, in order
+    polls: int = 0  # looks at its warm-up so far
+
+    @property
+    def actor_id(self) -> str:
+        return f"actor-{self.worker_id}"
+
+    def __hash__(self) -> int:
+        return hash(self.worker_id)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FakeWorker) and other.worker_id == self.worker_id
+
+
+@dataclass
+class _Fault:
+    kind: str  # die, hang, raise (at a step); write_error, save_hangs, drop_file (at the next write)
+    rank: int
+    step: int = -1
+    detail: str = ""
+
+
+class FakeGroup:
+    """Implements cluster.calls.Group for `capacity` worker slots, all placed at once."""
+
+    def __init__(self, capacity: int, *, nodes: int | None = None, warmup_polls: int = 1) -> None:
+        self.capacity = capacity
+        self.warmup_polls = warmup_polls
+        self.workers: list[FakeWorker] = []
+        self.pending: list[int] = []  # reservations not turned into workers yet
+        self._nodes = nodes or capacity  # workers are spread over this many nodes, round-robin
+        self._lost_nodes: set[str] = set()
+        self._ids = itertools.count()
+        self._faults: list[_Fault] = []
+        self.removed: list[str] = []
+        self.node_queries = 0  # cluster queries made (one per check, not one per worker)
+
+    # -- scenario --
+    def die_at_step(self, rank: int, step: int) -> None:
+        self._faults.append(_Fault("die", rank, step))
+
+    def hang_at_step(self, rank: int, step: int) -> None:
+        self._faults.append(_Fault("hang", rank, step))
+
+    def raise_at_step(self, rank: int, step: int, error: str = "RuntimeError: boom") -> None:
+        self._faults.append(_Fault("raise", rank, step, error))
+
+    def write_fails(self, rank: int, error: str = ENOSPC) -> None:
+        self._faults.append(_Fault("write_error", rank, detail=error))
+
+    def save_hangs(self, rank: int) -> None:
+        self._faults.append(_Fault("save_hangs", rank))
+
+    def die_in_save(self, rank: int) -> None:
+        self._faults.append(_Fault("die_in_save", rank))
+
+    def drop_file(self, rank: int) -> None:
+        self._faults.append(_Fault("drop_file", rank))
+
+    def add_capacity(self, n: int) -> None:
+        self.capacity += n
+
+    def lose_node_of(self, worker: FakeWorker) -> None:
+        self._lost_nodes.add(worker.node_id)
+        for w in self.workers:
+            if w.node_id == worker.node_id:
+                w.dead = True
+
+    def _take(self, kind: str, rank: int, step: int = -1) -> _Fault | None:
+        for f in self._faults:
+            if f.kind == kind and f.rank == rank and f.step == step:
+                self._faults.remove(f)
+                return f
+        return None
+
+    # -- reservations and actors --
+    @property
+    def warm_workers(self) -> list[FakeWorker]:
+        return [w for w in self.workers if w.warm]
+
+    @property
+    def warming(self) -> list[FakeWorker]:
+        return [w for w in self.workers if not w.warm]
+
+    def _free_slots(self) -> int:
+        return self.capacity - len(self.workers)
+
+    def request(self, n: int) -> None:
+        self.pending.extend(range(n))
+
+    def ready_reservations(self, timeout_s: float = 0.0) -> int:
+        return min(len(self.pending), self._free_slots())
+
+    def wait_for_reservations(self, n: int, timeout_s: float) -> int:
+        return self.ready_reservations()
+
+    def start_workers(self, limit: int, config: Any) -> list[FakeWorker]:
+        new = []
+        for _ in range(min(limit, self.ready_reservations())):
+            self.pending.pop()
+            i = next(self._ids)
+            node = f"node-{i % self._nodes:04d}"
+            new.append(FakeWorker(f"fw{i}", node, info={"node_ip": "127.0.0.1", "node_id": node}))
+        self.workers.extend(new)
+        return new
+
+    def poll_warm(self, timeout_s: float = 0.0, n: int | None = None) -> list[FakeWorker]:
+        """A new worker is warm from its second look on: one that starts after a failure is not
+        there for the restart right away (survivors restart alone, the newcomer joins by a grow)."""
+        became = []
+        for w in self.warming:
+            w.polls += 1
+            if w.polls > self.warmup_polls:
+                w.warm = True
+                became.append(w)
+        return became
+
+    def remove(self, handle: Any, *, kill: bool = True) -> None:
+        if handle in self.workers:
+            self.workers.remove(handle)
+            self.removed.append(handle.worker_id)
+        handle.dead = True
+
+    def progress(self, timeout_s: float = 5.0) -> dict[str, dict[str, Any] | None]:
+        return {
+            w.worker_id: None
+            if w.dead
+            else {
+                "since": 0.0 if w.hung else 1.0,
+                "step": w.step,
+                "in_collective": not w.hung,
+                "where": "hung" if w.hung else "allreduce",
+            }
+            for w in self.workers
+        }
+
+    def nodes_alive(self) -> set[str]:
+        self.node_queries += 1
+        return {f"node-{i:04d}" for i in range(self._nodes)} - self._lost_nodes
+
+    def shutdown(self) -> None:
+        for w in list(self.workers):
+            self.remove(w)
+        self.pending.clear()
+
+    # -- calls --
+    def call(self, workers: Sequence[Any], method: str, *args: Any, control: bool = False) -> Calls:
+        return {w.worker_id: self._run(w, method, args, control) for w in workers}
+
+    def call_each(self, workers: Sequence[Any], method: str, args: Sequence[tuple[Any, ...]]) -> Calls:
+        return {w.worker_id: self._run(w, method, a, False) for w, a in zip(workers, args, strict=True)}
+
+    def gather(
+        self, calls: Calls, timeout_s: float, *, stop_on_error: bool = False, grace_s: float = 3.0
+    ) -> dict[str, Reply]:
+        replies = dict(calls)
+        if any(r.error == DIED for r in replies.values()):
+            alive = self.nodes_alive()
+            node_of = {w.worker_id: w.node_id for w in self.workers}
+            for wid, r in replies.items():
+                if r.error == DIED and wid in node_of and node_of[wid] not in alive:
+                    replies[wid] = Reply(wid, error=NODE_LOST, detail=r.detail, node_id=node_of[wid])
+        return replies
+
+    def _run(self, w: FakeWorker, method: str, args: tuple[Any, ...], control: bool) -> Reply:
+        w.calls.append(method)
+        if w.dead:
+            return Reply(w.worker_id, error=DIED, detail=f"The actor {w.worker_id} died")
+        if w.hung and not control:
+            return Reply(w.worker_id, error=TIMED_OUT, detail="no answer")
+        try:
+            return Reply(w.worker_id, getattr(self, f"_{method}")(w, *args))
+        except _Died:
+            w.dead = True
+            return Reply(w.worker_id, error=DIED, detail=f"The actor {w.worker_id} died")
+        except _Hung:
+            w.hung = True
+            return Reply(w.worker_id, error=TIMED_OUT, detail="no answer")
+        except RuntimeError as e:
+            return Reply(w.worker_id, error=RAISED, detail=str(e))
+
+    # -- what a TrainWorker answers --
+    def _free_port(self, w: FakeWorker) -> int:
+        return 29500
+
+    def _setup(self, w: FakeWorker, spec: Any) -> dict[str, float]:
+        w.spec, w.step, w.writer = spec, spec.start_step, None
+        return {"total_s": 0.0, "load_s": 0.0}
+
+    def _train_step(self, w: FakeWorker, step: int) -> dict[str, Any]:
+        rank = w.spec.rank
+        if self._take("die", rank, step):
+            raise _Died
+        if self._take("hang", rank, step):
+            raise _Hung
+        fault = self._take("raise", rank, step)
+        if fault:
+            raise RuntimeError(fault.detail)
+        if w.writer is not None:
+            w.writer.finish()  # a background write ends while the next step runs
+        w.step = step + 1
+        return {
+            "step": step,
+            "rank": rank,
+            "loss": 10.0 / (step + 1),
+            "lr": 1e-3,
+            "samples": 1,
+            "tokens": 1,
+            "step_time_s": 0.0,
+            "sample_ids": [step * w.spec.world_size + rank],
+            "save": w.writer.report() if w.writer is not None else None,
+        }
+
+    def _save_shard(self, w: FakeWorker, staging: str, background: bool = False) -> dict[str, Any]:
+        rank = w.spec.rank
+        if self._take("die_in_save", rank):
+            raise _Died
+        name = f"rank-{rank:05d}-of-{w.spec.world_size:05d}.safetensors"
+        write = _Write(staging, name, rank)
+        fault = self._take("write_error", rank)
+        write.error = fault.detail if fault else ""
+        write.hangs = self._take("save_hangs", rank) is not None
+        write.drop = self._take("drop_file", rank) is not None
+        out: dict[str, Any] = {
+            "name": name,
+            "engine_state": {"global_steps": w.step},
+            "snapshot_s": 0.0,
+            "save_s": 0.0,
+            "waited_s": 0.0,
+        }
+        if background:
+            w.writer = write
+        else:
+            write.finish()
+            if write.state == "error":
+                raise RuntimeError(write.error)
+            out["file"] = write.file
+        return out
+
+    def _save_status(self, w: FakeWorker, staging: str, wait_s: float = 0.0) -> dict[str, Any]:
+        write = w.writer
+        if write is None or write.staging != staging:
+            return {"staging": staging, "state": "error", "error": "no such write on this worker"}
+        write.finish()  # waiting for it lets it end
+        return write.report()
+
+    def _teardown(self, w: FakeWorker) -> dict[str, float]:
+        if w.writer is not None:
+            w.writer.finish()
+            if w.writer.state == "writing":  # a hung write: the real actor's teardown waits on it
+                raise _Hung
+        w.spec, w.writer = None, None
+        return {"teardown_s": 0.0}

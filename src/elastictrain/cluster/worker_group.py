@@ -1,0 +1,262 @@
+"""Ray side of the workers: reservations (placement groups), actors, and their liveness.
+
+Each worker gets its own single-bundle placement group. A lost node then releases exactly the
+workers it hosted, and a reservation that cannot be met yet stays *pending*: the Ray autoscaler (and
+KubeRay) sees pending placement groups as demand and adds nodes, which plain polling of free
+resources would never cause. When a pending reservation becomes ready, capacity has returned.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from elastictrain.cluster.calls import DIED, NODE_LOST, RAISED, TIMED_OUT, Calls, Reply
+from elastictrain.worker.actor import TrainWorker
+
+log = logging.getLogger("elastictrain.workers")
+
+
+@dataclass
+class WorkerHandle:
+    worker_id: str
+    actor: Any
+    pg: PlacementGroup
+    info: dict[str, Any] = field(default_factory=dict)
+    warm_ref: Any = None  # the pending `warmup` call; None once it finished
+    warm: bool = False
+
+    @property
+    def actor_id(self) -> str:
+        return str(self.info.get("actor_id", ""))
+
+    @property
+    def node_id(self) -> str:
+        return str(self.info.get("node_id", ""))
+
+
+@dataclass(frozen=True)
+class WorkerResources:
+    use_gpu: bool
+    cpus_per_worker: float
+    gpus_per_worker: float
+
+    def bundle(self) -> dict[str, float]:
+        b = {"CPU": self.cpus_per_worker}
+        if self.use_gpu:
+            b["GPU"] = self.gpus_per_worker
+        return b
+
+    def env_vars(self) -> dict[str, str]:
+        env = {"OMP_NUM_THREADS": str(max(1, int(self.cpus_per_worker)))}
+        if not self.use_gpu:
+            env["DS_ACCELERATOR"] = "cpu"
+        # Pass through what a worker needs to find the same package and loopback settings as the driver.
+        for key in ("PYTHONPATH", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "TORCH_EXTENSIONS_DIR"):
+            if key in os.environ:
+                env[key] = os.environ[key]
+        return env
+
+
+class WorkerGroup:
+    def __init__(self, resources: WorkerResources, name_prefix: str = "et") -> None:
+        self.resources = resources
+        self.workers: list[WorkerHandle] = []
+        self.pending: list[PlacementGroup] = []
+        self._ready_refs: dict[str, Any] = {}  # placement group id -> its one `ready()` ref
+        self._ids = itertools.count()
+        self._prefix = name_prefix
+        self._actor_cls = ray.remote(concurrency_groups={"control": 2})(TrainWorker)
+
+    # -- reservations --
+    def request(self, n: int) -> None:
+        """Ask for n more worker slots; they stay pending until the cluster can place them."""
+        for _ in range(n):
+            pg = placement_group([self.resources.bundle()], strategy="STRICT_PACK")
+            self.pending.append(pg)
+            self._ready_refs[pg.id.hex()] = pg.ready()
+
+    def _ready(self, timeout_s: float, n: int | None = None) -> list[PlacementGroup]:
+        """Pending reservations that are placed, after waiting up to timeout_s for n of them."""
+        if not self.pending:
+            return []
+        refs = [self._ready_refs[pg.id.hex()] for pg in self.pending]
+        want = len(refs) if n is None else max(1, min(n, len(refs)))
+        ray.wait(refs, num_returns=want, timeout=timeout_s)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        placed = set(ready)
+        return [pg for pg, ref in zip(self.pending, refs, strict=True) if ref in placed]
+
+    def ready_reservations(self, timeout_s: float = 0.0) -> int:
+        """How many pending reservations are placed now (waits up to timeout_s for all of them)."""
+        return len(self._ready(timeout_s))
+
+    def wait_for_reservations(self, n: int, timeout_s: float) -> int:
+        """Wait until n pending reservations are placed or the timeout passes; returns how many are."""
+        return len(self._ready(timeout_s, n))
+
+    def release_pending(self, keep: int = 0) -> None:
+        while len(self.pending) > keep:
+            pg = self.pending.pop()
+            self._ready_refs.pop(pg.id.hex(), None)
+            remove_placement_group(pg)
+
+    # -- actors --
+    def start_workers(self, limit: int, config: Any) -> list[WorkerHandle]:
+        """Start actors in up to `limit` placed reservations; they warm up in the background."""
+        new: list[WorkerHandle] = []
+        for pg in self._ready(0.0)[:limit]:
+            self.pending.remove(pg)
+            self._ready_refs.pop(pg.id.hex(), None)
+            worker_id = f"{self._prefix}-w{next(self._ids)}"
+            actor = self._actor_cls.options(
+                num_cpus=self.resources.cpus_per_worker,
+                num_gpus=self.resources.gpus_per_worker if self.resources.use_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+                runtime_env={"env_vars": self.resources.env_vars()},
+                max_restarts=0,
+            ).remote(worker_id, self.resources.use_gpu)
+            handle = WorkerHandle(worker_id, actor, pg, warm_ref=actor.warmup.remote(config))
+            new.append(handle)
+        self.workers.extend(new)
+        return new
+
+    @property
+    def warm_workers(self) -> list[WorkerHandle]:
+        return [w for w in self.workers if w.warm]
+
+    @property
+    def warming(self) -> list[WorkerHandle]:
+        return [w for w in self.workers if not w.warm]
+
+    def poll_warm(self, timeout_s: float = 0.0, n: int | None = None) -> list[WorkerHandle]:
+        """Collect finished warm-ups (waiting up to timeout_s for n of them); a failed one is removed."""
+        cold = self.warming
+        if not cold:
+            return []
+        refs = [w.warm_ref for w in cold]
+        want = len(refs) if n is None else max(1, min(n, len(refs)))
+        ready, _ = ray.wait(refs, num_returns=want, timeout=timeout_s)
+        done = set(ready)
+        became_warm = []
+        for w in cold:
+            if w.warm_ref not in done:
+                continue
+            try:
+                w.info = ray.get(w.warm_ref)
+                w.warm, w.warm_ref = True, None
+                became_warm.append(w)
+            except Exception as e:  # noqa: BLE001 - a worker that cannot warm up is not usable
+                log.warning("worker %s failed to start: %s", w.worker_id, e)
+                self.remove(w)
+        return became_warm
+
+    def remove(self, handle: WorkerHandle, *, kill: bool = True) -> None:
+        if handle in self.workers:
+            self.workers.remove(handle)
+        if kill:
+            try:
+                ray.kill(handle.actor, no_restart=True)
+            except Exception as e:  # noqa: BLE001 - already dead is fine
+                log.debug("kill %s: %s", handle.worker_id, e)
+        try:
+            remove_placement_group(handle.pg)
+        except Exception as e:  # noqa: BLE001
+            log.debug("remove placement group of %s: %s", handle.worker_id, e)
+
+    def progress(self, timeout_s: float = 5.0) -> dict[str, dict[str, Any] | None]:
+        refs = {
+            w.worker_id: w.actor.progress.options(concurrency_group="control").remote() for w in self.workers
+        }
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        out: dict[str, dict[str, Any] | None] = {}
+        for wid, ref in refs.items():
+            try:
+                out[wid] = ray.get(ref) if ref in ready else None
+            except Exception:  # noqa: BLE001
+                out[wid] = None
+        return out
+
+    # -- calls --
+    def call(self, workers: Sequence[WorkerHandle], method: str, *args: Any, control: bool = False) -> Calls:
+        calls: Calls = {}
+        for w in workers:
+            fn = getattr(w.actor, method)
+            calls[w.worker_id] = (fn.options(concurrency_group="control") if control else fn).remote(*args)
+        return calls
+
+    def call_each(
+        self, workers: Sequence[WorkerHandle], method: str, args: Sequence[tuple[Any, ...]]
+    ) -> Calls:
+        return {w.worker_id: getattr(w.actor, method).remote(*a) for w, a in zip(workers, args, strict=True)}
+
+    def gather(
+        self, calls: Calls, timeout_s: float, *, stop_on_error: bool = False, grace_s: float = 3.0
+    ) -> dict[str, Reply]:
+        pending = {ref: wid for wid, ref in calls.items()}
+        replies: dict[str, Reply] = {}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            left = max(0.0, deadline - time.monotonic())
+            if stop_on_error:  # one at a time, to notice the first error at once
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(1.0, left))
+            else:
+                ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=left)
+            for ref in ready:
+                wid = pending.pop(ref)
+                replies[wid] = _reply(wid, ref)
+                if stop_on_error and not replies[wid].ok:
+                    ray.wait(list(pending), num_returns=len(pending), timeout=grace_s)
+                    for other, owid in pending.items():
+                        replies[owid] = _reply(owid, other)
+                    pending.clear()
+                    break
+            if pending and time.monotonic() >= deadline:
+                break
+        for wid in pending.values():
+            replies[wid] = Reply(wid, error=TIMED_OUT, detail=f"no answer in {timeout_s:.0f}s")
+        return self._mark_lost_nodes(replies)
+
+    def _mark_lost_nodes(self, replies: dict[str, Reply]) -> dict[str, Reply]:
+        if not any(r.error == DIED for r in replies.values()):
+            return replies
+        alive = self.nodes_alive()
+        node_of = {w.worker_id: w.node_id for w in self.workers}
+        out = {}
+        for wid, r in replies.items():
+            node = node_of.get(wid, "")
+            lost = r.error == DIED and wid in node_of and node not in alive
+            out[wid] = replace(r, error=NODE_LOST, node_id=node) if lost else replace(r, node_id=node)
+        return out
+
+    def nodes_alive(self) -> set[str]:
+        return {str(n.get("NodeID")) for n in ray.nodes() if n.get("Alive")}
+
+    def shutdown(self) -> None:
+        for w in list(self.workers):
+            self.remove(w)
+        self.release_pending()
+
+
+def _reply(worker_id: str, ref: Any) -> Reply:
+    """The outcome of a finished (or, if not finished, timed-out) call, without waiting."""
+    try:
+        return Reply(worker_id, ray.get(ref, timeout=0))
+    except RayActorError as e:
+        return Reply(worker_id, error=DIED, detail=str(e))
+    except RayTaskError as e:
+        return Reply(worker_id, error=RAISED, detail=str(e))
+    except GetTimeoutError:
+        return Reply(worker_id, error=TIMED_OUT, detail="no answer yet")
+    except Exception as e:  # noqa: BLE001 - e.g. an argument that cannot be unpickled: the call raised
+        return Reply(worker_id, error=RAISED, detail=f"{type(e).__name__}: {e}")

@@ -1,0 +1,1 @@
+"""Driver side: the only run loop and the parts it is built from. Never imports Ray."""

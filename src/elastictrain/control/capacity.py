@@ -1,0 +1,122 @@
+"""Capacity and growth: how many warm workers the next attempt gets, and when to grow into more."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from elastictrain.cluster.calls import Group
+from elastictrain.control.errors import RunFailed
+from elastictrain.control.record import RunRecorder
+from elastictrain.core.policy import Fail, Restart, ScalingRules, Wait, decide_grow, decide_start
+from elastictrain.core.state import RunStatus
+
+FIRST_PLACEMENT_WAIT_S = 5.0  # at the first start, time for the reservations to be placed
+WARMUP_POLL_S = 1.0
+
+
+def scaling_rules(config: Any) -> ScalingRules:
+    s = config.scaling
+    return ScalingRules(
+        min_workers=s.min_workers,
+        max_workers=s.max_workers,
+        global_batch_size=config.training.global_batch_size,
+        micro_batch_size=config.training.micro_batch_size,
+        max_failures=config.failure.max_failures,
+        wait_for_capacity_s=config.failure.wait_for_capacity_s,
+    )
+
+
+class Capacity:
+    def __init__(
+        self,
+        config: Any,
+        group: Group,
+        recorder: RunRecorder,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = config
+        self.group = group
+        self.recorder = recorder
+        self.rules = scaling_rules(config)
+        self.clock = clock
+
+    def slots(self) -> int:
+        """Workers that exist plus reservations placed: what a restart could run on."""
+        return len(self.group.workers) + self.group.ready_reservations()
+
+    def start_new_workers(self, step: int) -> None:
+        """Start actors in every placed reservation; they warm up while the others train."""
+        new = self.group.start_workers(self.rules.max_workers, self.cfg)
+        if new:
+            self.recorder.event(
+                "workers_starting",
+                f"starting {len(new)} new worker actor(s) in the background",
+                step=step,
+                workers=[w.worker_id for w in new],
+            )
+
+    def _request_missing(self) -> None:
+        missing = self.rules.max_workers - len(self.group.workers) - len(self.group.pending)
+        if missing > 0:
+            self.group.request(missing)
+
+    def acquire(self, *, initial: bool, step: int) -> int:
+        """The world size of the next attempt, once that many warm workers are there.
+
+        After a failure, the warm survivors restart at once (shrinking if need be) and replacements
+        warm up in the background, joining by a grow at a later checkpoint: a cold actor is on the
+        critical path only at the first start or below the minimum size.
+        """
+        self._request_missing()
+        if initial:
+            self.group.wait_for_reservations(len(self.group.pending), FIRST_PLACEMENT_WAIT_S)
+        waiting_since: float | None = None
+        announced = None
+        while True:
+            self.start_new_workers(step)
+            self.group.poll_warm()
+            if not initial:
+                size = self.rules.best_size(len(self.group.warm_workers))
+                if size is not None:
+                    return size
+            capacity = self.slots()  # read once: a reservation may be placed at any moment
+            decision = decide_start(self.rules, capacity, self.clock(), waiting_since)
+            if isinstance(decision, Restart):
+                # Enough workers exist but some are still warming up: wait for them.
+                need = decision.world_size - len(self.group.warm_workers)
+                if need <= 0:
+                    if waiting_since is not None:
+                        self.recorder.event(
+                            "capacity_back", f"{decision.world_size} workers ready", step=step
+                        )
+                    return decision.world_size
+                self.group.poll_warm(timeout_s=WARMUP_POLL_S, n=need)
+                continue
+            if isinstance(decision, Fail):
+                raise RunFailed(decision.reason)
+            assert isinstance(decision, Wait)
+            if waiting_since is None:
+                waiting_since = self.clock()
+                self.recorder.set_status(RunStatus.WAITING, decision.reason, step=step)
+            if announced != decision.reason:
+                self.recorder.event(
+                    "waiting_for_capacity",
+                    f"waiting up to {decision.deadline - self.clock():.0f}s for capacity: {decision.reason}",
+                    style="yellow",
+                    step=step,
+                    need=decision.need,
+                )
+                announced = decision.reason
+            self.group.wait_for_reservations(decision.need - len(self.group.workers), timeout_s=1.0)
+
+    def grow_target(self, world_size: int, step: int) -> int | None:
+        """A larger world size to move to now (warm workers for it are there), or None."""
+        if world_size >= self.rules.max_workers:
+            return None
+        self._request_missing()
+        self.start_new_workers(step)
+        self.group.poll_warm()
+        return decide_grow(self.rules, world_size, len(self.group.warm_workers))

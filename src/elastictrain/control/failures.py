@@ -1,0 +1,130 @@
+"""Failure handling: replies of the workers -> a `Failure` (decided on by core), teardown of survivors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from elastictrain.cluster.calls import DIED, NODE_LOST, RAISED, TIMED_OUT, Calls, Group, Reply
+from elastictrain.control.errors import AttemptFailed
+from elastictrain.control.record import RunRecorder
+from elastictrain.core.membership import WorkerObservation, stalled_workers
+from elastictrain.core.policy import Failure
+
+TEARDOWN_TIMEOUT_S = 5.0  # a survivor that cannot leave its attempt in this time is replaced
+
+
+def gather_results(group: Group, calls: Calls, step: int, *, timeout_s: float, phase: str) -> dict[str, Any]:
+    """Results of one call on every active worker; raises AttemptFailed naming the root cause."""
+    replies = group.gather(calls, timeout_s, stop_on_error=True)
+    if all(r.ok for r in replies.values()):
+        return {wid: replies[wid].value for wid in calls}
+    raise AttemptFailed(classify(group, replies, step, phase, timeout_s))
+
+
+def classify(group: Group, replies: dict[str, Reply], step: int, phase: str, timeout_s: float) -> Failure:
+    dead = [wid for wid, r in replies.items() if r.error in (DIED, NODE_LOST)]
+    if dead:
+        lost_nodes = {replies[w].node_id for w in dead if replies[w].error == NODE_LOST}
+        kind = "node_lost" if lost_nodes else "worker_died"
+        what = f"node(s) {', '.join(n[:8] for n in lost_nodes)} lost" if lost_nodes else "worker process died"
+        return Failure(kind, tuple(dead), step, f"{what} during {phase}: {', '.join(dead)}")
+    raised = {wid: r.detail for wid, r in replies.items() if r.error == RAISED}
+    if raised:
+        # Prefer the worker whose error is its own, not a broken collective.
+        own = {w: e for w, e in raised.items() if not is_collective_error(e)} or raised
+        wid, err = next(iter(own.items()))
+        return Failure(
+            "setup_error" if phase == "setup" else "step_error",
+            tuple(own),
+            step,
+            f"{phase} raised in {wid}: {short(err)}",
+        )
+    silent = [wid for wid, r in replies.items() if r.error == TIMED_OUT]
+    return classify_hang(group, step, phase, timeout_s, silent)
+
+
+def classify_hang(group: Group, step: int, phase: str, timeout_s: float, silent: Sequence[str]) -> Failure:
+    """No answer in time: the suspects are the workers that are gone, else those not waiting on the others."""
+    progress = group.progress(timeout_s=5.0)
+    alive = group.nodes_alive()  # one cluster query for every worker
+    node_of = {w.worker_id: w.node_id for w in group.workers}
+    observations = [
+        WorkerObservation(
+            worker_id=wid,
+            answering=p is not None,
+            node_alive=node_of.get(wid) in alive,
+            last_progress=p["since"] if p else 0.0,
+            step=p["step"] if p else step,
+            in_collective=bool(p and p["in_collective"]),
+        )
+        for wid, p in progress.items()
+    ]
+    dead = [o.worker_id for o in observations if not o.answering or not o.node_alive]
+    suspects = tuple(dead) or (stalled_workers(observations) if observations else tuple(silent))
+    where = "; ".join(f"{w}: {progress[w]['where']}" for w in suspects if progress.get(w))  # type: ignore[index]
+    return Failure(
+        "hang",
+        suspects,
+        step,
+        f"no progress in {phase} for {timeout_s:.0f}s (failure.hang_timeout_s); "
+        f"stalled: {', '.join(suspects)}" + (f" at {where}" if where else ""),
+    )
+
+
+def remove_at_fault(group: Group, failure: Failure) -> None:
+    """The workers at fault are replaced; everyone else keeps its actor.
+
+    A rank whose step raised is replaced too: its peers wait for it inside a gloo collective, and
+    only its process exiting releases them at once (and after a CUDA error its process is not to be
+    trusted anyway).
+    """
+    by_id = {w.worker_id: w for w in group.workers}
+    for wid in failure.worker_ids:
+        if wid in by_id:
+            group.remove(by_id[wid])
+
+
+def teardown(group: Group, active: Sequence[Any], recorder: RunRecorder, step: int) -> None:
+    """Tear the attempt down on every surviving worker; a worker that cannot is replaced."""
+    survivors = [w for w in group.workers if w in active]
+    replies = group.gather(group.call(survivors, "teardown"), TEARDOWN_TIMEOUT_S)
+    stuck: dict[str, str] = {}
+    for w in survivors:
+        r = replies[w.worker_id]
+        if r.error == TIMED_OUT:
+            stuck[w.worker_id] = f"teardown did not finish in {TEARDOWN_TIMEOUT_S:.0f}s"
+        elif not r.ok:
+            stuck[w.worker_id] = short(r.detail)
+    if not stuck:
+        return
+    progress = group.progress(timeout_s=2.0)
+    for w in [w for w in survivors if w.worker_id in stuck]:
+        where = (progress.get(w.worker_id) or {}).get("where", "")
+        recorder.event(
+            "worker_replaced",
+            f"worker {w.worker_id} could not leave the attempt "
+            f"({stuck[w.worker_id]}; at {where or 'unknown'}); replacing it",
+            step=step,
+            worker=w.worker_id,
+            where=where,
+        )
+        group.remove(w)
+
+
+def is_disk_full(text: str) -> bool:
+    return any(s in text for s in ("No space left on device", "Errno 28", "Disk quota exceeded", "Errno 122"))
+
+
+def is_collective_error(text: str) -> bool:
+    return any(
+        s in text for s in ("Connection closed by peer", "Connection reset", "gloo", "NCCL", "Timed out")
+    )
+
+
+def short(e: BaseException | str) -> str:
+    """The last line of an error or of a worker's error report (its traceback ends with 'Type: message')."""
+    text = str(e).strip().splitlines()
+    if text:
+        return text[-1][:300]
+    return "unknown error" if isinstance(e, str) else type(e).__name__

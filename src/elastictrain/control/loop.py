@@ -1,0 +1,344 @@
+"""The controller: the only run loop (observe -> decide -> act) and, through its recorder, the only writer
+of the run's state.
+
+    acquire capacity -> start an attempt -> train -> (failure or resize) decide -> ... -> finish
+
+Workers outlive attempts: after a failure or a resize only the process group and the engines are
+rebuilt (on a fresh rendezvous), and only missing workers get new actors. Every concern is a part
+with its own state (capacity.py, saves.py, failures.py, pipeline.py, record.py); this file is the
+order in which the loop uses them. It never imports Ray: the worker group does (cluster/).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastictrain.checkpoint.store import CheckpointStore, Committed
+from elastictrain.cluster.calls import Group
+from elastictrain.config.deepspeed_config import build_deepspeed_config
+from elastictrain.control.callbacks import Callbacks
+from elastictrain.control.capacity import Capacity
+from elastictrain.control.errors import AttemptFailed, RunFailed
+from elastictrain.control.failures import gather_results, remove_at_fault, teardown
+from elastictrain.control.manifest import manifest_fields
+from elastictrain.control.pipeline import Ahead, StepPipeline
+from elastictrain.control.record import RunRecorder
+from elastictrain.control.resume import ResumePoints
+from elastictrain.control.saves import SaveCoordinator
+from elastictrain.core.batch import BatchPlan, plan_batch
+from elastictrain.core.policy import Fail, Failure, Restart, decide_after_failure
+from elastictrain.core.state import RunStatus
+from elastictrain.progress import Reporter
+from elastictrain.rundir.run_dir import RunDir
+from elastictrain.tracking.tracker import Tracker
+from elastictrain.worker.attempt import AttemptSpec
+
+
+@dataclass
+class RunSummary:
+    status: RunStatus
+    step: int
+    message: str = ""
+    world_sizes: list[int] = field(default_factory=list)
+    failures: int = 0
+
+
+class Controller:
+    def __init__(
+        self,
+        config: Any,
+        run_dir: RunDir,
+        tracker: Tracker,
+        reporter: Reporter,
+        group: Group,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        callbacks: Callbacks | None = None,
+    ) -> None:
+        self.cfg = config
+        self.group = group
+        self.clock = clock
+        self.callbacks = callbacks or Callbacks()
+        self.store = CheckpointStore(run_dir.checkpoints_dir)
+        self.recorder = RunRecorder(run_dir, tracker, reporter)
+        self.resume = ResumePoints(self.store, dict(config.model.hf_config), self.recorder)
+        self.capacity = Capacity(config, group, self.recorder, clock=clock)
+        self.rules = self.capacity.rules
+        self.saves = SaveCoordinator(config, group, self.store, self.recorder, self.resume, clock=clock)
+        self.pipeline = StepPipeline(
+            config, group, self.recorder, self.saves, self.capacity, after_step=self._after_step, clock=clock
+        )
+        self.attempt = 0
+        self.plan: BatchPlan | None = None
+        self.active: list[Any] = []  # this attempt's workers, in rank order
+        self.active_before: list[Any] = []  # the last attempt's workers, for stable ranks
+
+    # What callbacks look at.
+    @property
+    def step(self) -> int:
+        return self.pipeline.step
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline.world_size
+
+    @property
+    def ledger(self) -> Callable[[int, int, list[int]], None] | None:
+        return self.pipeline.ledger
+
+    @ledger.setter
+    def ledger(self, record: Callable[[int, int, list[int]], None] | None) -> None:
+        self.pipeline.ledger = record
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> RunSummary:
+        recorder, max_steps = self.recorder, self.cfg.training.max_steps
+        try:
+            self._begin()
+            # Finished only when a committed checkpoint holds max_steps: a failure during the last
+            # segment's save leaves the step counter at max_steps but that checkpoint abandoned.
+            while self._committed_step() < max_steps:
+                size = self.capacity.acquire(initial=self.attempt == 0, step=self.step)
+                try:
+                    self._start_attempt(size)
+                    self._train()
+                except AttemptFailed as e:
+                    self._after_failure(e.failure)
+            recorder.set_status(RunStatus.FINISHED, "finished", step=self.step)
+            self._event("finish", f"finished at step {self.step}", style="green")
+            return self._summary(RunStatus.FINISHED, "finished")
+        except RunFailed as e:
+            recorder.record_end(RunStatus.FAILED, str(e), step=self.step)
+            self._event("fail", f"run failed: {e}", style="bold red", reason=str(e))
+            return self._summary(RunStatus.FAILED, str(e))
+        except KeyboardInterrupt:
+            recorder.record_end(RunStatus.STOPPED, "interrupted", step=self.step)
+            self._event("stop", "interrupted; resume with `elastictrain resume`", style="yellow")
+            raise
+        except Exception as e:  # a bug or an error no part handles: still the run's recorded end
+            message = f"{type(e).__name__}: {e}"
+            recorder.record_end(RunStatus.FAILED, message, step=self.step)
+            self._event("fail", f"run failed: {message}", style="bold red", reason=message)
+            raise
+        finally:
+            recorder.reporter.close()
+            for callback in self.callbacks.before_shutdown:
+                callback(self)
+            self.group.shutdown()
+
+    def _begin(self) -> None:
+        """Clean what an interrupted save left, find the checkpoint to resume from, say so."""
+        partials = self.store.clean_partials()
+        if partials:
+            self._event(
+                "partial_checkpoints_removed",
+                f"removed what an interrupted save left behind: {', '.join(partials)}",
+                style="yellow",
+                removed=partials,
+            )
+        resumed = self.resume.find(self.step)
+        self.pipeline.step = resumed.manifest["step"] if resumed else 0
+        self.recorder.begin(step=self.step, nothing_to_train=self.step >= self.cfg.training.max_steps)
+        if resumed:
+            self._event(
+                "resume",
+                f"resuming from checkpoint {resumed.tag} (step {self.step}; "
+                f"all files verified in {self.resume.last_verify_s:.2f}s)",
+                tag=resumed.tag,
+            )
+        else:
+            self._event("start", f"starting run {self.recorder.run_dir.read_info().name} at step 0")
+        self.recorder.reporter.start(self.step)
+
+    # ------------------------------------------------------------------ start an attempt
+    def _start_attempt(self, size: int) -> None:
+        self.attempt += 1
+        plan = plan_batch(self.rules.global_batch_size, self.rules.micro_batch_size, size)
+        assert plan is not None
+        # Survivors keep their ranks' order; newly warm workers follow.
+        warm = self.group.warm_workers
+        active = [w for w in self.active_before if w in warm] + [
+            w for w in warm if w not in self.active_before
+        ]
+        active = active[:size]
+        if len(active) < size:
+            raise AttemptFailed(
+                Failure("setup_error", (), self.step, f"only {len(active)} of {size} workers ready")
+            )
+        resume = self.resume.find(self.step)
+        start = resume.manifest["step"] if resume else 0
+        if start != self.step:  # steps since that checkpoint are redone
+            self.pipeline.lost_steps = self.step - start
+        previous = self.world_size
+        self.plan, self.active, self.active_before = plan, active, active
+        self.pipeline.attach(active, start)
+        self.saves.attach(active, self._manifest_for(size, plan))
+        port = gather_results(
+            self.group, self.group.call(active[:1], "free_port"), self.step, timeout_s=60.0, phase="setup"
+        )[active[0].worker_id]
+        master_addr = active[0].info["node_ip"]
+        t0 = self.clock()
+        specs = self._specs(size, plan, resume, master_addr, port)
+        calls = self.group.call_each(active, "setup", [(spec,) for spec in specs])
+        timings = gather_results(
+            self.group, calls, self.step, timeout_s=self.cfg.failure.collective_timeout_s, phase="setup"
+        )
+        reason = (
+            "start"
+            if previous == 0
+            else ("shrink" if size < previous else "grow" if size > previous else "restart")
+        )
+        self.recorder.record_world_size(self.step, size, reason)
+        self.recorder.set_status(RunStatus.RUNNING, step=self.step)
+        self._event(
+            "attempt_started",
+            f"attempt {self.attempt}: world size {size} (micro batch {plan.micro_batch_size} x accumulation "
+            f"{plan.grad_accum_steps} x {size} ranks = {plan.global_batch_size}), step {self.step}"
+            + (f", from {resume.tag}" if resume else "")
+            + f", set up in {self.clock() - t0:.2f}s",
+            attempt=self.attempt,
+            world_size=size,
+            checkpoint=resume.tag if resume else None,
+            setup_s=max(t["total_s"] for t in timings.values()),
+            # The sha256 check of the checkpoint, next to what loading it cost the slowest rank.
+            verify_s=self.resume.last_verify_s if resume else 0.0,
+            load_s=max(t.get("load_s", 0.0) for t in timings.values()),
+            actors=[w.actor_id for w in active],
+            master=f"{master_addr}:{port}",
+        )
+        self.recorder.metrics({"world_size": float(size)}, step=self.step)
+        for callback in self.callbacks.after_attempt_start:
+            callback(self)
+
+    def _specs(
+        self, size: int, plan: BatchPlan, resume: Committed | None, master_addr: str, port: int
+    ) -> list[AttemptSpec]:
+        ds_config = build_deepspeed_config(self.cfg, plan.micro_batch_size, plan.grad_accum_steps, size)
+        return [
+            AttemptSpec(
+                attempt=self.attempt,
+                rank=rank,
+                world_size=size,
+                master_addr=master_addr,
+                master_port=port,
+                backend="nccl" if self.cfg.scaling.use_gpu else "gloo",
+                plan=plan,
+                config=self.cfg,
+                ds_config=ds_config,
+                checkpoint_dir=str(resume.path) if resume else None,
+                start_step=self.step,
+            )
+            for rank in range(size)
+        ]
+
+    def _manifest_for(self, size: int, plan: BatchPlan) -> Callable[[int, dict[str, Any]], dict[str, Any]]:
+        def fields(step: int, engine_state: dict[str, Any]) -> dict[str, Any]:
+            samples = step * self.rules.global_batch_size
+            info = self.recorder.run_dir.read_info()
+            return manifest_fields(
+                self.cfg, world_size=size, plan=plan, samples=samples, engine_state=engine_state, info=info
+            )
+
+        return fields
+
+    # ------------------------------------------------------------------ train
+    def _train(self) -> None:
+        every = self.cfg.checkpoint.every_steps
+        max_steps = self.cfg.training.max_steps
+        ahead: Ahead = deque()
+        while self.step < max_steps:
+            segment_end = min(max_steps, (self.step // every + 1) * every)
+            # Below max_workers every checkpoint may be followed by a grow: then no step is queued past it.
+            resize_may_follow = self.world_size < self.rules.max_workers
+            save, ahead = self.pipeline.run_segment(segment_end, ahead, resize_may_follow=resize_may_follow)
+            self.saves.collect(save, self.step)
+            self.pipeline.restart_clock()
+            if not ahead and self._grow():
+                return
+        self.saves.finish(self.step)  # the last checkpoint is committed before the run says finished
+        if self._committed_step() < max_steps:  # not written (e.g. a full disk): training again won't help
+            previous = self.resume.latest()
+            raise RunFailed(
+                f"the final checkpoint (step {max_steps}) could not be saved: {self.saves.last_failure}; "
+                f"resume with `elastictrain resume` (from {previous.tag if previous else 'step 0'}) "
+                "once it can be written"
+            )
+
+    def _grow(self) -> bool:
+        """Move to a larger world size at this checkpoint if warm workers for it are there."""
+        if self.step >= self.cfg.training.max_steps:
+            return False
+        target = self.capacity.grow_target(self.world_size, self.step)
+        if target is None:
+            return False
+        self.recorder.set_status(RunStatus.RESIZING, step=self.step)
+        self._event(
+            "grow",
+            f"capacity for {target} workers is back; growing {self.world_size} -> {target} "
+            f"at step {self.step} (just checkpointed: nothing lost)",
+            style="cyan",
+            world_size=target,
+        )
+        self.saves.finish(self.step)  # the checkpoint just taken is what the larger world loads
+        self.pipeline.recovering_since = self.clock()
+        self.pipeline.lost_steps = 0
+        self._teardown()
+        return True
+
+    # ------------------------------------------------------------------ decide after a failure
+    def _after_failure(self, failure: Failure) -> None:
+        for callback in self.callbacks.on_failure:
+            callback(self, failure)
+        detected = self.clock()
+        self.recorder.failures += 1
+        self.recorder.set_status(RunStatus.RECOVERING, failure.message, step=self.step)
+        self._event(
+            "failure",
+            f"{failure.kind}: {failure.message}",
+            style="bold red",
+            kind=failure.kind,
+            workers=list(failure.worker_ids),
+            failure_number=self.recorder.failures,
+        )
+        remove_at_fault(self.group, failure)
+        self.saves.settle(failure, self.step)
+        self._teardown()
+        self.store.clean_partials()  # a snapshot queued when the failure struck left its staging folder
+        ckpt = self.resume.latest()
+        decision = decide_after_failure(
+            self.rules, failure, self.recorder.failures, self.capacity.slots(), self.clock()
+        )
+        if isinstance(decision, Fail):
+            raise RunFailed(decision.reason)
+        resume_step = ckpt.manifest["step"] if ckpt else 0
+        self._event(
+            "decision",
+            f"decision: restart from {ckpt.tag if ckpt else 'the beginning'} (step {resume_step}); "
+            + (decision.reason if isinstance(decision, Restart) else f"wait: {decision.reason}"),
+            decision=type(decision).__name__,
+            world_size=decision.world_size if isinstance(decision, Restart) else None,
+        )
+        self.pipeline.recovering_since = detected
+
+    def _committed_step(self) -> int:
+        latest = self.resume.latest()
+        return int(latest.manifest["step"]) if latest else 0
+
+    def _teardown(self) -> None:
+        teardown(self.group, self.active, self.recorder, self.step)
+        self.active = []
+
+    # ------------------------------------------------------------------ helpers
+    def _after_step(self, step: int, results: list[dict[str, Any]]) -> None:
+        for callback in self.callbacks.after_step:
+            callback(self, step, results)
+
+    def _event(self, name: str, message: str = "", style: str = "", **fields: Any) -> None:
+        self.recorder.event(name, message, style, step=self.step, **fields)
+
+    def _summary(self, status: RunStatus, message: str) -> RunSummary:
+        return RunSummary(status, self.step, message, self.recorder.history(), self.recorder.failures)

@@ -1,0 +1,32 @@
+"""The fields of a checkpoint's manifest that the run adds (the store adds format, tag, step, files)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from elastictrain.core.batch import BatchPlan
+from elastictrain.rundir.run_dir import RunInfo
+
+
+def manifest_fields(
+    config: Any,
+    *,
+    world_size: int,
+    plan: BatchPlan,
+    samples: int,
+    engine_state: dict[str, Any],
+    info: RunInfo,
+) -> dict[str, Any]:
+    seed = config.training.seed
+    return {
+        "world_size": world_size,
+        "samples_consumed": samples,
+        "data_position": {"samples_consumed": samples, "seed": seed},
+        "rng": {"scheme": "torch reseeded per micro-batch from (training.seed, data position)", "seed": seed},
+        "global_batch_size": config.training.global_batch_size,
+        "plan": {"micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.grad_accum_steps},
+        "engine_state": engine_state,
+        "model": {"hf_config": dict(config.model.hf_config)},
+        "run_id": info.run_id,
+        "config_digest": info.config_digest,
+    }

@@ -1,0 +1,145 @@
+"""The step pipeline: submit steps ahead to every rank, gather them in order, and report each step."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from elastictrain.cluster.calls import Calls, Group
+from elastictrain.control.capacity import Capacity
+from elastictrain.control.failures import gather_results
+from elastictrain.control.record import RunRecorder
+from elastictrain.control.saves import QueuedSave, SaveCoordinator
+
+PIPELINE_DEPTH = 2  # steps queued per actor, so no rank idles while the driver reads results
+
+Ahead = deque[tuple[int, Calls]]  # steps submitted past the last gathered one
+StepHook = Callable[[int, list[dict[str, Any]]], None]  # (step index, every rank's result)
+
+
+class StepPipeline:
+    def __init__(
+        self,
+        config: Any,
+        group: Group,
+        recorder: RunRecorder,
+        saves: SaveCoordinator,
+        capacity: Capacity,
+        *,
+        after_step: StepHook,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = config
+        self.group = group
+        self.recorder = recorder
+        self.saves = saves
+        self.capacity = capacity
+        self.after_step = after_step
+        self.clock = clock
+        self.step = 0  # optimizer steps done (and reported)
+        self.workers: list[Any] = []  # this attempt's, in rank order
+        self.world_size = 0
+        self.last_step_done_at: float | None = None
+        self.last_step_s = 0.0  # the last reported step's time, as the loop measures it
+        self.recovering_since: float | None = None  # set after a failure or resize until a step is done
+        self.lost_steps = 0
+        self.ledger: Callable[[int, int, list[int]], None] | None = _ledger_from_env()
+
+    def attach(self, workers: Sequence[Any], step: int) -> None:
+        self.workers = list(workers)
+        self.world_size = len(self.workers)
+        self.step = step
+
+    def run_segment(self, end: int, ahead: Ahead, *, resize_may_follow: bool) -> tuple[QueuedSave, Ahead]:
+        """Steps up to `end`, then the checkpoint's snapshot, queued on each actor behind the last step.
+
+        Queued, not sent after the last step's result: a rank goes from its last step straight to its
+        snapshot and, unless a resize may follow, straight on to the next segment's first steps, so it
+        never idles while the driver reads results. Returns the queued save and the steps queued ahead.
+        """
+        max_steps = self.cfg.training.max_steps
+        inflight = ahead
+        next_step = self.step + len(inflight)
+        self.last_step_done_at = self.clock()
+        save: QueuedSave | None = None
+        following: Ahead = deque()
+        while self.step < end:
+            while next_step < end and len(inflight) < PIPELINE_DEPTH:
+                inflight.append((next_step, self._submit(next_step)))
+                next_step += 1
+            if next_step == end and save is None:
+                save = self.saves.queue(end, current=self.step)
+                if save.calls and end < max_steps and not resize_may_follow:
+                    # Never past the next checkpoint, whose snapshot must queue behind its last step.
+                    limit = min(max_steps, end + PIPELINE_DEPTH, end + self.cfg.checkpoint.every_steps)
+                    following.extend((s, self._submit(s)) for s in range(end, limit))
+            step, calls = inflight.popleft()
+            results = gather_results(
+                self.group, calls, step, timeout_s=self.cfg.failure.hang_timeout_s, phase="step"
+            )
+            self._report(step, list(results.values()))
+        if save is None:  # the segment was empty (resumed exactly at a checkpoint step)
+            save = self.saves.queue(end, current=self.step)
+        return save, following
+
+    def restart_clock(self) -> None:
+        """Pipelined steps restart their clock after a save's pause."""
+        self.last_step_done_at = self.clock()
+
+    def _submit(self, step: int) -> Calls:
+        return self.group.call(self.workers, "train_step", step)
+
+    def _report(self, step: int, results: list[dict[str, Any]]) -> None:
+        self.saves.observe(step, results)
+        now = self.clock()
+        # A save given up meanwhile restarts the clock, as its pause is not the step's.
+        started = max(self.last_step_done_at or now, self.saves.failed_at or float("-inf"))
+        wall = now - started
+        self.last_step_done_at = now
+        self.last_step_s = wall
+        self.step = step + 1
+        gbs = self.cfg.training.global_batch_size
+        metrics = {
+            "loss": sum(r["loss"] for r in results) / len(results),
+            "lr": results[0]["lr"],
+            "step_time_s": wall,
+            "samples_per_s": gbs / wall if wall > 0 else 0.0,
+            "tokens_per_s": gbs * self.cfg.data.seq_len / wall if wall > 0 else 0.0,
+            "world_size": float(self.world_size),
+        }
+        if self.recovering_since is not None:
+            metrics["recovery_seconds"] = now - self.recovering_since
+            metrics["steps_lost"] = float(self.lost_steps)
+            self.recorder.event(
+                "recovered",
+                f"first step after the restart done {metrics['recovery_seconds']:.2f}s after detection; "
+                f"{self.lost_steps} step(s) lost",
+                step=self.step,
+                recovery_seconds=metrics["recovery_seconds"],
+                steps_lost=self.lost_steps,
+            )
+            self.recovering_since = None
+        if self.ledger is not None:
+            for r in sorted(results, key=lambda r: r["rank"]):
+                self.ledger(step, r["rank"], r["sample_ids"])
+        if self.group.pending:
+            self.capacity.start_new_workers(self.step)  # a replacement placed mid-segment starts warming now
+        self.recorder.step_metrics(self.step, metrics, log_every=self.cfg.training.log_every_steps)
+        self.after_step(step, results)
+
+
+def _ledger_from_env() -> Callable[[int, int, list[int]], None] | None:
+    """ELASTICTRAIN_SAMPLE_LEDGER=FILE: append every reported step's sample ids (audits and chaos tests)."""
+    path = os.environ.get("ELASTICTRAIN_SAMPLE_LEDGER")
+    if not path:
+        return None
+
+    def record(step: int, rank: int, ids: list[int]) -> None:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, "rank": rank, "ids": ids}) + "\n")
+
+    return record

@@ -1,0 +1,70 @@
+"""Which committed checkpoint a (re)start loads: the newest that verifies, never one of another model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from elastictrain.checkpoint.store import CheckpointStore, Committed, model_mismatch, verify
+from elastictrain.control.errors import RunFailed
+from elastictrain.control.record import RunRecorder
+
+
+class ResumePoints:
+    def __init__(self, store: CheckpointStore, hf_config: dict[str, Any], recorder: RunRecorder) -> None:
+        self.store = store
+        self.hf_config = hf_config
+        self.recorder = recorder
+        self.rejected: list[str] = []  # checkpoints that failed verification: never loaded again
+        self.last_verify_s = 0.0
+        self._said_none_verifies = False
+
+    def latest(self) -> Committed | None:
+        """The newest committed checkpoint not rejected (not verified again)."""
+        return self.store.latest_committed(rejected=tuple(self.rejected))
+
+    def saved_anew(self, tag: str) -> None:
+        """A checkpoint of this tag was committed again: the damaged copy is gone."""
+        if tag in self.rejected:
+            self.rejected.remove(tag)
+
+    def find(self, step: int) -> Committed | None:
+        """The newest committed checkpoint whose every file matches its manifest's sha256.
+
+        One that does not verify is rejected (and said so in the terminal, events.jsonl and MLflow);
+        the previous one is used instead. A checkpoint of another model is refused outright.
+        `step` is the loop's step, for the events.
+        """
+        while True:
+            found = self.latest()
+            if found is None:
+                if self.rejected and not self._said_none_verifies:
+                    self._said_none_verifies = True
+                    self.recorder.event(
+                        "no_valid_checkpoint",
+                        f"no checkpoint verifies (rejected: {', '.join(self.rejected)}); "
+                        "starting from step 0",
+                        style="bold red",
+                        step=step,
+                    )
+                return None
+            mismatch = model_mismatch(found.manifest, self.hf_config)
+            if mismatch:
+                raise RunFailed(
+                    f"checkpoint {found.path} was saved from another model: {'; '.join(mismatch[:5])}. "
+                    "Resume it with the config it was trained with (its run folder's config.yaml), "
+                    "or give this config a new run.dir"
+                )
+            result = verify(found.path)
+            self.last_verify_s = result.seconds
+            if result.ok:
+                return found
+            self.rejected.append(found.tag)
+            self.recorder.event(
+                "checkpoint_rejected",
+                f"checkpoint {found.tag} does not verify and will not be loaded: {'; '.join(result.problems)}"
+                " -- falling back to the previous committed checkpoint",
+                style="bold red",
+                step=step,
+                tag=found.tag,
+                problems=result.problems,
+            )

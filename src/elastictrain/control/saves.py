@@ -1,0 +1,293 @@
+"""The checkpoint in flight: queue its snapshots, observe its background writes, finish and settle it.
+
+One save at a time. Its snapshot calls queue on every actor behind the segment's last step; each
+rank then writes its file (in a background thread with `checkpoint.background_write`) and reports
+`done` with a later step's result. The checkpoint is committed once every rank's file is in. Until
+then the previous committed checkpoint is what a restart loads: a failure mid-write costs at most
+this interval, never a torn checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elastictrain.checkpoint.store import CheckpointError, CheckpointStore, Committed
+from elastictrain.cluster.calls import Calls, Group
+from elastictrain.control.errors import AttemptFailed
+from elastictrain.control.failures import gather_results, is_disk_full, short
+from elastictrain.control.record import RunRecorder
+from elastictrain.control.resume import ResumePoints
+from elastictrain.core.checkpoints import tag_for_step
+from elastictrain.core.policy import Failure
+
+SETTLE_SAVE_WAIT_S = 30.0  # after a failure, how long survivors' background writes may take to end
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint whose snapshot is taken and whose rank files are being written."""
+
+    staging: Path
+    step: int
+    names: list[str]  # one file per rank, in rank order
+    engine_state: dict[str, Any]
+    started: float
+    manifest: dict[str, Any]  # the run's manifest fields (manifest.py)
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)  # written so far, by name
+
+
+@dataclass
+class QueuedSave:
+    """A checkpoint's snapshot calls, queued on every actor behind the segment's last step."""
+
+    step: int
+    staging: Path | None  # None: the staging folder could not be made (error says why)
+    calls: Calls
+    started: float
+    error: str = ""
+
+
+ManifestFields = Callable[[int, dict[str, Any]], dict[str, Any]]  # (step, engine_state) -> fields
+
+
+class SaveCoordinator:
+    def __init__(
+        self,
+        config: Any,
+        group: Group,
+        store: CheckpointStore,
+        recorder: RunRecorder,
+        resume: ResumePoints,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = config
+        self.group = group
+        self.store = store
+        self.recorder = recorder
+        self.resume = resume
+        self.clock = clock
+        self.pending: PendingSave | None = None
+        self.last_committed: Committed | None = None
+        self.failed_at: float | None = None  # when a save was last given up (the step clock restarts)
+        self.last_failure = ""  # why
+        self._pause_parts: tuple[int, list[float]] | None = None  # the last save's step, per-rank pause
+        self._workers: list[Any] = []  # the attempt's workers, in rank order
+        self._manifest: ManifestFields | None = None
+
+    # -- the attempt the saves belong to --
+    def attach(self, workers: Sequence[Any], manifest: ManifestFields) -> None:
+        self._workers = list(workers)
+        self._manifest = manifest
+
+    # -- queue --
+    def queue(self, step: int, *, current: int) -> QueuedSave:
+        """Queue every rank's snapshot (and write) of the state after `step` steps behind its last step.
+
+        `current` is the loop's step now (steps before `step` may still be running)."""
+        self.finish(current)  # one save in flight: bounds host memory to one snapshot per rank
+        started = self.clock()
+        try:
+            staging = self.store.begin(step)
+        except OSError as e:
+            return QueuedSave(step, None, {}, started, str(e))
+        background = bool(self.cfg.checkpoint.background_write)
+        calls = self.group.call(self._workers, "save_shard", str(staging), background)
+        return QueuedSave(step, staging, calls, started)
+
+    def collect(self, save: QueuedSave, step: int) -> None:
+        """Collect the queued snapshots (after the segment's last step); commit if every file is written."""
+        if save.staging is None:
+            self._failed(None, save.error, save.step, step)
+            return
+        timeout_s = self.cfg.failure.collective_timeout_s
+        try:
+            reports = gather_results(self.group, save.calls, step, timeout_s=timeout_s, phase="checkpoint")
+        except AttemptFailed as e:
+            if e.failure.kind != "step_error" or not is_disk_full(e.failure.message):
+                raise
+            # Every rank is still healthy: only the write failed. Let the other ranks' writes end first.
+            self.group.gather(save.calls, timeout_s)
+            self._failed(save.staging, e.failure.message, step, step)
+            return
+        ordered = [reports[w.worker_id] for w in self._workers]
+        # Each rank's pause: idle before its snapshot, the snapshot, idle before its next step.
+        self._pause_parts = (step, [r.get("waited_s", 0.0) + r["save_s"] for r in ordered])
+        assert self._manifest is not None
+        self.pending = PendingSave(
+            staging=save.staging,
+            step=step,
+            names=[r["name"] for r in ordered],
+            engine_state=ordered[0]["engine_state"],
+            started=save.started,
+            manifest=self._manifest(step, ordered[0]["engine_state"]),
+            files={r["name"]: r["file"] for r in ordered if r.get("file")},
+        )
+        self._commit_if_written(step)
+
+    # -- observe --
+    def observe(self, step: int, results: list[dict[str, Any]]) -> None:
+        """Background writes' outcomes, carried by step results; commit when every rank's file is in."""
+        self._note_pause(step, results)
+        self._note_writes(step, results)
+
+    def _note_writes(self, step: int, results: list[dict[str, Any]]) -> None:
+        pending = self.pending
+        if pending is None:
+            return
+        for r in results:
+            report = r.get("save")
+            if not report or report["staging"] != str(pending.staging):
+                continue
+            if report["state"] == "done":
+                pending.files[report["file"]["name"]] = report["file"]
+            elif report["state"] == "error":
+                self._write_failed(r.get("rank"), report["error"], step)
+                return
+        self._commit_if_written(step)
+
+    def _note_pause(self, step: int, results: list[dict[str, Any]]) -> None:
+        """How long the last checkpoint held training up: the slowest rank's pause around its snapshot."""
+        if self._pause_parts is None or self._pause_parts[0] != step:
+            return
+        parts = self._pause_parts[1]
+        self._pause_parts = None
+        pauses = [parts[r["rank"]] + r.get("waited_s", 0.0) for r in results if r["rank"] < len(parts)]
+        if not pauses:
+            return
+        pause = max(pauses)
+        self.recorder.metrics({"checkpoint_pause_s": pause}, step=step)
+        self.recorder.quiet_event("checkpoint_pause", step=step, tag=tag_for_step(step), pause_s=pause)
+
+    # -- finish --
+    def finish(self, step: int) -> None:
+        """Wait for the pending checkpoint's writes, then commit it (before a resize, at the end)."""
+        pending = self.pending
+        if pending is None or self._commit_if_written(step):
+            return
+        timeout_s = self.cfg.failure.collective_timeout_s
+        control = self._ask_status(self._workers, pending.staging, timeout_s)
+        reports = gather_results(
+            self.group, control, pending.step, timeout_s=timeout_s + 10.0, phase="checkpoint"
+        )
+        results = [{"rank": rank, "save": reports[w.worker_id]} for rank, w in enumerate(self._workers)]
+        self._note_writes(step, results)
+        if self.pending is pending:  # still writing after the wait: a hung write
+            writing = [w.worker_id for w in self._workers if reports[w.worker_id]["state"] == "writing"]
+            raise AttemptFailed(
+                Failure(
+                    "hang",
+                    tuple(writing),
+                    pending.step,
+                    f"checkpoint write of {pending.staging.name} not done in {timeout_s:.0f}s "
+                    f"(failure.collective_timeout_s): {', '.join(writing)}",
+                )
+            )
+
+    # -- settle --
+    def settle(self, failure: Failure, step: int) -> None:
+        """After a failure: commit the checkpoint being written if every rank's file made it, else drop it."""
+        pending = self.pending
+        if pending is None:
+            return
+        wait_s = min(SETTLE_SAVE_WAIT_S, self.cfg.failure.collective_timeout_s)
+        ranks = {w.worker_id: rank for rank, w in enumerate(self._workers)}
+        survivors = [w for w in self._workers if w.worker_id not in failure.worker_ids]
+        replies = self.group.gather(self._ask_status(survivors, pending.staging, wait_s), wait_s + 2.0)
+        results = [{"rank": ranks[wid], "save": r.value} for wid, r in replies.items() if r.ok]
+        with contextlib.suppress(AttemptFailed):  # a write error: the save is dropped below
+            self._note_writes(step, results)
+        if self.pending is None:
+            return  # committed (or its failure already reported)
+        self.pending = None
+        self.store.abandon(pending.staging)
+        self.recorder.event(
+            "checkpoint_abandoned",
+            f"checkpoint at step {pending.step} was not complete when {failure.kind} struck "
+            f"({len(pending.files)} of {len(pending.names)} rank files written); dropped",
+            style="yellow",
+            step=pending.step,
+            written=len(pending.files),
+            ranks=len(pending.names),
+        )
+
+    # -- helpers --
+    def _ask_status(self, workers: Sequence[Any], staging: Path, wait_s: float) -> Calls:
+        """Each worker's background write into `staging`, waited for up to wait_s (answered mid-step)."""
+        return self.group.call(workers, "save_status", str(staging), wait_s, control=True)
+
+    def _write_failed(self, rank: int | None, error: str, step: int) -> None:
+        """A rank's background write raised: a full disk skips this save; anything else fails the attempt."""
+        pending = self.pending
+        assert pending is not None
+        workers = self._workers
+        wid = workers[rank].worker_id if rank is not None and rank < len(workers) else "?"
+        reason = f"checkpoint write raised in {wid}: {short(error)}"
+        if not is_disk_full(error):
+            self.pending = None
+            self.store.abandon(pending.staging)
+            raise AttemptFailed(Failure("step_error", (wid,), step, reason))
+        # Let the other ranks' writes end (all at once, not one after another) before their folder goes.
+        timeout_s = self.cfg.failure.collective_timeout_s
+        self.group.gather(self._ask_status(workers, pending.staging, timeout_s), timeout_s + 10.0)
+        self.pending = None
+        self._failed(pending.staging, reason, pending.step, step)
+
+    def _failed(self, staging: Path | None, reason: str, save_step: int, step: int) -> None:
+        """A checkpoint could not be written (e.g. disk full): train on from memory, retry at the next one."""
+        if staging is not None:
+            self.store.abandon(staging)
+        previous = self.resume.latest()
+        every = self.cfg.checkpoint.every_steps
+        self.recorder.event(
+            "checkpoint_failed",
+            f"checkpoint at step {save_step} was NOT saved ({reason}); training goes on from memory, "
+            f"{previous.tag if previous else 'no earlier checkpoint'} stays intact and is what a restart "
+            f"would load; the next save (step {min(save_step + every, self.cfg.training.max_steps)}) "
+            f"retries. Free space under {self.store.root}",
+            style="bold red",
+            step=save_step,
+            reason=reason,
+            previous=previous.tag if previous else None,
+        )
+        self.failed_at = self.clock()
+        self.last_failure = reason
+
+    def _commit_if_written(self, step: int) -> bool:
+        """Commit the pending checkpoint if every rank's file is in; True when nothing is pending anymore."""
+        pending = self.pending
+        if pending is None:
+            return True
+        if set(pending.files) != set(pending.names):
+            return False
+        self.pending = None
+        try:
+            committed = self.store.commit(
+                pending.step, pending.staging, [pending.files[n] for n in pending.names], pending.manifest
+            )
+        except (OSError, CheckpointError) as e:  # a rank file missing, or the disk refused
+            self._failed(pending.staging, f"{type(e).__name__}: {e}", pending.step, step)
+            return True
+        self.resume.saved_anew(committed.tag)
+        self.last_committed = committed
+        removed = self.store.prune(self.cfg.checkpoint.keep_last, protect=(committed.tag,))
+        seconds = self.clock() - pending.started
+        self.recorder.metrics({"checkpoint_time_s": seconds}, step=pending.step)
+        written = "in the background" if self.cfg.checkpoint.background_write else "synchronously"
+        self.recorder.event(
+            "checkpoint",
+            f"checkpoint {committed.tag} committed {seconds:.2f}s after it was queued (written {written})"
+            + (f" (removed {', '.join(removed)})" if removed else ""),
+            step=pending.step,
+            committed_at_step=step,
+            tag=committed.tag,
+            seconds=seconds,
+            bytes=sum(f["bytes"] for f in committed.manifest["files"]),
+            removed=removed,
+        )
+        return True

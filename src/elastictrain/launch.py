@@ -1,0 +1,255 @@
+"""Wires one run together on the driver: Ray connection, run folder, MLflow, worker group, controller.
+
+With `local=True` the run has one worker in this process instead (control/local.py), and nothing here
+imports Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from elastictrain.config import Config, config_digest, to_flat_dict, to_yaml
+from elastictrain.progress import Reporter
+from elastictrain.redact import install_log_redaction, redact_text
+from elastictrain.rundir.run_dir import RunDir
+from elastictrain.tracking.run_tracker import run_tracker
+from elastictrain.tracking.tracker import NullTracker, Tracker, default_tracking_uri
+
+if TYPE_CHECKING:
+    from elastictrain.control.local import LocalSummary
+    from elastictrain.control.loop import RunSummary
+
+log = logging.getLogger("elastictrain.launch")
+
+
+class RunFolderConflict(RuntimeError):
+    pass
+
+
+def connect_ray(config: Config, address: str | None) -> str:
+    """Connect to the cluster at --address / ray.address / RAY_ADDRESS, or start a local one on loopback."""
+    import ray
+
+    target = address or config.ray.address or os.environ.get("RAY_ADDRESS")
+    if ray.is_initialized():
+        return "already connected"
+    if target:
+        cwd = _cwd()
+        ray.init(address=target, log_to_driver=False)
+        install_log_redaction()  # again: a library may have replaced the record factory
+        _reenter(cwd)
+        return f"connected to Ray at {target}"
+    # A local cluster serves only this process: keep every Ray server on loopback.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    s = config.scaling
+    cpus = config.ray.num_cpus or max(os.cpu_count() or 1, int(s.max_workers * s.cpus_per_worker))
+    # address="local": a new cluster, never the one the last `ray start` on this machine recorded.
+    ray.init(
+        address="local",
+        num_cpus=cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+    )
+    install_log_redaction()  # again: a library may have replaced the record factory
+    return f"started a local Ray cluster with {cpus} CPUs"
+
+
+def _cwd() -> str | None:
+    try:
+        return os.getcwd()
+    except OSError:
+        return None
+
+
+def _reenter(path: str | None, watch_s: float = 60.0) -> None:
+    """Keep this process in its working folder when Ray replaces that folder under it.
+
+    In a `ray job submit` job, registering the driver makes Ray unpack the job's working_dir again at
+    the same path (seen with Ray 2.60, shortly after ray.init returns): the folder the driver runs in
+    is deleted, os.getcwd() raises and MLflow's local stores, which resolve paths against the cwd,
+    fail. The new folder holds the same files: step into it, now and for a while in the background.
+    """
+    if path is None:
+        return
+
+    def step_in() -> None:
+        try:
+            os.getcwd()
+        except FileNotFoundError:
+            with contextlib.suppress(OSError):  # not unpacked again yet: the next look retries
+                os.chdir(path)
+                log.info("Ray unpacked the job's working folder again; continuing in the new one")
+
+    step_in()
+    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") is None:
+        return  # not a Ray job: nothing replaces the folder
+
+    def watch() -> None:
+        deadline = time.monotonic() + watch_s
+        while time.monotonic() < deadline:
+            step_in()
+            time.sleep(0.1)
+
+    threading.Thread(target=watch, name="elastictrain-cwd", daemon=True).start()
+
+
+def prepare_run_dir(config: Config, *, fresh: bool) -> tuple[RunDir, bool]:
+    """The run folder for `train`: new, or the existing run of the same config (resumed), or moved aside."""
+    path = Path(config.run.dir)
+    digest = config_digest(config)
+    if RunDir.exists(path):
+        if fresh:
+            aside = path.with_name(f"{path.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+            shutil.move(str(path), aside)
+            log.warning("moved the previous run folder to %s", aside)
+        else:
+            run_dir = RunDir.open(path)
+            info = run_dir.read_info()
+            if info.config_digest != digest:
+                raise RunFolderConflict(
+                    f"run.dir {path} holds a run of another config (digest {info.config_digest[:12]} != "
+                    f"{digest[:12]}); use `elastictrain resume {path}` to continue it as it was, "
+                    "`--fresh` to start over (the old folder is moved aside), or another run.dir"
+                )
+            return run_dir, True
+    return RunDir.create(path, name=config.run.name, config_yaml=to_yaml(config), config_digest=digest), False
+
+
+def make_tracker(config: Config, run_dir: RunDir, enabled: bool = True) -> Tracker:
+    if not enabled:
+        return NullTracker()
+    info = run_dir.read_info()
+    uri = config.tracking.uri or info.mlflow_tracking_uri or default_tracking_uri(run_dir.path)
+    tracker = run_tracker(run_dir, uri, config.tracking.experiment)
+    run_id = tracker.start()  # "" while the server does not answer: the run is created when it does
+    if info.mlflow_run_id is None:
+        if run_id:  # the URI without its password, if it held one (redact.py)
+            run_dir.update(mlflow_run_id=run_id, mlflow_tracking_uri=redact_text(uri))
+        tracker.log_params(to_flat_dict(config))
+        tracker.log_artifact_text(to_yaml(config), "config.yaml")
+    return tracker
+
+
+def run_training(
+    config: Config,
+    run_dir: RunDir,
+    *,
+    address: str | None = None,
+    tracking: bool = True,
+    reporter: Reporter | None = None,
+    controller_hook: Any = None,
+    local: bool = False,
+) -> RunSummary | LocalSummary:
+    """Run (or continue) a run. Check its user code first: `check_before_start`."""
+    reporter = reporter or Reporter(config.training.max_steps)
+    if local:
+        return _run_local(config, run_dir, tracking=tracking, reporter=reporter, hook=controller_hook)
+    from elastictrain.cluster.worker_group import WorkerGroup, WorkerResources
+    from elastictrain.control.loop import Controller
+
+    reporter.event(connect_ray(config, address))
+    tracker = make_tracker(config, run_dir, tracking)
+    take_over(run_dir, reporter)
+    reporter.event(f"run folder {run_dir.path}; MLflow run {run_dir.read_info().mlflow_run_id or '-'}")
+    s = config.scaling
+    group = WorkerGroup(
+        WorkerResources(s.use_gpu, s.cpus_per_worker, s.gpus_per_worker),
+        name_prefix=run_dir.read_info().run_id[:6],
+    )
+    controller = Controller(config, run_dir, tracker, reporter, group)
+    if controller_hook is not None:
+        controller_hook(controller)
+    summary = None
+    try:
+        summary = controller.run()
+        if summary.status.value == "FINISHED":
+            export_at_finish(config, run_dir, reporter)
+        return summary
+    finally:
+        status = (
+            "KILLED" if summary is None else ("FINISHED" if summary.status.value == "FINISHED" else "FAILED")
+        )
+        tracker.finish(status)
+        tracker.close()
+
+
+def take_over(run_dir: RunDir, reporter: Reporter) -> None:
+    """Record this process as the run's driver; remove what a killed earlier driver left on this host."""
+    from elastictrain.rundir.liveness import remove_dead_buffers, this_driver
+
+    run_dir.set_extra("driver", this_driver())
+    removed = remove_dead_buffers(run_dir.read_events())
+    if removed:
+        run_dir.append_event("shm_buffers_removed", paths=removed)
+        reporter.event(f"removed {len(removed)} /dev/shm buffer(s) a killed worker group of this run left")
+
+
+def check_before_start(config: Config) -> None:
+    """Fail now, naming the config field, if the run's user code cannot work (before any worker starts).
+
+    Also puts the folders of user modules on PYTHONPATH, so workers started from here import them.
+    """
+    from elastictrain.preflight import check_user_code
+    from elastictrain.worker.user_code import share_module_roots
+
+    if not config.scaling.use_gpu:
+        # Before anything imports deepspeed here (a --local run trains in this process).
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    check_user_code(config)
+    from elastictrain.config.deepspeed_config import owned_settings_notice
+
+    notice = owned_settings_notice(config)
+    if notice:
+        log.warning(notice)
+    added = share_module_roots(config)
+    if added:
+        log.info("workers import user code from %s", ", ".join(added))
+
+
+def export_at_finish(config: Config, run_dir: RunDir, reporter: Reporter) -> None:
+    """At the end of a LoRA run, write the adapter (peft's layout) from the last checkpoint."""
+    if not config.model.lora.enabled:
+        return
+    from elastictrain.checkpoint.store import CheckpointStore
+    from elastictrain.tools.adapter import export_adapter
+
+    last = CheckpointStore(run_dir.checkpoints_dir).latest_committed()
+    if last is None:
+        return
+    out = Path(config.model.lora.export_dir)
+    export_adapter(config, last.path, out)
+    run_dir.append_event("adapter_exported", step=last.manifest["step"], path=str(out), checkpoint=last.tag)
+    reporter.event(f"LoRA adapter of {last.tag} exported to {out} (load with peft.PeftModel.from_pretrained)")
+
+
+def _run_local(
+    config: Config, run_dir: RunDir, *, tracking: bool, reporter: Reporter, hook: Any = None
+) -> LocalSummary:
+    from elastictrain.control.local import LocalRun
+
+    tracker = make_tracker(config, run_dir, tracking)
+    take_over(run_dir, reporter)
+    reporter.event(f"run folder {run_dir.path}; one local worker in this process (no Ray)")
+    status = "KILLED"
+    try:
+        run = LocalRun(config, run_dir, tracker, reporter)
+        if hook is not None:
+            hook(run)
+        summary = run.run()
+        export_at_finish(config, run_dir, reporter)
+        status = "FINISHED"
+        return summary
+    except Exception:
+        status = "FAILED"
+        raise
+    finally:
+        tracker.finish(status)
+        tracker.close()

@@ -1,0 +1,1 @@
+"""The run folder: run.json, events.jsonl, config.yaml, durable writes, driver liveness."""

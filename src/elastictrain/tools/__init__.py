@@ -1,0 +1,1 @@
+"""Offline tools on committed checkpoints: reshard, export of weights and adapters."""

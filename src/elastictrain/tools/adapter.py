@@ -1,0 +1,62 @@
+"""Export of a LoRA run's adapter in peft's layout, from a committed checkpoint (offline, on the driver)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastictrain.worker.lora import apply_lora
+
+
+def export_adapter(config: Any, checkpoint: Path, out_dir: Path) -> list[Path]:
+    """Write the checkpoint's adapter in peft's layout (adapter_config.json + adapter_model.safetensors).
+
+    The model is built on the meta device (no memory for the base weights) just to give peft the
+    structure; the adapter weights come from the checkpoint's fragments.
+    """
+    from elastictrain.checkpoint.store import MANIFEST
+    from elastictrain.checkpoint.zero_state import FragmentReader
+
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    reader = FragmentReader(
+        [checkpoint / f["name"] for f in manifest["files"] if f["name"].endswith(".safetensors")]
+    )
+    from accelerate import init_empty_weights  # a peft dependency
+
+    from elastictrain.worker.model import forget_hf_deepspeed_config
+
+    forget_hf_deepspeed_config()  # a local run's finished worker may have left it set in this process
+    with init_empty_weights():  # parameters on the meta device, buffers real (some inits need them)
+        wrapped = apply_lora(base_structure(config), config.model.lora)
+    expected = {n for n, p in wrapped.named_parameters() if p.requires_grad}
+    if expected != set(reader.params):
+        raise ValueError(
+            f"{checkpoint}: its parameters do not match the adapters of this config "
+            f"(only in checkpoint: {sorted(set(reader.params) - expected)[:3]}, "
+            f"only in model: {sorted(expected - set(reader.params))[:3]})"
+        )
+    state = {name: reader.full(name).contiguous() for name in sorted(reader.params)}
+    if config.model.pretrained:
+        wrapped.peft_config["default"].base_model_name_or_path = str(Path(config.model.pretrained).resolve())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    wrapped.save_pretrained(str(out_dir), state_dict=state)
+    return [out_dir / "adapter_config.json", out_dir / "adapter_model.safetensors"]
+
+
+def base_structure(config: Any) -> torch.nn.Module:
+    """The model of this config as built before LoRA wraps it (on the caller's device context)."""
+    from elastictrain.worker.model import build_causal_lm
+
+    m = config.model
+    if m.factory:
+        from elastictrain.worker.user_code import user_model
+
+        return user_model(config)
+    if m.pretrained:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(m.pretrained))
+    return build_causal_lm(dict(m.hf_config))

@@ -1,0 +1,68 @@
+"""Offline resharding: rewrite a checkpoint's fragments as a world size M's ZeRO-3 partitions.
+
+Training never needs this (any world size loads any checkpoint by reading its own slices), but a
+checkpoint laid out for M ranks lets each rank of an M-rank job read exactly one file, and is what
+`elastictrain reshard` produces for other tools.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+from elastictrain.checkpoint.store import MANIFEST
+from elastictrain.rundir.durable import fsync_dir, write_bytes_durably
+
+
+def reshard_checkpoint(checkpoint: Path, world_size: int, out: Path | None = None) -> Path:
+    from safetensors.torch import save as save_safetensors
+
+    from elastictrain.checkpoint.zero_state import (
+        FRAGMENTS_KEY,
+        Fragment,
+        FragmentReader,
+        fragments_metadata,
+    )
+
+    if world_size < 1:
+        raise ValueError(f"--world-size: got {world_size}; expected an integer >= 1")
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    files = [checkpoint / f["name"] for f in manifest["files"] if f["name"].endswith(".safetensors")]
+    reader = FragmentReader(files)
+    out = out or checkpoint.with_name(f"{checkpoint.name}.ws{world_size}")
+    staging = out.with_name(f".staging-{out.name}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    entries = []
+    for rank in range(world_size):
+        tensors, fragments = {}, {}
+        for name, whole in reader.params.items():
+            part = math.ceil(whole.numel / world_size)  # ZeRO-3's partition size for this parameter
+            start = rank * part
+            length = max(0, min(part, whole.numel - start))
+            if length == 0:
+                continue
+            for field in reader.fields(name):
+                tensors[f"{name}::{field}"] = reader.read(name, field, start, length)
+            fragments[name] = Fragment(start, length, whole.numel, whole.shape)
+        data = save_safetensors(
+            tensors,
+            metadata={
+                FRAGMENTS_KEY: fragments_metadata(fragments),
+                "rank": str(rank),
+                "world_size": str(world_size),
+            },
+        )
+        name = f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+        entries.append(
+            {"name": name, "bytes": len(data), "sha256": write_bytes_durably(staging / name, data)}
+        )
+    new_manifest = {**manifest, "world_size": world_size, "files": entries, "resharded_from": str(checkpoint)}
+    write_bytes_durably(staging / MANIFEST, json.dumps(new_manifest, indent=1).encode())
+    if out.exists():
+        shutil.rmtree(out)
+    staging.rename(out)
+    fsync_dir(out.parent)
+    return out

@@ -1,0 +1,1 @@
+"""Experiment tracking: the tracker protocol, MLflow, and the spool that survives an outage."""

@@ -1,0 +1,1 @@
+"""Runs inside a worker actor: the actor, its attempt, model, data, LoRA and user code."""

@@ -1,0 +1,385 @@
+"""The worker: a long-lived host (one Ray actor per GPU or CPU slot) that runs one attempt at a time.
+
+Its process, imports, compiled ops and host memory outlive attempts. An attempt is a rendezvous, a
+process group and a DeepSpeed engine at that attempt's world size; `teardown` drops all three so the
+same actor can join the next attempt in well under a second.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from elastictrain.core.data_order import derive_seed, micro_batch_positions, sample_at
+from elastictrain.core.schedule import learning_rate
+from elastictrain.worker.attempt import AttemptSpec
+from elastictrain.worker.dist import (
+    destroy_process_group,
+    remove_shm_buffers,
+    reset_zero_counters,
+    zero_stage,
+)
+
+# Frames from these files mean "waiting for the other ranks".
+_COLLECTIVE_MODULES = (
+    "torch/distributed/",
+    "deepspeed/comm/",
+    "deepspeed/runtime/zero/partitioned_param_coordinator",
+)
+
+
+class WorkerFault(RuntimeError):
+    """Raised by an injected fault (chaos testing)."""
+
+
+class StepFailed(RuntimeError):
+    """A training step raised on this rank; the message holds the original error and traceback."""
+
+
+class TrainWorker:
+    def __init__(self, worker_id: str, use_gpu: bool) -> None:
+        if not use_gpu:
+            # Must be set before deepspeed is first imported in this process.
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        self.worker_id = worker_id
+        self.use_gpu = use_gpu
+        self.spec: AttemptSpec | None = None
+        self.engine: Any = None
+        self.dataset: Any = None  # any map-style dataset: len() and [i]
+        self.collate: Any = None  # data.collate, or None for the default
+        self.loss_fn: Any = None  # loss(model, batch) -> scalar tensor
+        self._dataset_key: tuple[Any, ...] | None = None
+        self._faults: dict[int, str] = {}
+        # Progress marks, read by `progress` from the control thread while a step runs.
+        self._mark = ("idle", -1, time.time())
+        self._train_thread: int | None = None
+        self._lock = threading.Lock()
+        self._writer: Any = None  # the last checkpoint's ShardWrite (checkpoint/writer.py)
+        self._write_delay_s = 0.0  # tests and chaos runs: a slow disk
+        self._idle_since = time.time()  # when this actor's last step or save ended
+
+    # -- identity and health (answered from a separate concurrency group, even mid-step) --
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {
+            "worker_id": self.worker_id,
+            "actor_id": ctx.get_actor_id(),
+            "node_id": ctx.get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "gpu_ids": ray.get_gpu_ids() if self.use_gpu else [],
+        }
+
+    def warmup(self, config: Any) -> dict[str, Any]:
+        """Pay a new actor's one-time costs before it joins an attempt: imports, compiled ops, data.
+
+        Runs while the others train, so a replacement joins the next attempt as fast as a survivor.
+        Returns this worker's identity (as `info`) with the seconds spent.
+        """
+        t0 = time.perf_counter()
+        import deepspeed  # noqa: F401
+        from deepspeed.accelerator import get_accelerator
+
+        from elastictrain.worker.model import preload_model_code
+
+        if not self.use_gpu:
+            # The CPU all-reduce op is loaded at the first init_distributed; load it now instead.
+            builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+            if builder is not None and builder.is_compatible(verbose=False):
+                builder.load(verbose=False)
+        preload_model_code(config)
+        self._ensure_dataset(config)
+        return {**self.info(), "warmup_s": time.perf_counter() - t0}
+
+    def progress(self) -> dict[str, Any]:
+        """Where the training thread is: its last mark, and whether it waits inside a collective.
+
+        A rank blocked in a collective is a victim of a stall elsewhere; the rank that is not is the
+        culprit. Read from the live stack, so it works for any cause (a deadlock, a stuck data read).
+        """
+        with self._lock:
+            phase, step, since = self._mark
+        frame = sys._current_frames().get(self._train_thread) if self._train_thread else None
+        stack = traceback.extract_stack(frame) if frame is not None else []
+        in_collective = any(any(m in f.filename for m in _COLLECTIVE_MODULES) for f in stack)
+        where = f"{stack[-1].filename}:{stack[-1].lineno} in {stack[-1].name}" if stack else ""
+        return {
+            "worker_id": self.worker_id,
+            "phase": phase,
+            "step": step,
+            "since": since,
+            "now": time.time(),
+            "in_collective": in_collective,
+            "where": where,
+        }
+
+    def _set_mark(self, phase: str, step: int) -> None:
+        with self._lock:
+            self._mark = (phase, step, time.time())
+            self._train_thread = threading.get_ident()
+
+    def free_port(self) -> int:
+        """A port that is free on this node now: each attempt's rendezvous gets a fresh one."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+
+    def inject_fault(self, kind: str, at_step: int) -> None:
+        """Chaos hook: at `at_step`, "crash" (process exits), "raise" (step raises) or "hang" (stops)."""
+        if kind not in ("crash", "raise", "hang"):
+            raise ValueError(f"fault kind: got {kind!r}; expected crash, raise or hang")
+        self._faults[at_step] = kind
+
+    # -- attempt lifecycle --
+    def setup(self, spec: AttemptSpec) -> dict[str, float]:
+        """Join an attempt: process group on a fresh rendezvous, engine, state from a checkpoint."""
+        import deepspeed
+        import torch
+
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        if self.engine is not None:
+            self.teardown()
+        self.spec = spec
+        self._set_mark("setup", spec.start_step)
+        os.environ.update(
+            MASTER_ADDR=spec.master_addr,
+            MASTER_PORT=str(spec.master_port),
+            RANK=str(spec.rank),
+            WORLD_SIZE=str(spec.world_size),
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+        )
+        if self.use_gpu:
+            torch.cuda.set_device(0)  # Ray gives each actor exactly one visible GPU
+        deepspeed.init_distributed(
+            dist_backend=spec.backend,
+            auto_mpi_discovery=False,
+            timeout=timedelta(seconds=spec.config.failure.collective_timeout_s),
+        )
+        timings["process_group_s"] = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        cfg = spec.config
+        self._ensure_dataset(cfg)
+        torch.manual_seed(cfg.training.seed)  # identical random init on every rank
+        from elastictrain.worker.model import build_model, loss_function, preload_model_code
+
+        # zero.Init patches tensor construction; lazy imports inside it (torch._dynamo) then fail.
+        preload_model_code(cfg)
+        reset_zero_counters()
+        model = build_model(cfg, spec.ds_config, zero3=zero_stage(spec) == 3)
+        self.loss_fn = loss_function(cfg)
+        self.engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=spec.ds_config,
+        )
+        timings["engine_s"] = time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        if spec.checkpoint_dir is not None:
+            self._load(Path(spec.checkpoint_dir))
+        timings["load_s"] = time.perf_counter() - t2
+        self.engine.global_steps = spec.start_step
+        self._set_mark("ready", spec.start_step)
+        timings["total_s"] = time.perf_counter() - t0
+        return timings
+
+    def _ensure_dataset(self, cfg: Any) -> None:
+        import dataclasses
+
+        from elastictrain.worker.data import dataset_from_config
+        from elastictrain.worker.user_code import user_callable
+
+        key = (repr(dataclasses.asdict(cfg.data)), cfg.training.seed)
+        if key != self._dataset_key:  # kept across attempts: part of what a warm actor saves
+            self.dataset = dataset_from_config(cfg)
+            self._dataset_key = key
+        self.collate = user_callable(cfg, "data.collate")
+
+    def _load(self, checkpoint_dir: Path) -> None:
+        import json
+
+        from elastictrain.checkpoint.zero_state import FragmentReader, load_local_state
+
+        manifest = json.loads((checkpoint_dir / "manifest.json").read_text())
+        entries = [f for f in manifest["files"] if f["name"].endswith(".safetensors")]
+        files = [checkpoint_dir / f["name"] for f in entries]
+        # The controller checked every sha256 before this attempt; a file truncated or removed since is
+        # named here, before safetensors reads it.
+        for f, path in zip(entries, files, strict=True):
+            size = path.stat().st_size if path.is_file() else None
+            if size != f["bytes"]:
+                found = "missing" if size is None else f"{size} bytes"
+                raise ValueError(f"checkpoint file {path}: {found}, manifest says {f['bytes']} bytes")
+        reader = FragmentReader(files)
+        load_local_state(self.engine, reader, manifest.get("engine_state", {}))
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        """One optimizer step: `grad_accum_steps` micro-batches of this rank's share of the global batch."""
+        assert self.spec is not None and self.engine is not None, "train_step before setup"
+        waited = time.time() - self._idle_since
+        try:
+            result = self._train_step(step)
+            result["waited_s"] = waited  # idle before this step: after a save, part of its pause
+            self._idle_since = time.time()
+            return result
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the attempt is released
+            error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        # Outside the except block, so the traceback's frames no longer hold the engine: dropping it and
+        # the process group closes this rank's connections, and peers waiting for it in a collective fail
+        # now instead of after the collective timeout.
+        self._abandon_attempt()
+        raise StepFailed(error)
+
+    def _abandon_attempt(self) -> None:
+        self.engine = None
+        gc.collect()
+        destroy_process_group(self.use_gpu)
+
+    def _train_step(self, step: int) -> dict[str, Any]:
+        import torch
+
+        from elastictrain.worker.data import collate_items, to_device
+
+        assert self.spec is not None
+        spec, cfg, engine = self.spec, self.spec.config, self.engine
+        self._maybe_fault(step)
+        self._set_mark("step", step)
+        t0 = time.perf_counter()
+        lr = learning_rate(
+            step,
+            lr=cfg.training.lr,
+            min_lr=cfg.training.min_lr,
+            warmup_steps=cfg.training.warmup_steps,
+            max_steps=cfg.training.max_steps,
+            schedule=cfg.training.lr_schedule,
+        )
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr
+        n = len(self.dataset)
+        losses: list[float] = []
+        samples: list[int] = []
+        device = engine.device
+        for micro in range(spec.plan.grad_accum_steps):
+            positions = micro_batch_positions(step, spec.plan, spec.rank, micro)
+            indices = [sample_at(p, n, cfg.training.seed) for p in positions]
+            samples.extend(indices)
+            batch = to_device(collate_items([self.dataset[i] for i in indices], self.collate), device)
+            # Dropout and any other randomness depend on the data position, not on rank or world size.
+            torch.manual_seed(derive_seed(cfg.training.seed, positions.start))
+            loss = self.loss_fn(engine, batch)  # the engine forwards to the module, as the module would
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach().float().item()))
+            self._set_mark("micro", step)
+        elapsed = time.perf_counter() - t0
+        self._set_mark("done", step)
+        return {
+            "step": step,
+            "rank": spec.rank,
+            "loss": sum(losses) / len(losses),
+            "lr": lr,
+            "samples": len(samples),
+            "tokens": len(samples) * cfg.data.seq_len,
+            "step_time_s": elapsed,
+            "sample_ids": samples,
+            # How the last background checkpoint write is doing: the controller commits when all are done.
+            "save": self._writer.report() if self._writer is not None else None,
+        }
+
+    def inject_write_delay(self, seconds: float) -> None:
+        """Make every later checkpoint write start `seconds` late, as on a slow disk (tests, chaos)."""
+        self._write_delay_s = float(seconds)
+
+    def _maybe_fault(self, step: int) -> None:
+        kind = self._faults.pop(step, None)
+        if kind == "crash":
+            os._exit(17)
+        if kind == "raise":
+            raise WorkerFault(f"injected fault in worker {self.worker_id} at step {step}")
+        if kind == "hang":
+            self._set_mark("hung", step)
+            while True:  # stops stepping without dying, holding no lock the control thread needs
+                time.sleep(3600)
+
+    def save_shard(self, staging_dir: str, background: bool = False) -> dict[str, Any]:
+        """Snapshot this rank's fragments to host memory, then write them durably into the staging folder.
+
+        With `background`, only the snapshot blocks: the write runs in a thread while training goes
+        on, and its outcome comes back in the next `train_step` results (or from `save_status`).
+        """
+        from elastictrain.checkpoint.writer import ShardWrite
+        from elastictrain.checkpoint.zero_state import FRAGMENTS_KEY, fragments_metadata, snapshot_local_state
+
+        assert self.spec is not None and self.engine is not None, "save_shard before setup"
+        self._join_writer()  # one snapshot in host memory at a time
+        waited = time.time() - self._idle_since
+        t0 = time.perf_counter()
+        self._set_mark("save", self.spec.start_step)
+        tensors, fragments, scalars = snapshot_local_state(self.engine)
+        snapshot_s = time.perf_counter() - t0
+        name = f"rank-{self.spec.rank:05d}-of-{self.spec.world_size:05d}.safetensors"
+        metadata = {
+            FRAGMENTS_KEY: fragments_metadata(fragments),
+            "rank": str(self.spec.rank),
+            "world_size": str(self.spec.world_size),
+        }
+        write = ShardWrite(Path(staging_dir) / name, tensors, metadata, delay_s=self._write_delay_s)
+        del tensors
+        out: dict[str, Any] = {"name": name, "engine_state": scalars, "snapshot_s": snapshot_s}
+        if background:
+            self._writer = write
+            write.start()
+        else:
+            write.run()
+            if write.error:
+                raise RuntimeError(write.error)
+            out["file"] = write.file
+        self._set_mark("saved", self.spec.start_step)
+        out["save_s"] = time.perf_counter() - t0
+        out["waited_s"] = waited
+        self._idle_since = time.time()
+        return out
+
+    def save_status(self, staging_dir: str, wait_s: float = 0.0) -> dict[str, Any]:
+        """The background write into `staging_dir`: `writing`, `done` or `error` (waits up to wait_s)."""
+        write = self._writer
+        if write is None or write.staging_dir != staging_dir:
+            return {"staging": staging_dir, "state": "error", "error": "no such write on this worker"}
+        write.wait(wait_s)
+        return write.report()
+
+    def _join_writer(self) -> None:
+        """Let a background write end before its snapshot or staging folder may be reused."""
+        if self._writer is not None:
+            self._writer.wait()
+
+    def teardown(self) -> dict[str, float]:
+        """Leave the attempt: drop engine and process group, forget DeepSpeed's groups of the old world."""
+        t0 = time.perf_counter()
+        # A background write may still fill a staging folder the controller is about to drop or reuse.
+        self._join_writer()
+        self._writer = None
+        addr_port = None
+        if self.spec is not None:
+            addr_port = (self.spec.master_addr, self.spec.master_port)
+        self.engine = None
+        gc.collect()
+        destroy_process_group(self.use_gpu)
+        if addr_port is not None:
+            remove_shm_buffers(*addr_port)
+        self.spec = None
+        self._set_mark("idle", -1)
+        return {"teardown_s": time.perf_counter() - t0}

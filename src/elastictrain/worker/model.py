@@ -1,0 +1,144 @@
+"""The run's model: your `model.factory`, a transformers model from a local folder, or one from a config.
+
+Whatever the source, the model is built inside DeepSpeed's zero.Init (parameters partitioned as they
+are created) with transformers' own weight initialization (worker/hf_init.py), optionally wrapped
+with LoRA adapters (worker/lora.py), and trained with a loss
+`loss(model, batch) -> scalar tensor`: yours (`training.loss`) or the causal LM loss below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+# transformers' ZeRO-3 loading of a pretrained folder finds the DeepSpeed config through a weak
+# reference to this object; it must stay alive while that model is built and trained.
+_hf_ds_config: Any = None
+
+
+def build_hf_config(hf_config: dict[str, Any]) -> Any:
+    from transformers import AutoConfig
+
+    params = dict(hf_config)
+    model_type = params.pop("model_type")
+    return AutoConfig.for_model(model_type, **params)
+
+
+def preload_model_code(config: Any) -> None:
+    """Import everything building the model will import, outside of DeepSpeed's zero.Init."""
+    import torch._dynamo  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    m = config.model
+    if m.factory:
+        from elastictrain.worker.user_code import resolve
+
+        resolve(config, "model.factory")  # imports the user's module
+    else:
+        hf = AutoConfig.from_pretrained(m.pretrained) if m.pretrained else build_hf_config(dict(m.hf_config))
+        AutoModelForCausalLM._model_mapping[type(hf)]  # resolves the lazy model module
+    if m.lora.enabled:
+        import peft  # noqa: F401
+
+
+def build_causal_lm(hf_config: dict[str, Any], *, activation_checkpointing: bool = False) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    config = build_hf_config(hf_config)
+    model = AutoModelForCausalLM.from_config(config)
+    if activation_checkpointing:
+        _enable_checkpointing(model)
+    return model
+
+
+def _enable_checkpointing(model: Any) -> None:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if getattr(model, "config", None) is not None:
+        model.config.use_cache = False
+
+
+def build_model(config: Any, ds_config: dict[str, Any], *, zero3: bool) -> torch.nn.Module:
+    """The model of `config.model`, its parameters partitioned by ZeRO-3 as they are created."""
+    import deepspeed
+
+    # A previous attempt's pretrained model must not change how this one initialises its weights.
+    forget_hf_deepspeed_config()
+    m = config.model
+    checkpointing = config.deepspeed.activation_checkpointing
+    if m.pretrained:
+        model = _from_pretrained(m.pretrained, ds_config, zero3=zero3)
+        if checkpointing:
+            _enable_checkpointing(model)
+    else:
+        from elastictrain.worker.hf_init import exact_hf_init_under_zero3
+
+        # zero.Init partitions each module as it is built; without the second context transformers'
+        # own weight init would write into empty partitions and be lost (see worker/hf_init.py).
+        init = exact_hf_init_under_zero3() if zero3 else contextlib.nullcontext()
+        with init, deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=zero3):
+            if m.factory:
+                from elastictrain.worker.user_code import user_model
+
+                model = user_model(config)
+                if checkpointing:
+                    _enable_checkpointing(model)  # checked on the driver: the model has the method
+            else:
+                model = build_causal_lm(dict(m.hf_config), activation_checkpointing=checkpointing)
+    if m.lora.enabled:
+        from elastictrain.worker.lora import apply_lora
+
+        model = apply_lora(model, m.lora, activation_checkpointing=checkpointing)
+    return model
+
+
+def forget_hf_deepspeed_config() -> None:
+    """Stop transformers from treating models built next as ZeRO-3 ones (it builds them under zero.Init)."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    global _hf_ds_config
+    _hf_ds_config = None
+    unset_hf_deepspeed_config()
+
+
+def _from_pretrained(folder: str, ds_config: dict[str, Any], *, zero3: bool) -> torch.nn.Module:
+    """Load a local transformers folder; under ZeRO-3 each rank keeps only its partition of the weights."""
+    global _hf_ds_config
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    if zero3:
+        _hf_ds_config = HfDeepSpeedConfig(ds_config)
+    return AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+
+
+def causal_lm_loss(model: Any, batch: Any) -> torch.Tensor:
+    """The default loss: next-token cross entropy of a transformers causal LM.
+
+    A tensor batch is token ids (labels = the ids); a dict batch is passed as keyword arguments, with
+    labels = input_ids unless it holds labels (e.g. -100 on padding).
+    """
+    if isinstance(batch, Mapping):
+        kwargs = dict(batch)
+        kwargs.setdefault("labels", kwargs.get("input_ids"))
+    else:
+        kwargs = {"input_ids": batch, "labels": batch}
+    out = model(**kwargs)
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            "training.loss: not set, and the model's output has no `loss`; give training.loss as "
+            "'module:attr' (or loss= to elastictrain.fit), a function loss(model, batch) -> scalar tensor"
+        )
+    return loss
+
+
+def loss_function(config: Any) -> Any:
+    from elastictrain.worker.user_code import user_callable
+
+    return user_callable(config, "training.loss") or causal_lm_loss

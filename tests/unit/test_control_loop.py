@@ -1,0 +1,119 @@
+"""The control loop's save and failure paths, on the fake worker group: whole runs in milliseconds, no Ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loop_harness import at_step, make_run
+
+from elastictrain.chaos import wait_until_replacements_are_warm
+from elastictrain.checkpoint.store import verify
+
+
+def test_a_clean_run_finishes_with_every_checkpoint_committed(tmp_path: Path):
+    r = make_run(tmp_path)
+    summary = r.run()
+    assert summary.status.value == "FINISHED" and summary.step == 12
+    assert [e["tag"] for e in r.events("checkpoint")] == ["step-000004", "step-000008", "step-000012"]
+    assert r.committed_step() == 12 and r.status == "FINISHED"
+    assert verify(r.run_dir.checkpoints_dir / "step-000012").ok
+    assert summary.world_sizes == [2] and r.group.workers == []  # shut down at the end
+
+
+def test_a_rank_dying_at_a_step_restarts_from_the_last_checkpoint_on_the_survivor(tmp_path: Path):
+    r = make_run(tmp_path, "scaling.min_workers=1")
+    r.group.die_at_step(rank=1, step=6)
+    summary = r.run()
+    assert summary.status.value == "FINISHED" and summary.failures == 1
+    (failure,) = r.events("failure")
+    assert failure["kind"] == "worker_died" and failure["step"] == 6
+    restarted = r.events("attempt_started")[1]
+    assert restarted["checkpoint"] == "step-000004" and restarted["world_size"] == 1
+    assert r.events("recovered")[0]["steps_lost"] == 2
+    assert r.committed_step() == 12
+
+
+def test_a_dead_worker_whose_node_is_gone_is_node_lost_found_with_one_cluster_query(tmp_path: Path):
+    r = make_run(tmp_path, "scaling.min_workers=1")
+
+    def lose_a_node(controller):
+        r.group.lose_node_of(controller.active[1])
+        r.group.node_queries = 0
+
+    r.controller.callbacks.after_step.append(at_step(5, lose_a_node))
+    assert r.run().status.value == "FINISHED"
+    (failure,) = r.events("failure")
+    assert failure["kind"] == "node_lost"
+    assert r.group.node_queries == 1  # one query for the whole group, not one per worker
+
+
+def test_a_hung_step_names_the_rank_that_is_not_waiting_in_a_collective(tmp_path: Path):
+    r = make_run(tmp_path, "scaling.min_workers=1", "scaling.max_workers=3", capacity=3)
+    r.group.hang_at_step(rank=2, step=5)
+    assert r.run().status.value == "FINISHED"
+    failure = r.events("failure")[0]
+    assert failure["kind"] == "hang" and failure["workers"] == [r.group.removed[0]]
+    assert "fw2" in failure["workers"]
+
+
+def test_a_full_disk_during_a_background_write_skips_that_save_and_training_goes_on(tmp_path: Path):
+    r = make_run(tmp_path)
+    r.controller.callbacks.after_step.append(at_step(5, lambda c: r.group.write_fails(rank=1)))
+    summary = r.run()
+    assert summary.status.value == "FINISHED" and summary.failures == 0
+    (failed,) = r.events("checkpoint_failed")
+    assert failed["step"] == 8 and "No space left on device" in failed["reason"]
+    assert failed["previous"] == "step-000004"
+    assert [e["tag"] for e in r.events("checkpoint")] == ["step-000004", "step-000012"]
+    assert len(r.events("attempt_started")) == 1  # no restart: the ranks are healthy
+    assert not any(p.name.startswith(".") for p in r.run_dir.checkpoints_dir.iterdir())
+
+
+def test_a_hung_background_write_is_a_hang_and_its_checkpoint_is_dropped(tmp_path: Path):
+    r = make_run(tmp_path)
+    r.controller.callbacks.after_step.append(at_step(5, lambda c: r.group.save_hangs(rank=0)))
+    summary = r.run()
+    assert summary.status.value == "FINISHED" and summary.failures == 1
+    (failure,) = r.events("failure")
+    assert failure["kind"] == "hang" and "checkpoint write of .staging-step-000008" in failure["message"]
+    (abandoned,) = r.events("checkpoint_abandoned")
+    assert abandoned["step"] == 8 and abandoned["written"] == 1 and abandoned["ranks"] == 2
+    # The rank whose write hangs is at fault: it is replaced, its peer keeps its actor.
+    assert failure["workers"] == ["fw0"] and r.group.removed[0] == "fw0"
+    assert r.events("attempt_started")[1]["checkpoint"] == "step-000004"
+    assert r.committed_step() == 12
+
+
+def test_growth_while_a_save_is_in_flight_commits_it_before_the_larger_world_loads_it(tmp_path: Path):
+    r = make_run(tmp_path, "scaling.min_workers=2", "scaling.max_workers=4", capacity=2)
+    r.controller.callbacks.after_step.append(at_step(6, lambda c: r.group.add_capacity(2)))
+    r.controller.callbacks.after_step.append(at_step(7, wait_until_replacements_are_warm))
+    summary = r.run()
+    assert summary.status.value == "FINISHED" and summary.failures == 0
+    (grow,) = r.events("grow")
+    assert grow["step"] == 8 and grow["world_size"] == 4
+    committed = [e for e in r.events("checkpoint") if e["tag"] == "step-000008"]
+    assert committed and r.run_dir.read_events().index(committed[0]) < r.run_dir.read_events().index(grow) + 2
+    larger = r.events("attempt_started")[1]
+    assert larger["world_size"] == 4 and larger["checkpoint"] == "step-000008"
+    assert summary.world_sizes == [2, 4]
+    assert not r.events("recovered") or r.events("recovered")[0]["steps_lost"] == 0
+
+
+def test_a_failure_is_reported_to_on_failure_callbacks_before_it_is_handled(tmp_path: Path):
+    r = make_run(tmp_path, "scaling.min_workers=1")
+    r.group.raise_at_step(rank=0, step=2, error="ValueError: bad batch")
+    seen = []
+    r.controller.callbacks.on_failure.append(lambda c, f: seen.append((f.kind, c.recorder.status.value)))
+    assert r.run().status.value == "FINISHED"
+    assert seen == [("step_error", "RUNNING")]
+    assert "bad batch" in r.events("failure")[0]["message"]
+
+
+def test_the_failure_budget_spent_ends_the_run_failed_and_recorded(tmp_path: Path):
+    r = make_run(tmp_path, "scaling.min_workers=1", "failure.max_failures=1", capacity=4)
+    r.group.die_at_step(rank=0, step=2)
+    r.group.die_at_step(rank=0, step=6)
+    summary = r.run()
+    assert summary.status.value == "FAILED" and "failure budget spent" in summary.message
+    assert r.status == "FAILED" and r.events("fail")

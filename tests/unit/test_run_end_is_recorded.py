@@ -1,0 +1,79 @@
+"""How a run ends is true and recorded: FINISHED only with max_steps committed, any error in run.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from loop_harness import at_step, make_run
+
+from elastictrain.checkpoint.store import verify
+
+
+def test_a_worker_dying_in_the_last_segments_save_does_not_finish_the_run_without_its_checkpoint(
+    tmp_path: Path,
+):
+    r = make_run(tmp_path, "scaling.min_workers=1")
+    r.controller.callbacks.after_step.append(at_step(9, lambda c: r.group.die_in_save(rank=1)))
+    summary = r.run()
+    assert r.events("failure")[0]["step"] == 12
+    assert summary.status.value == "FINISHED" and summary.step == 12
+    # FINISHED means a committed checkpoint holds max_steps: the steps after step-000008 were redone.
+    assert r.committed_step() == 12 and verify(r.run_dir.checkpoints_dir / "step-000012").ok
+    assert r.events("attempt_started")[-1]["checkpoint"] == "step-000008"
+
+
+def test_a_hang_while_finishing_the_last_save_does_not_finish_the_run_without_its_checkpoint(
+    tmp_path: Path,
+):
+    r = make_run(tmp_path)
+    r.controller.callbacks.after_step.append(at_step(9, lambda c: r.group.save_hangs(rank=0)))
+    summary = r.run()
+    (failure,) = r.events("failure")
+    assert failure["kind"] == "hang" and "step-000012" in failure["message"]
+    assert r.events("checkpoint_abandoned")[0]["step"] == 12
+    assert summary.status.value == "FINISHED" and r.committed_step() == 12
+
+
+def test_a_final_save_that_cannot_be_written_ends_the_run_failed_and_resumable(tmp_path: Path):
+    r = make_run(tmp_path)
+    r.controller.callbacks.after_step.append(at_step(9, lambda c: r.group.write_fails(rank=0)))
+    summary = r.run()
+    assert summary.status.value == "FAILED" and r.status == "FAILED"
+    assert "final checkpoint" in summary.message and "No space left on device" in summary.message
+    assert r.committed_step() == 8  # what `elastictrain resume` continues from
+
+
+def test_a_commit_error_skips_that_save_and_training_goes_on(tmp_path: Path):
+    r = make_run(tmp_path)
+    # Rank 1 reports its file written, but it is not there: the store refuses to commit (CheckpointError).
+    r.controller.callbacks.after_step.append(at_step(5, lambda c: r.group.drop_file(rank=1)))
+    summary = r.run()
+    (failed,) = r.events("checkpoint_failed")
+    assert failed["step"] == 8 and "CheckpointError" in failed["reason"] and "missing" in failed["reason"]
+    assert summary.status.value == "FINISHED" and r.committed_step() == 12
+
+
+def test_an_unexpected_error_leaves_the_run_failed_in_run_json_and_events(tmp_path: Path):
+    r = make_run(tmp_path)
+
+    def bug(controller):
+        raise RuntimeError("a bug in the loop")
+
+    r.controller.callbacks.after_step.append(at_step(3, bug))
+    with pytest.raises(RuntimeError, match="a bug in the loop"):
+        r.run()
+    info = r.run_dir.read_info()
+    assert info.status == "FAILED" and "RuntimeError: a bug in the loop" in info.message
+    assert r.events("fail")[0]["reason"] == "RuntimeError: a bug in the loop"
+    assert r.group.workers == []  # the workers are shut down all the same
+
+
+def test_a_finished_run_run_again_has_nothing_to_train_and_stays_finished(tmp_path: Path):
+    first = make_run(tmp_path)
+    assert first.run().status.value == "FINISHED"
+    again = make_run(tmp_path, run_dir=first.run_dir)  # e.g. `fit` called twice with one config
+    summary = again.run()
+    assert summary.status.value == "FINISHED" and summary.step == 12
+    assert again.status == "FINISHED" and again.group.workers == []
+    assert len(again.events("attempt_started")) == 1  # the first run's only: no worker was set up again
