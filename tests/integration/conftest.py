@@ -48,3 +48,14 @@ def ray_cluster() -> Iterator[object]:
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def probes(ray_local: None) -> Iterator[object]:
+    """Three warm worker actors tests can look inside (tests/integration/probe.py), for a module."""
+    from probe import ProbeGroup
+
+    group = ProbeGroup(3)
+    yield group
+    group.teardown()
+    group.kill()

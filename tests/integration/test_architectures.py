@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import offload_overrides, tiny_config
-from probe import ProbeGroup, save_checkpoint, train_steps
+from probe import save_checkpoint, train_steps
 from reference import causal_lm_loss, global_batch, reference_model
 
 from elastictrain.config import validate
@@ -83,14 +83,6 @@ def hf_config_for(name: str) -> dict[str, Any]:
         return {"model_type": "gpt2", "vocab_size": VOCAB, **extra}
     merged = {**COMMON, **extra}
     return {"model_type": model_type, **{k: v for k, v in merged.items() if v is not None}}
-
-
-@pytest.fixture(scope="module")
-def probes(ray_local) -> Any:  # noqa: ANN001
-    group = ProbeGroup(3)
-    yield group
-    group.teardown()
-    group.kill()
 
 
 def config_for(name: str, run_dir: Path) -> Any:

@@ -22,14 +22,6 @@ pytestmark = pytest.mark.integration
 NEXT_LOSS_TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def probes(ray_local) -> Any:  # noqa: ANN001
-    group = ProbeGroup(3)
-    yield group
-    group.teardown()
-    group.kill()
-
-
 def reshard_round_trip(probes: ProbeGroup, cfg: Any, root: Path, load_cfg: Any | None = None) -> list[str]:
     """Train 3 steps at world size 2; reload at 3 and 1 (under load_cfg's stage); compare state and loss."""
     load_cfg = load_cfg or cfg
