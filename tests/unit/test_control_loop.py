@@ -117,3 +117,24 @@ def test_the_failure_budget_spent_ends_the_run_failed_and_recorded(tmp_path: Pat
     summary = r.run()
     assert summary.status.value == "FAILED" and "failure budget spent" in summary.message
     assert r.status == "FAILED" and r.events("fail")
+
+
+def test_a_step_that_raises_the_same_error_again_after_a_restart_stops_the_run_at_once(tmp_path: Path):
+    r = make_run(tmp_path, "scaling.min_workers=1", "failure.max_failures=5")
+    error = "AttributeError: 'DeepSpeedZeRoOffload' object has no attribute 'param_groups'"
+    r.group.raise_at_step(rank=0, step=6, error=error)
+    r.group.raise_at_step(rank=0, step=6, error=error)  # the same error when step 6 runs again
+    summary = r.run()
+    assert summary.status.value == "FAILED" and summary.failures == 2  # one restart, not five
+    assert summary.message.startswith("deterministic error (rule: the same error at the same step")
+    assert "no attribute 'param_groups'" in summary.message
+    assert r.status == "FAILED" and r.committed_step() == 4  # resumable from the last commit
+    (shown,) = r.events("worker_traceback")  # the worker's error, once
+    assert "param_groups" in shown["message"]
+
+
+def test_an_error_seen_once_is_retried_like_a_lost_worker(tmp_path: Path):
+    r = make_run(tmp_path, "scaling.min_workers=1")
+    r.group.raise_at_step(rank=0, step=6, error="RuntimeError: a transient glitch")
+    summary = r.run()
+    assert summary.status.value == "FINISHED" and summary.failures == 1

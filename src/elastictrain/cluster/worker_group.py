@@ -255,7 +255,9 @@ def _reply(worker_id: str, ref: Any) -> Reply:
     except RayActorError as e:
         return Reply(worker_id, error=DIED, detail=str(e))
     except RayTaskError as e:
-        return Reply(worker_id, error=RAISED, detail=str(e))
+        # The worker's own exception (its message holds its traceback), not Ray's wrapping of it.
+        cause = getattr(e, "cause", None)
+        return Reply(worker_id, error=RAISED, detail=str(cause) if cause is not None else str(e))
     except GetTimeoutError:
         return Reply(worker_id, error=TIMED_OUT, detail="no answer yet")
     except Exception as e:  # noqa: BLE001 - e.g. an argument that cannot be unpickled: the call raised

@@ -39,6 +39,7 @@ def classify(group: Group, replies: dict[str, Reply], step: int, phase: str, tim
             tuple(own),
             step,
             f"{phase} raised in {wid}: {short(err)}",
+            detail=err,
         )
     silent = [wid for wid, r in replies.items() if r.error == TIMED_OUT]
     return classify_hang(group, step, phase, timeout_s, silent)

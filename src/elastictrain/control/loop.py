@@ -73,6 +73,7 @@ class Controller:
             config, group, self.recorder, self.saves, self.capacity, after_step=self._after_step, clock=clock
         )
         self.attempt = 0
+        self.failure_history: list[Failure] = []  # what recurs unchanged after a restart is not retried
         self.plan: BatchPlan | None = None
         self.active: list[Any] = []  # this attempt's workers, in rank order
         self.active_before: list[Any] = []  # the last attempt's workers, for stable ranks
@@ -310,9 +311,19 @@ class Controller:
         self.store.clean_partials()  # a snapshot queued when the failure struck left its staging folder
         ckpt = self.resume.latest()
         decision = decide_after_failure(
-            self.rules, failure, self.recorder.failures, self.capacity.slots(), self.clock()
+            self.rules,
+            failure,
+            self.recorder.failures,
+            self.capacity.slots(),
+            self.clock(),
+            earlier=self.failure_history,
         )
+        self.failure_history.append(failure)
         if isinstance(decision, Fail):
+            if failure.detail and decision.reason.startswith("deterministic"):
+                # Once, whole: the worker's own traceback, for the error that ends the run.
+                worker = failure.worker_ids[0] if failure.worker_ids else ""
+                self._event("worker_traceback", failure.detail.strip(), style="red", worker=worker)
             raise RunFailed(decision.reason)
         resume_step = ckpt.manifest["step"] if ckpt else 0
         self._event(

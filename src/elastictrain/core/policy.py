@@ -20,6 +20,7 @@ class Failure:
     worker_ids: tuple[str, ...]  # the workers at fault (dead, hung, or raising)
     step: int  # the step that was running
     message: str
+    detail: str = ""  # the worker's own error and traceback, when it raised
 
 
 @dataclass(frozen=True)
