@@ -118,23 +118,34 @@ def _check_user_code(cfg) -> None:  # noqa: ANN001
 @app.command()
 def resume(
     run_dir: Annotated[Path, typer.Argument(help="the run folder (run.dir) of a stopped or crashed run")],
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(help="changes safe mid-run, e.g. training.max_steps=200 scaling.max_workers=4"),
+    ] = None,
     address: Annotated[
         str | None, typer.Option(help="Ray address (default: RAY_ADDRESS, else a local cluster)")
     ] = None,
     no_tracking: Annotated[bool, typer.Option("--no-tracking")] = False,
     local: Annotated[bool, typer.Option("--local", help="one worker in this process, without Ray")] = False,
 ) -> None:
-    """Continue a run from its latest committed checkpoint, into the same MLflow run."""
+    """Continue a run from its latest committed checkpoint, into the same MLflow run.
+
+    Overrides may change what is safe mid-run (training.max_steps to extend a finished run, scaling.*,
+    checkpoint.*, failure.*, tracking.*, the ZeRO stage and offload); others are refused by name.
+    """
     from elastictrain.config import ConfigError, load_config
-    from elastictrain.launch import run_training
+    from elastictrain.launch import apply_resume_changes, run_training
     from elastictrain.rundir.run_dir import RunDir, RunDirError
 
     try:
         rd = RunDir.open(run_dir)
-        cfg = load_config(rd.config_yaml)
+        cfg = load_config(rd.config_yaml, overrides or [])
+        if overrides:
+            for line in apply_resume_changes(rd, cfg):
+                out.print(line)
     except (RunDirError, ConfigError) as e:
         _fail(str(e))
-    if rd.read_info().status == "FINISHED":
+    if rd.read_info().status == "FINISHED" and rd.read_info().last_step >= cfg.training.max_steps:
         out.print(f"{run_dir}: the run already finished at step {rd.read_info().last_step}; nothing to do")
         return
     _check_user_code(cfg)

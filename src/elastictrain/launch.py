@@ -123,6 +123,34 @@ def prepare_run_dir(config: Config, *, fresh: bool) -> tuple[RunDir, bool]:
     return RunDir.create(path, name=config.run.name, config_yaml=to_yaml(config), config_digest=digest), False
 
 
+def apply_resume_changes(run_dir: RunDir, config: Config) -> list[str]:
+    """Take the overrides of `resume RUN_DIR key=value`: refuse unsafe ones, record the rest.
+
+    The new config becomes the run's config.yaml and digest, and an event lists each change.
+    Raises ConfigError naming every refused key.
+    """
+    from elastictrain.config import ConfigError, load_config
+    from elastictrain.core.config_changes import classify_changes, extension_problem
+
+    before = load_config(run_dir.config_yaml)
+    changes = classify_changes(to_flat_dict(before), to_flat_dict(config))
+    problems = [changes.refusal()] if changes.refused else []
+    info = run_dir.read_info()
+    extension = extension_problem(info.last_step, config.training.max_steps)
+    problems += [extension] if extension else []
+    if problems:
+        raise ConfigError(problems)
+    if not changes.allowed:
+        return []
+    from elastictrain.rundir.durable import replace_text_atomically
+
+    replace_text_atomically(run_dir.config_yaml, to_yaml(config))
+    run_dir.update(config_digest=config_digest(config))
+    described = {k: {"from": a, "to": b} for k, (a, b) in changes.allowed.items()}
+    run_dir.append_event("config_changed", step=info.last_step, changes=described)
+    return [f"config changed on resume: {k}: {a} -> {b}" for k, (a, b) in changes.allowed.items()]
+
+
 def make_tracker(config: Config, run_dir: RunDir, enabled: bool = True) -> Tracker:
     if not enabled:
         return NullTracker()

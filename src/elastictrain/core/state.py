@@ -25,7 +25,8 @@ ALLOWED: dict[RunStatus, frozenset[RunStatus]] = {
     # STOPPED (driver lost or interrupted) and FAILED runs can be resumed.
     RunStatus.STOPPED: frozenset({RunStatus.STARTING, RunStatus.FAILED}),
     RunStatus.FAILED: frozenset({RunStatus.STARTING}),
-    RunStatus.FINISHED: frozenset(),
+    # A finished run continues only when `resume RUN_DIR training.max_steps=N` extends it.
+    RunStatus.FINISHED: frozenset({RunStatus.STARTING}),
     **{s: frozenset(_ACTIVE | TERMINAL | {RunStatus.STOPPED}) - {RunStatus.CREATED} for s in _ACTIVE},
 }
 
