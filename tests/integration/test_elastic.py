@@ -199,3 +199,25 @@ def test_below_the_minimum_the_run_waits_then_fails_clearly_and_stays_resumable(
     info = run_dir.read_info()
     assert "failure.wait_for_capacity_s" in info.message and "elastictrain resume" in info.message
     assert (run_dir.checkpoints_dir / "latest").read_text().strip() == "step-000004"
+
+
+def _loss_that_always_raises(model: Any, batch: Any) -> Any:
+    raise KeyError("labels: this dataset has no labels column")
+
+
+def test_a_deterministic_step_error_stops_after_one_restart_with_the_workers_error(ray_local, tmp_path):
+    """The same error at the same step after a restart is not retried up to max_failures (here 3)."""
+    import elastictrain
+
+    cfg = tiny_config(tmp_path / "run", "failure.max_failures=3")
+    summary = elastictrain.fit(cfg, loss=_loss_that_always_raises, tracking=False)
+    assert summary.status.value == "FAILED"
+    assert summary.failures == 2, "one restart, then the error repeats and the run stops"
+    assert summary.message.startswith("deterministic error (rule: the same error at the same step")
+    assert "labels: this dataset has no labels column" in summary.message
+    from elastictrain.rundir.run_dir import RunDir
+
+    events = RunDir.open(tmp_path / "run").read_events()
+    (shown,) = [e for e in events if e["event"] == "worker_traceback"]
+    assert "_loss_that_always_raises" in shown["message"]  # the worker's own traceback, once
+    assert "RayTaskError" not in shown["message"]

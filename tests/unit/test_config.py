@@ -314,3 +314,17 @@ def test_user_json_that_is_missing_or_not_json(tmp_path):
     f = tmp_path / "ds.json"
     f.write_text("{ not json")
     assert "is not valid JSON (line 1, column 3" in problems(f"deepspeed.config_file={f}")
+
+
+@pytest.mark.parametrize("name", ["hf-zero2.json", "hf-zero3-offload.json"])
+def test_hugging_face_style_jsons_are_accepted_with_a_one_line_notice(name):
+    from elastictrain.config.deepspeed_config import owned_settings_notice
+
+    cfg = load_config(CONF / "tiny-cpu.yaml", [f"deepspeed.config_file={CONF / 'deepspeed' / name}"])
+    notice = owned_settings_notice(cfg)
+    assert notice is not None and "\n" not in notice
+    assert "train_batch_size" in notice and "set by elastictrain" in notice
+    ds = build_deepspeed_config(cfg, 2, 6, 2)
+    assert ds["optimizer"]["type"] == "AdamW" and ds["optimizer"]["params"]["lr"] == cfg.training.lr
+    assert "scheduler" not in ds and ds["gradient_clipping"] == cfg.training.grad_clip
+    assert ds["train_micro_batch_size_per_gpu"] == 2 and ds["gradient_accumulation_steps"] == 6
