@@ -38,6 +38,9 @@ def connect_ray(config: Config, address: str | None) -> str:
     import ray
 
     target = address or config.ray.address or os.environ.get("RAY_ADDRESS")
+    # The loop reads every reply it acts on and reports the error itself (the worker's traceback once);
+    # steps queued behind a failed one fail too, and Ray would print each as pages of "Unhandled error".
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     if ray.is_initialized():
         return "already connected"
     if target:
