@@ -108,11 +108,14 @@ def _check_ray_address(address: str | None) -> None:
 
 
 def _check_user_code(cfg) -> None:  # noqa: ANN001
+    from elastictrain.config import ConfigError
     from elastictrain.launch import check_before_start
     from elastictrain.worker.user_code import UserCodeError
 
     try:
         check_before_start(cfg)
+    except ConfigError as e:
+        _fail(f"invalid configuration:\n{e}")
     except UserCodeError as e:
         _fail(str(e))
 

@@ -45,11 +45,20 @@ def check_ray_address(target: str | None, timeout_s: float = 5.0) -> None:
 def check_user_code(config: Any) -> None:
     """Resolve every user-code field and try the factories, before any worker starts.
 
+    First the model's transformers config is built here (config/model_check.py): a config error
+    (ConfigError) naming the field instead of a failure inside every worker.
+
     The model factory is called under torch.device("meta"), so checking it allocates no weights. The
     dataset is built for real (its length is needed), and its first item collated.
     """
     import torch
 
+    from elastictrain.config import ConfigError
+    from elastictrain.config.model_check import model_problems
+
+    problems = model_problems(config)
+    if problems:
+        raise ConfigError(problems)
     for field in FIELDS:
         user_callable(config, field) if field in ("data.collate", "training.loss") else resolve(config, field)
     if config.model.factory is not None:
