@@ -42,6 +42,18 @@ def _finish(summary) -> None:  # noqa: ANN001
         _fail(f"run ended {summary.status.value}: {summary.message}", code=1)
 
 
+def _train(cfg, run_dir, **kwargs) -> None:  # noqa: ANN001, ANN003
+    """run_training, with what the checks on the cluster's nodes find said as an error (no traceback)."""
+    from elastictrain.launch import run_training
+    from elastictrain.preflight import PreflightError
+
+    try:
+        summary = run_training(cfg, run_dir, **kwargs)
+    except PreflightError as e:
+        _fail(str(e))
+    _finish(summary)
+
+
 @app.command()
 def train(
     overrides: Annotated[
@@ -71,7 +83,7 @@ def train(
     if print_config:
         out.print(to_yaml(cfg), markup=False)
         return
-    from elastictrain.launch import RunFolderConflict, prepare_run_dir, run_training
+    from elastictrain.launch import RunFolderConflict, prepare_run_dir
 
     _check_user_code(cfg)
     if not local:
@@ -93,7 +105,7 @@ def train(
         if done.status == "FINISHED":  # a retried job of a finished run: nothing to train, no cluster
             out.print(f"the run already finished at step {done.last_step}; nothing to do")
             return
-    _finish(run_training(cfg, run_dir, address=address, tracking=not no_tracking, local=local))
+    _train(cfg, run_dir, address=address, tracking=not no_tracking, local=local)
 
 
 def _check_ray_address(address: str | None) -> None:
@@ -139,7 +151,7 @@ def resume(
     checkpoint.*, failure.*, tracking.*, the ZeRO stage and offload); others are refused by name.
     """
     from elastictrain.config import ConfigError, load_config
-    from elastictrain.launch import apply_resume_changes, run_training
+    from elastictrain.launch import apply_resume_changes
     from elastictrain.rundir.run_dir import RunDir, RunDirError
 
     try:
@@ -156,7 +168,7 @@ def resume(
     _check_user_code(cfg)
     if not local:
         _check_ray_address(address or cfg.ray.address)
-    _finish(run_training(cfg, rd, address=address, tracking=not no_tracking, local=local))
+    _train(cfg, rd, address=address, tracking=not no_tracking, local=local)
 
 
 @app.command()

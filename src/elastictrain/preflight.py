@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 
@@ -109,3 +110,62 @@ def check_targets(config: Any) -> None:
         _check_targets(model, config.model.lora)
     except ValueError as e:
         raise UserCodeError(str(e)) from None
+
+
+# -- deepspeed.nvme_path on the nodes, once connected to Ray -------------------------------------------
+def _nvme_probe(path: str) -> tuple[str, str | None]:
+    """Runs on one node: its host name, and why `path` is not a folder this user can write (None: it is)."""
+    import tempfile
+
+    host = socket.gethostname()
+    if not os.path.isdir(path):
+        return host, "it does not exist or is not a folder there"
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            return host, None
+    except OSError as e:
+        return host, f"it cannot be written there ({e.strerror or e})"
+
+
+def check_nvme_on_nodes(config: Any, timeout_s: float = 60.0) -> int:
+    """With an NVMe offload, write a file in deepspeed.nvme_path on every alive node that can host a worker.
+
+    The driver's own check (config/loader.py) sees only the driver's machine; each rank swaps on its
+    own node. One task per node (no CPU reserved), pinned to it. Returns the number of nodes checked;
+    raises PreflightError naming every node where the folder is missing or read-only.
+    """
+    ds, s = config.deepspeed, config.scaling
+    if "nvme" not in (ds.offload_optimizer, ds.offload_param):
+        return 0
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    def can_host(resources: dict[str, float]) -> bool:
+        gpus_ok = not s.use_gpu or resources.get("GPU", 0) >= s.gpus_per_worker
+        return resources.get("CPU", 0) >= s.cpus_per_worker and gpus_ok
+
+    nodes = [n for n in ray.nodes() if n.get("Alive") and can_host(n.get("Resources", {}))]
+    if not nodes:
+        return 0  # no node can host a worker yet: the run waits for capacity and says so
+    probe = ray.remote(num_cpus=0, max_retries=0)(_nvme_probe)
+    refs = {
+        probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
+            ds.nvme_path
+        ): n["NodeManagerAddress"]
+        for n in nodes
+    }
+    done, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    problems = []
+    for ref in done:
+        host, why = ray.get(ref)
+        if why:
+            problems.append(f"node {refs[ref]} ({host}): {why}")
+    problems += [f"node {refs[ref]}: did not answer within {timeout_s:.0f}s" for ref in late]
+    for ref in late:
+        ray.cancel(ref, force=True)
+    if problems:
+        raise PreflightError(
+            f"deepspeed.nvme_path: got {ds.nvme_path!r}; expected a folder every worker node can write "
+            "(each rank swaps there), but:\n" + "\n".join(f"  {p}" for p in sorted(problems))
+        )
+    return len(nodes)
