@@ -151,7 +151,7 @@ def check_nvme_on_nodes(config: Any, timeout_s: float = 60.0) -> int:
     refs = {
         probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
             ds.nvme_path
-        ): n["NodeManagerAddress"]
+        ): f"{n['NodeManagerAddress']} (id {n['NodeID'][:8]})"
         for n in nodes
     }
     done, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
@@ -159,7 +159,7 @@ def check_nvme_on_nodes(config: Any, timeout_s: float = 60.0) -> int:
     for ref in done:
         host, why = ray.get(ref)
         if why:
-            problems.append(f"node {refs[ref]} ({host}): {why}")
+            problems.append(f"node {refs[ref]} on {host}: {why}")
     problems += [f"node {refs[ref]}: did not answer within {timeout_s:.0f}s" for ref in late]
     for ref in late:
         ray.cancel(ref, force=True)
