@@ -55,7 +55,7 @@ def check_user_code(config: Any) -> None:
     import torch
 
     from elastictrain.config import ConfigError
-    from elastictrain.config.model_check import model_problems
+    from elastictrain.config.model_check import model_problems, vocab_problem
 
     problems = model_problems(config)
     if problems:
@@ -65,6 +65,13 @@ def check_user_code(config: Any) -> None:
     if config.model.factory is not None:
         with torch.device("meta"):
             model = user_model(config)
+        try:
+            rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
+        except Exception:  # noqa: BLE001 - not a transformers-style model: nothing to compare
+            rows = None
+        problem = vocab_problem(config, rows, "model.factory's input embedding rows")
+        if problem:
+            raise ConfigError([problem])
         if config.deepspeed.activation_checkpointing and not hasattr(model, "gradient_checkpointing_enable"):
             raise UserCodeError(
                 f"deepspeed.activation_checkpointing: true, but the model of model.factory "

@@ -125,3 +125,23 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path):
 
 def test_a_tokenizer_within_the_models_vocabulary_is_accepted(tmp_path):
     check_user_code(config(tmp_path, *hf_data(tmp_path, tokens=200)))
+
+
+def test_a_tokenizer_larger_than_a_factory_models_embedding_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "tiny_factory_model.py").write_text(
+        "import torch\n\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.embed = torch.nn.Embedding(100, 8)\n\n"
+        "    def get_input_embeddings(self):\n"
+        "        return self.embed\n\n"
+        "def build():\n"
+        "    return M()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    text = refusal(config(tmp_path, "model.factory=tiny_factory_model:build", *hf_data(tmp_path, tokens=150)))
+    assert text.startswith(
+        f"data.tokenizer: '{tmp_path / 'tok'}' has 150 tokens, more than the model's model.factory's input "
+        "embedding rows (100)"
+    )

@@ -114,9 +114,9 @@ def _seq_len_problem(config: Any, built: Any) -> str | None:
     return f"data.seq_len: got {seq_len}; expected <= {positions}, the {where}"
 
 
-def _vocab_problem(config: Any, built: Any) -> str | None:
+def vocab_problem(config: Any, vocab: int | None, field: str) -> str | None:
+    """A `data.tokenizer` with more tokens than the model's embedding has rows (`field` names that)."""
     d = config.data
-    vocab = getattr(built, "vocab_size", None)
     if d.source != "hf" or not d.tokenizer or not isinstance(vocab, int):
         return None
     from elastictrain.worker.hf_data import load_tokenizer
@@ -128,7 +128,6 @@ def _vocab_problem(config: Any, built: Any) -> str | None:
         return None  # reported with the data checks (check_hf_data)
     if tokens <= vocab:
         return None
-    field = "model.pretrained's vocab_size" if config.model.pretrained else "model.hf_config.vocab_size"
     return (
         f"data.tokenizer: {d.tokenizer!r} has {tokens} tokens, more than the model's {field} ({vocab}); "
         f"token ids {vocab} and up would index past the embedding. Expected a tokenizer of at most {vocab} "
@@ -144,7 +143,11 @@ def model_problems(config: Any) -> list[str]:
     for found in (
         None if config.model.pretrained else _structure_problem(built),
         _seq_len_problem(config, built),
-        _vocab_problem(config, built),
+        vocab_problem(
+            config,
+            getattr(built, "vocab_size", None),
+            "model.pretrained's vocab_size" if config.model.pretrained else "model.hf_config.vocab_size",
+        ),
     ):
         if found:
             problems.append(found)
