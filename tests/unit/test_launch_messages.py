@@ -77,3 +77,22 @@ def test_a_fresh_run_says_when_its_mlflow_run_is_created(tmp_path, monkeypatch):
         launch.run_training(cfg, run_dir, reporter=Reporter(4, stream=stream, live=False))
     assert f"run folder {run_dir.path}; MLflow run: created when the tracker connects" in stream.getvalue()
     assert "MLflow run -" not in stream.getvalue()
+
+
+def test_a_node_without_the_nvme_folder_ends_the_cli_with_the_message_not_a_traceback(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from elastictrain.cli import app
+    from elastictrain.preflight import PreflightError
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise PreflightError(
+            "deepspeed.nvme_path: got '/nvme'; expected a folder every worker node can write"
+        )
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(launch, "run_training", refuse)
+    result = CliRunner().invoke(app, ["train", "-c", str(TINY), f"run.dir={tmp_path}/run", "--no-tracking"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "error: deepspeed.nvme_path: got '/nvme'; expected a folder every worker node" in result.output
+    assert "Traceback" not in result.output
