@@ -27,6 +27,8 @@ def _fail(message: str, code: int = 2) -> None:
 def _load(config_path: Path | None, overrides: list[str]):  # noqa: ANN202 - Config, imported lazily
     from elastictrain.config import ConfigError, load_config
 
+    if config_path is not None and config_path.is_dir():
+        _fail(f"--config: {config_path} is a directory; give a YAML file such as conf/tiny-cpu.yaml")
     if config_path is not None and not config_path.is_file():
         _fail(f"--config: {config_path} does not exist; give a YAML file such as conf/tiny-cpu.yaml")
     try:
@@ -38,6 +40,18 @@ def _load(config_path: Path | None, overrides: list[str]):  # noqa: ANN202 - Con
 def _finish(summary) -> None:  # noqa: ANN001
     if summary.status.value != "FINISHED":
         _fail(f"run ended {summary.status.value}: {summary.message}", code=1)
+
+
+def _train(cfg, run_dir, **kwargs) -> None:  # noqa: ANN001, ANN003
+    """run_training, with what the checks on the cluster's nodes find said as an error (no traceback)."""
+    from elastictrain.launch import run_training
+    from elastictrain.preflight import PreflightError
+
+    try:
+        summary = run_training(cfg, run_dir, **kwargs)
+    except PreflightError as e:
+        _fail(str(e))
+    _finish(summary)
 
 
 @app.command()
@@ -69,7 +83,7 @@ def train(
     if print_config:
         out.print(to_yaml(cfg), markup=False)
         return
-    from elastictrain.launch import RunFolderConflict, prepare_run_dir, run_training
+    from elastictrain.launch import RunFolderConflict, prepare_run_dir
 
     _check_user_code(cfg)
     if not local:
@@ -91,7 +105,7 @@ def train(
         if done.status == "FINISHED":  # a retried job of a finished run: nothing to train, no cluster
             out.print(f"the run already finished at step {done.last_step}; nothing to do")
             return
-    _finish(run_training(cfg, run_dir, address=address, tracking=not no_tracking, local=local))
+    _train(cfg, run_dir, address=address, tracking=not no_tracking, local=local)
 
 
 def _check_ray_address(address: str | None) -> None:
@@ -106,11 +120,14 @@ def _check_ray_address(address: str | None) -> None:
 
 
 def _check_user_code(cfg) -> None:  # noqa: ANN001
+    from elastictrain.config import ConfigError
     from elastictrain.launch import check_before_start
     from elastictrain.worker.user_code import UserCodeError
 
     try:
         check_before_start(cfg)
+    except ConfigError as e:
+        _fail(f"invalid configuration:\n{e}")
     except UserCodeError as e:
         _fail(str(e))
 
@@ -134,7 +151,7 @@ def resume(
     checkpoint.*, failure.*, tracking.*, the ZeRO stage and offload); others are refused by name.
     """
     from elastictrain.config import ConfigError, load_config
-    from elastictrain.launch import apply_resume_changes, run_training
+    from elastictrain.launch import apply_resume_changes
     from elastictrain.rundir.run_dir import RunDir, RunDirError
 
     try:
@@ -151,13 +168,12 @@ def resume(
     _check_user_code(cfg)
     if not local:
         _check_ray_address(address or cfg.ray.address)
-    _finish(run_training(cfg, rd, address=address, tracking=not no_tracking, local=local))
+    _train(cfg, rd, address=address, tracking=not no_tracking, local=local)
 
 
 @app.command()
 def status(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> None:
     """Show a run's state, world-size history, checkpoints, last metrics and MLflow run."""
-    from elastictrain.checkpoint.store import CheckpointStore
     from elastictrain.rundir.run_dir import RunDir, RunDirError
 
     try:
@@ -165,7 +181,6 @@ def status(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> Non
     except RunDirError as e:
         _fail(str(e))
     info = rd.read_info()
-    listing = CheckpointStore(rd.checkpoints_dir).listing()
     out.print(
         f"run       {info.name} ({info.run_id})\nstatus    {info.status}"
         + (f": {info.message}" if info.message else "")
@@ -183,7 +198,13 @@ def status(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> Non
             f"{h['world_size']} from step {h['step']} ({h['reason']})" for h in info.world_size_history
         )
     )
-    out.print(f"checkpoints: {', '.join(listing.committed) or 'none'} (latest: {listing.latest or '-'})")
+    from elastictrain.checkpoint.choice import newest_usable
+
+    usable = newest_usable(rd.checkpoints_dir)
+    latest = usable.resume_tag
+    out.print(f"checkpoints: {', '.join(usable.committed) or 'none'} (latest: {latest or '-'})")
+    for line in usable.passed_over:
+        out.print(f"  not used: {line}; a resume loads {latest or 'no checkpoint (starts at step 0)'}")
     out.print("last metrics: " + json.dumps(info.last_metrics))
 
 
@@ -192,6 +213,9 @@ def runs(root: Annotated[Path, typer.Argument(help="folder holding run folders")
     """List the runs under a folder."""
     from elastictrain.rundir.run_dir import list_runs
 
+    if not root.is_dir():
+        what = "is not a folder" if root.exists() else "does not exist"
+        _fail(f"{root} {what}; give the folder holding run folders (e.g. runs)")
     found = list_runs(root)
     if not found:
         out.print(f"no runs under {root}")
@@ -204,6 +228,20 @@ def runs(root: Annotated[Path, typer.Argument(help="folder holding run folders")
         out.print(f"{info.status:<10} step {info.last_step:<6} {info.name:<20} {path}{note}")
 
 
+def _choose(checkpoint: Path) -> Path:
+    """The checkpoint a command uses; says which and why, when a newer folder is not one."""
+    from elastictrain.checkpoint.choice import choose_checkpoint
+    from elastictrain.checkpoint.store import CheckpointError
+
+    try:
+        choice = choose_checkpoint(checkpoint)
+    except CheckpointError as e:
+        _fail(str(e))
+    if choice.passed_over:
+        err.print(Text.assemble(("note: ", "bold yellow"), choice.describe()))
+    return choice.path
+
+
 @app.command()
 def verify(
     checkpoint: Annotated[
@@ -211,16 +249,9 @@ def verify(
     ],
 ) -> None:
     """Check every file of a checkpoint against the sizes and sha256 in its manifest."""
-    from elastictrain.checkpoint.store import (
-        CheckpointError,
-        resolve_checkpoint_path,
-        verify_checkpoint,
-    )
+    from elastictrain.checkpoint.store import verify_checkpoint
 
-    try:
-        path = resolve_checkpoint_path(checkpoint)
-    except CheckpointError as e:
-        _fail(str(e))
+    path = _choose(checkpoint)
     problems = verify_checkpoint(path)
     if problems:
         _fail(f"{path} does not verify:\n" + "\n".join(problems), code=1)
@@ -283,15 +314,11 @@ def export(
     out_dir: Annotated[Path, typer.Option("--out", help="output folder for safetensors + config.json")],
 ) -> None:
     """Write consolidated weights (safetensors) and the model config, loadable with from_pretrained."""
-    from elastictrain.checkpoint.store import (
-        CheckpointError,
-        resolve_checkpoint_path,
-        verify_checkpoint,
-    )
+    from elastictrain.checkpoint.store import CheckpointError, verify_checkpoint
     from elastictrain.tools.export import export_checkpoint
 
+    path = _choose(checkpoint)
     try:
-        path = resolve_checkpoint_path(checkpoint)
         problems = verify_checkpoint(path)  # never read a checkpoint whose files do not match its manifest
         if problems:
             _fail(f"{path} does not verify, not exporting it:\n" + "\n".join(problems), code=1)
@@ -310,19 +337,19 @@ def reshard(
         int, typer.Option("--world-size", help="the world size to lay the checkpoint out for")
     ],
     out_dir: Annotated[
-        Path | None, typer.Option("--out", help="output folder (default: CHECKPOINT.wsM)")
+        Path | None,
+        typer.Option(
+            "--out",
+            help="output folder (default: CHECKPOINT.wsM): new, empty, or an earlier reshard output",
+        ),
     ] = None,
 ) -> None:
     """Rewrite a checkpoint as the ZeRO-3 partitions of another world size (training never needs this)."""
-    from elastictrain.checkpoint.store import (
-        CheckpointError,
-        resolve_checkpoint_path,
-        verify_checkpoint,
-    )
+    from elastictrain.checkpoint.store import CheckpointError, verify_checkpoint
     from elastictrain.tools.reshard import reshard_checkpoint
 
+    path = _choose(checkpoint)
     try:
-        path = resolve_checkpoint_path(checkpoint)
         problems = verify_checkpoint(path)
         if problems:
             _fail(f"{path} does not verify, not resharding it:\n" + "\n".join(problems), code=1)

@@ -51,18 +51,32 @@ def connect_ray(config: Config, address: str | None) -> str:
         return f"connected to Ray at {target}"
     # A local cluster serves only this process: keep every Ray server on loopback.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    s = config.scaling
-    cpus = config.ray.num_cpus or max(os.cpu_count() or 1, int(s.max_workers * s.cpus_per_worker))
     # address="local": a new cluster, never the one the last `ray start` on this machine recorded.
+    # Its CPUs are this machine's (Ray counts them, cgroup limits included) unless ray.num_cpus says
+    # otherwise: never scaling.max_workers' worth of CPUs the machine does not have.
     ray.init(
         address="local",
-        num_cpus=cpus,
+        num_cpus=config.ray.num_cpus,
         include_dashboard=False,
         log_to_driver=False,
         _node_ip_address="127.0.0.1",
     )
     install_log_redaction()  # again: a library may have replaced the record factory
-    return f"started a local Ray cluster with {cpus} CPUs"
+    return local_capacity_note(config, float(ray.cluster_resources().get("CPU", 0)))
+
+
+def local_capacity_note(config: Config, cpus: float) -> str:
+    """What a local cluster of `cpus` CPUs can run of scaling.*; the loop waits or fails for the rest."""
+    s = config.scaling
+    note = f"started a local Ray cluster with {cpus:g} CPUs"
+    fits = int(cpus // s.cpus_per_worker)
+    if fits >= s.max_workers:
+        return note
+    return (
+        f"{note}: room for {fits} worker(s) of scaling.cpus_per_worker={s.cpus_per_worker:g}, not "
+        f"scaling.max_workers={s.max_workers} (set ray.num_cpus to start more workers than this machine "
+        "has CPUs)"
+    )
 
 
 def _cwd() -> str | None:
@@ -118,12 +132,29 @@ def prepare_run_dir(config: Config, *, fresh: bool) -> tuple[RunDir, bool]:
             info = run_dir.read_info()
             if info.config_digest != digest:
                 raise RunFolderConflict(
-                    f"run.dir {path} holds a run of another config (digest {info.config_digest[:12]} != "
-                    f"{digest[:12]}); use `elastictrain resume {path}` to continue it as it was, "
+                    f"run.dir {path} holds a run of another config ({_differences(run_dir, config)}); "
+                    f"use `elastictrain resume {path}` to continue it as it was, "
                     "`--fresh` to start over (the old folder is moved aside), or another run.dir"
                 )
             return run_dir, True
     return RunDir.create(path, name=config.run.name, config_yaml=to_yaml(config), config_digest=digest), False
+
+
+def _differences(run_dir: RunDir, config: Config, most: int = 8) -> str:
+    """The dotted keys in which `config` differs from the run's config.yaml, with both values."""
+    from elastictrain.config import ConfigError, load_config
+
+    try:
+        before = to_flat_dict(load_config(run_dir.config_yaml))
+    except (ConfigError, OSError) as e:
+        return f"its config.yaml does not load: {e}"
+    now = to_flat_dict(config)
+    keys = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    if not keys:
+        return "the same settings, saved by another version of elastictrain"
+    shown = [f"{k}: run has {before.get(k)!r}, config has {now.get(k)!r}" for k in keys[:most]]
+    more = f"; and {len(keys) - most} more" if len(keys) > most else ""
+    return "; ".join(shown) + more
 
 
 def apply_resume_changes(run_dir: RunDir, config: Config) -> list[str]:
@@ -187,9 +218,18 @@ def run_training(
     from elastictrain.control.loop import Controller
 
     reporter.event(connect_ray(config, address))
+    from elastictrain.preflight import check_nvme_on_nodes
+
+    if check_nvme_on_nodes(config):  # raises PreflightError before any worker or tracker exists
+        reporter.event(f"deepspeed.nvme_path {config.deepspeed.nvme_path} is writable on every worker node")
     tracker = make_tracker(config, run_dir, tracking)
     take_over(run_dir, reporter)
-    reporter.event(f"run folder {run_dir.path}; MLflow run {run_dir.read_info().mlflow_run_id or '-'}")
+    mlflow_run = run_dir.read_info().mlflow_run_id
+    if not tracking:
+        mlflow_run = "none (--no-tracking)"
+    elif not mlflow_run:
+        mlflow_run = "created when the tracker connects"
+    reporter.event(f"run folder {run_dir.path}; MLflow run: {mlflow_run}")
     s = config.scaling
     group = WorkerGroup(
         WorkerResources(s.use_gpu, s.cpus_per_worker, s.gpus_per_worker),

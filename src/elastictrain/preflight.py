@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 
@@ -45,16 +46,32 @@ def check_ray_address(target: str | None, timeout_s: float = 5.0) -> None:
 def check_user_code(config: Any) -> None:
     """Resolve every user-code field and try the factories, before any worker starts.
 
+    First the model's transformers config is built here (config/model_check.py): a config error
+    (ConfigError) naming the field instead of a failure inside every worker.
+
     The model factory is called under torch.device("meta"), so checking it allocates no weights. The
     dataset is built for real (its length is needed), and its first item collated.
     """
     import torch
 
+    from elastictrain.config import ConfigError
+    from elastictrain.config.model_check import model_problems, vocab_problem
+
+    problems = model_problems(config)
+    if problems:
+        raise ConfigError(problems)
     for field in FIELDS:
         user_callable(config, field) if field in ("data.collate", "training.loss") else resolve(config, field)
     if config.model.factory is not None:
         with torch.device("meta"):
             model = user_model(config)
+        try:
+            rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
+        except Exception:  # noqa: BLE001 - not a transformers-style model: nothing to compare
+            rows = None
+        problem = vocab_problem(config, rows, "model.factory's input embedding rows")
+        if problem:
+            raise ConfigError([problem])
         if config.deepspeed.activation_checkpointing and not hasattr(model, "gradient_checkpointing_enable"):
             raise UserCodeError(
                 f"deepspeed.activation_checkpointing: true, but the model of model.factory "
@@ -100,3 +117,62 @@ def check_targets(config: Any) -> None:
         _check_targets(model, config.model.lora)
     except ValueError as e:
         raise UserCodeError(str(e)) from None
+
+
+# -- deepspeed.nvme_path on the nodes, once connected to Ray -------------------------------------------
+def _nvme_probe(path: str) -> tuple[str, str | None]:
+    """Runs on one node: its host name, and why `path` is not a folder this user can write (None: it is)."""
+    import tempfile
+
+    host = socket.gethostname()
+    if not os.path.isdir(path):
+        return host, "it does not exist or is not a folder there"
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            return host, None
+    except OSError as e:
+        return host, f"it cannot be written there ({e.strerror or e})"
+
+
+def check_nvme_on_nodes(config: Any, timeout_s: float = 60.0) -> int:
+    """With an NVMe offload, write a file in deepspeed.nvme_path on every alive node that can host a worker.
+
+    The driver's own check (config/loader.py) sees only the driver's machine; each rank swaps on its
+    own node. One task per node (no CPU reserved), pinned to it. Returns the number of nodes checked;
+    raises PreflightError naming every node where the folder is missing or read-only.
+    """
+    ds, s = config.deepspeed, config.scaling
+    if "nvme" not in (ds.offload_optimizer, ds.offload_param):
+        return 0
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    def can_host(resources: dict[str, float]) -> bool:
+        gpus_ok = not s.use_gpu or resources.get("GPU", 0) >= s.gpus_per_worker
+        return resources.get("CPU", 0) >= s.cpus_per_worker and gpus_ok
+
+    nodes = [n for n in ray.nodes() if n.get("Alive") and can_host(n.get("Resources", {}))]
+    if not nodes:
+        return 0  # no node can host a worker yet: the run waits for capacity and says so
+    probe = ray.remote(num_cpus=0, max_retries=0)(_nvme_probe)
+    refs = {
+        probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
+            ds.nvme_path
+        ): f"{n['NodeManagerAddress']} (id {n['NodeID'][:8]})"
+        for n in nodes
+    }
+    done, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    problems = []
+    for ref in done:
+        host, why = ray.get(ref)
+        if why:
+            problems.append(f"node {refs[ref]} on {host}: {why}")
+    problems += [f"node {refs[ref]}: did not answer within {timeout_s:.0f}s" for ref in late]
+    for ref in late:
+        ray.cancel(ref, force=True)
+    if problems:
+        raise PreflightError(
+            f"deepspeed.nvme_path: got {ds.nvme_path!r}; expected a folder every worker node can write "
+            "(each rank swaps there), but:\n" + "\n".join(f"  {p}" for p in sorted(problems))
+        )
+    return len(nodes)

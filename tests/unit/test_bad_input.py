@@ -137,7 +137,7 @@ def test_an_unknown_option():
 
 
 def test_a_config_path_that_is_a_folder(tmp_path):
-    assert "does not exist; give a YAML file" in refused(["train", "-c", str(tmp_path)])
+    assert "is a directory; give a YAML file" in refused(["train", "-c", str(tmp_path)])
 
 
 def test_a_world_size_that_is_not_a_number(tmp_path):

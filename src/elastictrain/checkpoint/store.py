@@ -229,19 +229,3 @@ def model_mismatch(manifest: dict[str, Any], hf_config: dict[str, Any]) -> list[
         for k in keys
         if saved.get(k) != hf_config.get(k)
     ]
-
-
-def resolve_checkpoint_path(path: str | Path) -> Path:
-    """Accept a checkpoint folder, a checkpoints/ folder (uses latest) or a run folder."""
-    p = Path(path)
-    for candidate in (p, p / "checkpoints"):
-        if (candidate / MANIFEST).is_file():
-            return candidate
-        store = CheckpointStore(candidate)
-        found = store.latest_committed()
-        if found is not None:
-            return found.path
-    raise CheckpointError(
-        f"{p}: no committed checkpoint here; expected a folder holding {MANIFEST}, a checkpoints/ folder, "
-        "or a run folder with committed checkpoints"
-    )

@@ -11,6 +11,7 @@ import difflib
 import glob
 import hashlib
 import json
+import logging
 import re
 import typing
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from elastictrain.core.batch import workable_world_sizes
 from elastictrain.core.zero import stage_problems
 from elastictrain.redact import install_log_redaction, redact
 
+log = logging.getLogger("elastictrain.config")
 install_log_redaction()  # secrets given in the config or environment never reach a log line
 
 # Mapping-typed fields hold free-form content (a transformers config, raw DeepSpeed keys, user args).
@@ -95,13 +97,20 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     raw_file: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(
+                [f"config file {p}: is a directory; expected a YAML file such as conf/tiny-cpu.yaml"]
+            )
         try:
             loaded = OmegaConf.to_container(OmegaConf.load(p), resolve=False)
         except FileNotFoundError:
             raise ConfigError([f"config file {p}: does not exist"]) from None
         except Exception as e:  # noqa: BLE001 - YAML syntax errors come in many types
             raise ConfigError([f"config file {p}: not valid YAML ({e})"]) from None
-        if loaded is None:
+        if not loaded:  # an empty file (or only comments, or {})
+            log.warning(
+                "config file %s is empty: using the built-in defaults (those of conf/tiny-cpu.yaml)", p
+            )
             loaded = {}
         if not isinstance(loaded, dict):
             raise ConfigError([f"config file {p}: expected a mapping of sections at the top level"])

@@ -138,7 +138,7 @@ class FailureConfig:
 @dataclass
 class RayConfig:
     address: str | None = None  # None: --address, RAY_ADDRESS, else a local cluster
-    num_cpus: int | None = None  # CPUs of a local cluster (default: enough for max_workers)
+    num_cpus: int | None = None  # CPUs of a local cluster (default: this machine's own)
 
 
 @dataclass

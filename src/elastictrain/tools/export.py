@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from elastictrain.checkpoint.store import MANIFEST
@@ -23,6 +24,14 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, dtype: str = "float32") -
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = out_dir / "model.safetensors"
     save_file(state, str(weights), metadata={"format": "pt"})
+    os.chmod(weights, _normal_file_mode())  # safetensors creates it 0600; config.json follows the umask
     hf_config = build_hf_config(dict(manifest["model"]["hf_config"]))
     hf_config.save_pretrained(out_dir)
     return [weights, out_dir / "config.json"]
+
+
+def _normal_file_mode() -> int:
+    """The mode open() gives a new file: 0666 less this process's umask (0644 with the usual 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask

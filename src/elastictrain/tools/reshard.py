@@ -11,9 +11,40 @@ import json
 import math
 import shutil
 from pathlib import Path
+from typing import Any
 
-from elastictrain.checkpoint.store import MANIFEST
+from elastictrain.checkpoint.store import FORMAT, MANIFEST
 from elastictrain.rundir.durable import fsync_dir, write_bytes_durably
+
+
+def _replaceable(out: Path, source: Path) -> str | None:
+    """Why `out` must not be replaced by a resharded checkpoint (None: it may be)."""
+    if out.is_file() or (out.exists() and not out.is_dir()):
+        return f"--out: {out} is a file; expected a folder (new, empty, or an earlier output of reshard)"
+    if not out.is_dir() or not any(out.iterdir()):
+        return None
+    if out.resolve() == source.resolve() or source.resolve().is_relative_to(out.resolve()):
+        return f"--out: {out} holds the checkpoint being resharded; give another folder"
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        manifest = None
+    if not (isinstance(manifest, dict) and manifest.get("format") == FORMAT and "resharded_from" in manifest):
+        return (
+            f"--out: {out} is a non-empty folder that is not a resharded checkpoint; it is kept as it is. "
+            "Expected a new or empty folder, or an earlier output of `elastictrain reshard` (replaced)"
+        )
+    return None
+
+
+def _check_world_size(world_size: int, params: dict[str, Any]) -> None:
+    largest = max(params, key=lambda n: params[n].numel, default=None)
+    most = params[largest].numel if largest is not None else 1
+    if not 1 <= world_size <= most:
+        raise ValueError(
+            f"--world-size: got {world_size}; expected 1 to {most} (the largest parameter, {largest}, has "
+            f"{most} elements; every rank beyond that would hold nothing)"
+        )
 
 
 def reshard_checkpoint(checkpoint: Path, world_size: int, out: Path | None = None) -> Path:
@@ -28,10 +59,14 @@ def reshard_checkpoint(checkpoint: Path, world_size: int, out: Path | None = Non
 
     if world_size < 1:
         raise ValueError(f"--world-size: got {world_size}; expected an integer >= 1")
+    out = out or checkpoint.with_name(f"{checkpoint.name}.ws{world_size}")
+    refusal = _replaceable(out, checkpoint)
+    if refusal:
+        raise ValueError(refusal)
     manifest = json.loads((checkpoint / MANIFEST).read_text())
     files = [checkpoint / f["name"] for f in manifest["files"] if f["name"].endswith(".safetensors")]
     reader = FragmentReader(files)
-    out = out or checkpoint.with_name(f"{checkpoint.name}.ws{world_size}")
+    _check_world_size(world_size, reader.params)
     staging = out.with_name(f".staging-{out.name}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
