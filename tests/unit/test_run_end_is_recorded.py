@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from loop_harness import at_step, make_run
@@ -77,3 +78,53 @@ def test_a_finished_run_run_again_has_nothing_to_train_and_stays_finished(tmp_pa
     assert summary.status.value == "FINISHED" and summary.step == 12
     assert again.status == "FINISHED" and again.group.workers == []
     assert len(again.events("attempt_started")) == 1  # the first run's only: no worker was set up again
+
+
+def _finished_then(tmp_path: Path, damage: Any) -> Any:
+    """A finished run whose step-000012 is then damaged, run again: what does the second driver do?"""
+    first = make_run(tmp_path)
+    assert first.run().status.value == "FINISHED"
+    damage(first.run_dir.checkpoints_dir / "step-000012")
+    return make_run(tmp_path, run_dir=first.run_dir)
+
+
+def test_a_corrupt_manifest_is_rejected_and_the_previous_checkpoint_used(tmp_path: Path):
+    again = _finished_then(tmp_path, lambda ckpt: (ckpt / "manifest.json").write_text("{not json"))
+    summary = again.run()
+    (rejected,) = again.events("checkpoint_rejected")
+    assert rejected["tag"] == "step-000012" and "manifest.json" in rejected["problems"][0]
+    assert again.events("attempt_started")[-1]["checkpoint"] == "step-000008"
+    assert summary.status.value == "FINISHED" and again.committed_step() == 12
+
+
+def test_an_unreadable_rank_file_is_rejected_like_a_corrupt_one(tmp_path: Path, monkeypatch):
+    import errno
+
+    import elastictrain.checkpoint.store as store
+
+    real = store.sha256_of_file
+
+    def eio(path: Path) -> str:
+        if "step-000012" in str(path):
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real(path)
+
+    again = _finished_then(tmp_path, lambda ckpt: monkeypatch.setattr(store, "sha256_of_file", eio))
+    summary = again.run()
+    (rejected,) = again.events("checkpoint_rejected")
+    assert rejected["tag"] == "step-000012" and "unreadable (Input/output error)" in rejected["problems"][0]
+    assert again.events("attempt_started")[-1]["checkpoint"] == "step-000008"
+    assert summary.status.value == "FINISHED"
+
+
+def test_a_full_disk_while_recording_the_world_size_does_not_stop_the_run(tmp_path: Path, monkeypatch):
+    import errno
+
+    r = make_run(tmp_path)
+
+    def full(*_args: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(r.run_dir, "record_world_size", full)
+    summary = r.run()
+    assert summary.status.value == "FINISHED" and r.status == "FINISHED" and r.committed_step() == 12

@@ -184,11 +184,14 @@ def _check_file(path: Path, entry: Any) -> str | None:
         return f"{path / MANIFEST}: file name {name!r} points outside the checkpoint folder"
     if not file.is_file():
         return f"{file}: missing"
-    size = file.stat().st_size
-    if size != entry["bytes"]:
-        return f"{file}: {size} bytes, manifest says {entry['bytes']} (truncated or altered)"
-    if sha256_of_file(file) != entry["sha256"]:
-        return f"{file}: sha256 differs from the manifest (corrupted)"
+    try:
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            return f"{file}: {size} bytes, manifest says {entry['bytes']} (truncated or altered)"
+        if sha256_of_file(file) != entry["sha256"]:
+            return f"{file}: sha256 differs from the manifest (corrupted)"
+    except OSError as e:  # EACCES, EIO: a file that cannot be read cannot be loaded either
+        return f"{file}: unreadable ({e.strerror or e})"
     return None
 
 
