@@ -25,6 +25,7 @@ from elastictrain.control.errors import RunFailed
 from elastictrain.control.manifest import manifest_fields
 from elastictrain.control.record import RunRecorder
 from elastictrain.control.resume import ResumePoints
+from elastictrain.control.stop import sigterm_stops
 from elastictrain.core.batch import BatchPlan
 from elastictrain.core.state import RunStatus
 from elastictrain.progress import Reporter
@@ -74,6 +75,10 @@ class LocalRun:
         self.recorder.event(name, message, style, step=self.step, **fields)
 
     def run(self) -> LocalSummary:
+        with sigterm_stops():  # SIGTERM stops the run as Ctrl-C does
+            return self._run()
+
+    def _run(self) -> LocalSummary:
         from elastictrain.config.deepspeed_config import build_deepspeed_config
         from elastictrain.core.batch import plan_batch
         from elastictrain.worker.actor import TrainWorker
@@ -139,9 +144,14 @@ class LocalRun:
             recorder.set_status(RunStatus.FINISHED, "finished", step=self.step)
             self.event("finish", f"finished at step {self.step}", style="green")
             return LocalSummary(RunStatus.FINISHED, self.step, "finished")
-        except KeyboardInterrupt:
-            recorder.record_end(RunStatus.STOPPED, "interrupted", step=self.step)
-            self.event("stop", "interrupted; resume with `elastictrain resume --local`", style="yellow")
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (control/stop.py)
+            reason = str(e) or "interrupted"
+            recorder.record_end(RunStatus.STOPPED, reason, step=self.step)
+            self.event(
+                "stop",
+                f"{reason}; resume with `elastictrain resume --local {recorder.run_dir.path}`",
+                style="yellow",
+            )
             raise
         except Exception as e:
             message = f"{type(e).__name__}: {e}"

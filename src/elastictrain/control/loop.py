@@ -29,6 +29,7 @@ from elastictrain.control.pipeline import Ahead, StepPipeline
 from elastictrain.control.record import RunRecorder
 from elastictrain.control.resume import ResumePoints
 from elastictrain.control.saves import SaveCoordinator
+from elastictrain.control.stop import sigterm_stops
 from elastictrain.core.batch import BatchPlan, plan_batch
 from elastictrain.core.policy import Fail, Failure, Restart, decide_after_failure
 from elastictrain.core.state import RunStatus
@@ -97,6 +98,10 @@ class Controller:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> RunSummary:
+        with sigterm_stops():  # SIGTERM takes the Ctrl-C path below
+            return self._run()
+
+    def _run(self) -> RunSummary:
         recorder, max_steps = self.recorder, self.cfg.training.max_steps
         try:
             self._begin()
@@ -116,9 +121,16 @@ class Controller:
             recorder.record_end(RunStatus.FAILED, str(e), step=self.step)
             self._event("fail", f"run failed: {e}", style="bold red", reason=str(e))
             return self._summary(RunStatus.FAILED, str(e))
-        except KeyboardInterrupt:
-            recorder.record_end(RunStatus.STOPPED, "interrupted", step=self.step)
-            self._event("stop", "interrupted; resume with `elastictrain resume`", style="yellow")
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (control/stop.py)
+            reason = str(e) or "interrupted"
+            self.saves.stop(self.step)  # committed if every rank's file is written, else dropped
+            recorder.record_end(RunStatus.STOPPED, reason, step=self.step)
+            self._event(
+                "stop",
+                f"{reason}; resume with `elastictrain resume {recorder.run_dir.path}`",
+                style="yellow",
+                reason=reason,
+            )
             raise
         except Exception as e:  # a bug or an error no part handles: still the run's recorded end
             message = f"{type(e).__name__}: {e}"

@@ -26,6 +26,7 @@ from elastictrain.core.checkpoints import tag_for_step
 from elastictrain.core.policy import Failure
 
 SETTLE_SAVE_WAIT_S = 30.0  # after a failure, how long survivors' background writes may take to end
+STOP_SAVE_WAIT_S = 10.0  # on Ctrl-C/SIGTERM: the whole stop must fit a pod's 30 s grace period
 
 
 @dataclass
@@ -190,12 +191,21 @@ class SaveCoordinator:
             )
 
     # -- settle --
-    def settle(self, failure: Failure, step: int) -> None:
+    def stop(self, step: int) -> None:
+        """On Ctrl-C or SIGTERM: commit the checkpoint in flight if its files are written, else drop it."""
+        try:
+            self.settle(Failure("stopped", (), step, "the run was stopped"), step, wait_s=STOP_SAVE_WAIT_S)
+        except Exception as e:  # noqa: BLE001 - stopping goes on; the next driver cleans the staging folder
+            self.recorder.event(
+                "checkpoint_abandoned", f"checkpoint in flight dropped on stop: {e}", step=step
+            )
+
+    def settle(self, failure: Failure, step: int, *, wait_s: float = SETTLE_SAVE_WAIT_S) -> None:
         """After a failure: commit the checkpoint being written if every rank's file made it, else drop it."""
         pending = self.pending
         if pending is None:
             return
-        wait_s = min(SETTLE_SAVE_WAIT_S, self.cfg.failure.collective_timeout_s)
+        wait_s = min(wait_s, self.cfg.failure.collective_timeout_s)
         ranks = {w.worker_id: rank for rank, w in enumerate(self._workers)}
         survivors = [w for w in self._workers if w.worker_id not in failure.worker_ids]
         replies = self.group.gather(self._ask_status(survivors, pending.staging, wait_s), wait_s + 2.0)
