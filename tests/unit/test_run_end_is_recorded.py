@@ -128,3 +128,44 @@ def test_a_full_disk_while_recording_the_world_size_does_not_stop_the_run(tmp_pa
     monkeypatch.setattr(r.run_dir, "record_world_size", full)
     summary = r.run()
     assert summary.status.value == "FINISHED" and r.status == "FINISHED" and r.committed_step() == 12
+
+
+def _corrupt_a_rank_file(folder: Path) -> None:
+    rank_file = sorted(p for p in folder.iterdir() if p.name.startswith("rank-"))[0]
+    data = bytearray(rank_file.read_bytes())
+    data[0] ^= 0xFF
+    rank_file.write_bytes(bytes(data))
+
+
+def test_keep_last_1_reads_the_new_checkpoint_back_before_pruning_the_last_good_one(tmp_path: Path):
+    r = make_run(tmp_path, "checkpoint.keep_last=1")
+    store = r.controller.store
+    real, rotted = store.commit, []
+
+    def commit_then_bit_rot(step: int, *args: Any) -> Any:
+        committed = real(step, *args)
+        if step == 8 and not rotted:  # what reached the disk differs from what was hashed in memory
+            rotted.append(step)
+            _corrupt_a_rank_file(committed.path)
+        return committed
+
+    store.commit = commit_then_bit_rot  # type: ignore[method-assign]
+    r.group.die_at_step(rank=1, step=10)
+    summary = r.run()
+    (rejected,) = r.events("checkpoint_rejected")
+    assert rejected["tag"] == "step-000008" and "sha256" in rejected["problems"][0]
+    assert r.events("attempt_started")[-1]["checkpoint"] == "step-000004"  # kept: not step 0
+    assert summary.status.value == "FINISHED" and r.committed_step() == 12
+
+
+def test_no_restart_from_step_0_when_every_checkpoint_is_rejected(tmp_path: Path):
+    again = _finished_then(tmp_path, _corrupt_a_rank_file)
+    for tag in ("step-000004", "step-000008"):
+        folder = again.run_dir.checkpoints_dir / tag
+        if folder.exists():
+            _corrupt_a_rank_file(folder)
+    summary = again.run()
+    assert summary.status.value == "FAILED" and again.status == "FAILED"
+    assert "step-000012" in summary.message and "not starting over from step 0" in summary.message
+    assert "elastictrain train --fresh" in summary.message
+    assert len(again.events("attempt_started")) == 1  # the first run's only: nothing trained from 0

@@ -17,7 +17,6 @@ class ResumePoints:
         self.recorder = recorder
         self.rejected: list[str] = []  # checkpoints that failed verification: never loaded again
         self.last_verify_s = 0.0
-        self._said_none_verifies = False
         self._step = 0  # the loop's step at the last find(), for the events of latest()
 
     def latest(self) -> Committed | None:
@@ -33,9 +32,9 @@ class ResumePoints:
             try:
                 return Committed(tag, self.store.root / tag, self.store.manifest(tag))
             except CheckpointError as e:
-                self._reject(tag, [str(e)], self._step)
+                self.reject(tag, [str(e)], self._step)
 
-    def _reject(self, tag: str, problems: list[str], step: int) -> None:
+    def reject(self, tag: str, problems: list[str], step: int) -> None:
         self.rejected.append(tag)
         self.recorder.event(
             "checkpoint_rejected",
@@ -63,14 +62,13 @@ class ResumePoints:
         while True:
             found = self.latest()
             if found is None:
-                if self.rejected and not self._said_none_verifies:
-                    self._said_none_verifies = True
-                    self.recorder.event(
-                        "no_valid_checkpoint",
-                        f"no checkpoint verifies (rejected: {', '.join(self.rejected)}); "
-                        "starting from step 0",
-                        style="bold red",
-                        step=step,
+                if self.rejected:  # never silently back to step 0 when checkpoints existed
+                    raise RunFailed(
+                        f"no checkpoint in {self.store.root} verifies "
+                        f"(rejected: {', '.join(self.rejected)}); "
+                        "not starting over from step 0 on its own. Restore a checkpoint and "
+                        "`elastictrain resume RUN_DIR`, or start over with `elastictrain train --fresh` "
+                        "(moves this run folder aside)"
                     )
                 return None
             mismatch = model_mismatch(found.manifest, self.hf_config)
@@ -84,4 +82,4 @@ class ResumePoints:
             self.last_verify_s = result.seconds
             if result.ok:
                 return found
-            self._reject(found.tag, result.problems, step)
+            self.reject(found.tag, result.problems, step)

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastictrain.checkpoint.store import CheckpointError, CheckpointStore, Committed
+from elastictrain.checkpoint.store import CheckpointError, CheckpointStore, Committed, verify
 from elastictrain.cluster.calls import Calls, Group
 from elastictrain.control.errors import AttemptFailed
 from elastictrain.control.failures import gather_results, is_disk_full, short
 from elastictrain.control.record import RunRecorder
 from elastictrain.control.resume import ResumePoints
-from elastictrain.core.checkpoints import tag_for_step
+from elastictrain.core.checkpoints import prune_leaves_no_fallback, tag_for_step
 from elastictrain.core.policy import Failure
 
 SETTLE_SAVE_WAIT_S = 30.0  # after a failure, how long survivors' background writes may take to end
@@ -268,6 +268,20 @@ class SaveCoordinator:
         self.failed_at = self.clock()
         self.last_failure = reason
 
+    def _reads_back(self, committed: Committed, step: int) -> bool:
+        """Before a prune that would leave nothing else to fall back to: read the new checkpoint back.
+
+        Its hashes were taken from memory; one that does not verify on disk is rejected and the
+        previous checkpoint kept."""
+        listing = self.store.listing().committed
+        keep_last = self.cfg.checkpoint.keep_last
+        if not prune_leaves_no_fallback(listing, committed.tag, keep_last, self.resume.rejected):
+            return True
+        problems = verify(committed.path).problems
+        if problems:
+            self.resume.reject(committed.tag, problems, step)
+        return not problems
+
     def _commit_if_written(self, step: int) -> bool:
         """Commit the pending checkpoint if every rank's file is in; True when nothing is pending anymore."""
         pending = self.pending
@@ -284,6 +298,8 @@ class SaveCoordinator:
             self._failed(pending.staging, f"{type(e).__name__}: {e}", pending.step, step)
             return True
         self.resume.saved_anew(committed.tag)
+        if not self._reads_back(committed, step):
+            return True
         self.last_committed = committed
         removed = self.store.prune(self.cfg.checkpoint.keep_last, protect=(committed.tag,))
         seconds = self.clock() - pending.started
