@@ -138,3 +138,14 @@ def test_an_error_seen_once_is_retried_like_a_lost_worker(tmp_path: Path):
     r.group.raise_at_step(rank=0, step=6, error="RuntimeError: a transient glitch")
     summary = r.run()
     assert summary.status.value == "FINISHED" and summary.failures == 1
+
+
+def test_a_worker_failing_while_warming_up_ends_the_run_at_once_with_its_error(tmp_path: Path):
+    r = make_run(tmp_path)
+    error = "ValueError: data.generated_chars=10 is shorter than one sequence of data.seq_len=32"
+    r.group.warmup_raises(error)
+    summary = r.run()
+    assert summary.status.value == "FAILED" and r.status == "FAILED"
+    assert error in summary.message and "resumable once capacity is back" not in summary.message
+    assert not r.events("waiting_for_capacity") and not r.events("attempt_started")
+    assert len(r.group.warmup_errors) == 2  # the two first workers: no busy loop of restarts
