@@ -63,7 +63,9 @@ class CheckpointStore:
 
     def begin(self, step: int) -> Path:
         """A fresh, empty staging folder for the checkpoint after `step` optimizer steps."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        if not self.root.is_dir():
+            self.root.mkdir(parents=True, exist_ok=True)
+            fsync_dir(self.root.parent)  # the new checkpoints/ folder survives a power loss
         staging = self.root / f"{STAGING_PREFIX}{tag_for_step(step)}"
         if staging.exists():
             shutil.rmtree(staging)

@@ -29,6 +29,7 @@ from elastictrain.control.stop import sigterm_stops
 from elastictrain.core.batch import BatchPlan
 from elastictrain.core.state import RunStatus
 from elastictrain.progress import Reporter
+from elastictrain.rundir.durable import remove_stale_temporaries
 from elastictrain.rundir.run_dir import RunDir
 from elastictrain.tracking.tracker import Tracker
 
@@ -90,6 +91,7 @@ class LocalRun:
             "ignore", message=r".*reduce_scatter_tensor.* is deprecated", category=FutureWarning
         )
         self.store.clean_partials()
+        remove_stale_temporaries(recorder.run_dir.path)  # a crashed driver's `.run.json.tmp-PID`
         try:
             resume = self.resume.find(self.step)
         except RunFailed as e:  # a checkpoint of another model

@@ -34,6 +34,7 @@ from elastictrain.core.batch import BatchPlan, plan_batch
 from elastictrain.core.policy import Fail, Failure, Restart, decide_after_failure
 from elastictrain.core.state import RunStatus
 from elastictrain.progress import Reporter
+from elastictrain.rundir.durable import remove_stale_temporaries
 from elastictrain.rundir.run_dir import RunDir
 from elastictrain.tracking.tracker import Tracker
 from elastictrain.worker.attempt import AttemptSpec
@@ -145,7 +146,8 @@ class Controller:
 
     def _begin(self) -> None:
         """Clean what an interrupted save left, find the checkpoint to resume from, say so."""
-        partials = self.store.clean_partials()
+        # With the run folder's lock held, another pid's temporary file is a crashed driver's.
+        partials = self.store.clean_partials() + remove_stale_temporaries(self.recorder.run_dir.path)
         if partials:
             self._event(
                 "partial_checkpoints_removed",
