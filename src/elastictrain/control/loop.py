@@ -11,6 +11,7 @@ order in which the loop uses them. It never imports Ray: the worker group does (
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -35,9 +36,12 @@ from elastictrain.core.policy import Fail, Failure, Restart, decide_after_failur
 from elastictrain.core.state import RunStatus
 from elastictrain.progress import Reporter
 from elastictrain.rundir.durable import remove_stale_temporaries
+from elastictrain.rundir.liveness import remove_dead_buffers
 from elastictrain.rundir.run_dir import RunDir
 from elastictrain.tracking.tracker import Tracker
 from elastictrain.worker.attempt import AttemptSpec
+
+log = logging.getLogger("elastictrain.controller")
 
 
 @dataclass
@@ -142,7 +146,24 @@ class Controller:
             recorder.reporter.close()
             for callback in self.callbacks.before_shutdown:
                 callback(self)
-            self.group.shutdown()
+            self._leave()
+
+    def _leave(self) -> None:
+        """End the workers: the last attempt is left cleanly (each rank removes its /dev/shm buffers),
+        then the actors go; buffers of dead ranks on this host are removed here."""
+        try:
+            if self.active:
+                self._teardown()
+        except Exception as e:  # noqa: BLE001 - the actors are killed below all the same
+            log.warning("teardown at the end of the run: %s", e)
+        self.group.shutdown()
+        try:
+            removed = remove_dead_buffers(self.recorder.run_dir.read_events())
+        except OSError as e:
+            log.warning("removing /dev/shm buffers: %s", e)
+            return
+        if removed:
+            self.recorder.quiet_event("shm_buffers_removed", step=self.step, paths=removed)
 
     def _begin(self) -> None:
         """Clean what an interrupted save left, find the checkpoint to resume from, say so."""
