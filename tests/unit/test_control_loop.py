@@ -169,3 +169,24 @@ def test_a_finished_run_leaves_its_last_attempt_cleanly_and_removes_its_shm_buff
         assert str(buffer) in r.events("shm_buffers_removed")[0]["paths"]
     finally:
         buffer.unlink(missing_ok=True)
+
+
+def test_nvme_swap_folders_are_keyed_by_run_and_rank(tmp_path: Path):
+    from elastictrain.config.deepspeed_config import nvme_paths
+
+    swap = tmp_path / "nvme"
+    swap.mkdir()
+    r = make_run(
+        tmp_path,
+        "deepspeed.zero_stage=3",
+        "deepspeed.offload_optimizer=nvme",
+        f"deepspeed.nvme_path={swap}",
+    )
+    specs: list = []
+    r.controller.callbacks.after_attempt_start.append(lambda c: specs.extend(w.spec for w in c.active))
+    r.run()
+    run_id = r.run_dir.read_info().run_id
+    assert [nvme_paths(s.ds_config) for s in specs[:2]] == [
+        [str(swap / run_id / "rank-0")],
+        [str(swap / run_id / "rank-1")],
+    ]

@@ -65,3 +65,22 @@ def test_temporary_files_a_crashed_driver_left_are_removed_at_the_next_start(tmp
     assert not stale.exists() and alive.exists()
     (removed,) = r.events("partial_checkpoints_removed")
     assert stale.name in removed["removed"]
+
+
+def test_a_rank_removes_its_nvme_swap_folder_when_it_leaves_an_attempt(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from elastictrain.worker.actor import TrainWorker
+
+    mine = tmp_path / "run-id" / "rank-1"
+    other_run = tmp_path / "other-run" / "rank-1"
+    for folder in (mine, other_run):
+        folder.mkdir(parents=True)
+        (folder / "swap.bin").write_bytes(b"x")
+    worker = TrainWorker("w", False)
+    zero = {"offload_optimizer": {"device": "nvme", "nvme_path": str(mine)}}
+    worker.spec = SimpleNamespace(
+        master_addr="127.0.0.1", master_port=1, ds_config={"zero_optimization": zero}
+    )
+    worker.teardown()
+    assert not mine.exists() and other_run.exists()  # ranks may be reassigned; another run is untouched

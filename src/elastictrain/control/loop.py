@@ -20,7 +20,7 @@ from typing import Any
 
 from elastictrain.checkpoint.store import CheckpointStore, Committed
 from elastictrain.cluster.calls import Group
-from elastictrain.config.deepspeed_config import build_deepspeed_config
+from elastictrain.config.deepspeed_config import build_deepspeed_config, for_rank
 from elastictrain.control.callbacks import Callbacks
 from elastictrain.control.capacity import Capacity
 from elastictrain.control.errors import AttemptFailed, RunFailed
@@ -254,6 +254,7 @@ class Controller:
         self, size: int, plan: BatchPlan, resume: Committed | None, master_addr: str, port: int
     ) -> list[AttemptSpec]:
         ds_config = build_deepspeed_config(self.cfg, plan.micro_batch_size, plan.grad_accum_steps, size)
+        run_id = self.recorder.run_dir.read_info().run_id
         return [
             AttemptSpec(
                 attempt=self.attempt,
@@ -264,7 +265,7 @@ class Controller:
                 backend="nccl" if self.cfg.scaling.use_gpu else "gloo",
                 plan=plan,
                 config=self.cfg,
-                ds_config=ds_config,
+                ds_config=for_rank(ds_config, run_id, rank),
                 checkpoint_dir=str(resume.path) if resume else None,
                 start_step=self.step,
             )
