@@ -358,9 +358,9 @@ def build_ops_command(
 def main() -> None:
     try:
         app()
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (control/stop.py): the run recorded STOPPED
-        err.print(str(e) or "interrupted")
-        sys.exit(143 if str(e) == "stopped by SIGTERM" else 130)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
 
 
 if __name__ == "__main__":
