@@ -67,6 +67,7 @@ def test_an_unexpected_error_leaves_the_run_failed_in_run_json_and_events(tmp_pa
     info = r.run_dir.read_info()
     assert info.status == "FAILED" and "RuntimeError: a bug in the loop" in info.message
     assert r.events("fail")[0]["reason"] == "RuntimeError: a bug in the loop"
+    assert f"`elastictrain resume {r.run_dir.path}`" in r.events("fail")[0]["message"]  # resumable
     assert r.group.workers == []  # the workers are shut down all the same
 
 

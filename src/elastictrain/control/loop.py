@@ -140,7 +140,13 @@ class Controller:
         except Exception as e:  # a bug or an error no part handles: still the run's recorded end
             message = f"{type(e).__name__}: {e}"
             recorder.record_end(RunStatus.FAILED, message, step=self.step)
-            self._event("fail", f"run failed: {message}", style="bold red", reason=message)
+            self._event(
+                "fail",
+                f"run failed: {message}; once fixed, `elastictrain resume {recorder.run_dir.path}` "
+                "continues from the last committed checkpoint",
+                style="bold red",
+                reason=message,
+            )
             raise
         finally:
             recorder.reporter.close()
