@@ -88,15 +88,20 @@ def fit(
     cfg = validate(cfg)
     attach(cfg, objects)
     check_before_start(cfg)
-    run_dir, resumed = prepare_run_dir(cfg, fresh=fresh)
-    if resumed:
-        log.warning("run.dir %s already holds this run: continuing it (fresh=True starts over)", run_dir.path)
-    return run_training(
-        cfg,
-        run_dir,
-        address=address,
-        tracking=tracking,
-        reporter=reporter,
-        controller_hook=controller_hook,
-        local=local,
-    )
+    from elastictrain.rundir.lock import RunLock
+
+    with RunLock(cfg.run.dir):  # raises RunFolderBusy while another driver has the folder
+        run_dir, resumed = prepare_run_dir(cfg, fresh=fresh)
+        if resumed:
+            log.warning(
+                "run.dir %s already holds this run: continuing it (fresh=True starts over)", run_dir.path
+            )
+        return run_training(
+            cfg,
+            run_dir,
+            address=address,
+            tracking=tracking,
+            reporter=reporter,
+            controller_hook=controller_hook,
+            local=local,
+        )

@@ -85,6 +85,7 @@ def train(
         return
     from elastictrain.launch import RunFolderConflict, prepare_run_dir
 
+    _lock_run_dir(cfg.run.dir)  # before the folder is created, moved (--fresh) or resumed
     _check_user_code(cfg)
     if not local:
         _check_ray_address(address or cfg.ray.address)
@@ -106,6 +107,16 @@ def train(
             out.print(f"the run already finished at step {done.last_step}; nothing to do")
             return
     _train(cfg, run_dir, address=address, tracking=not no_tracking, local=local)
+
+
+def _lock_run_dir(path: Path | str) -> None:
+    """Take the run folder for this process's life (the OS releases it when the process ends)."""
+    from elastictrain.rundir.lock import RunFolderBusy, hold_for_process
+
+    try:
+        hold_for_process(path)
+    except RunFolderBusy as e:
+        _fail(str(e))
 
 
 def _check_ray_address(address: str | None) -> None:
@@ -154,6 +165,7 @@ def resume(
     from elastictrain.launch import apply_resume_changes
     from elastictrain.rundir.run_dir import RunDir, RunDirError
 
+    _lock_run_dir(run_dir)
     try:
         rd = RunDir.open(run_dir)
         cfg = load_config(rd.config_yaml, overrides or [])

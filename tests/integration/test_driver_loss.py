@@ -210,3 +210,32 @@ def test_a_killed_driver_loses_nothing_and_the_run_resumes_into_the_same_mlflow_
     assert len(aside) == 1
     old = RunDir.open(aside[0]).read_info()
     assert old.run_id == info.run_id and old.status == "FINISHED"
+
+
+def test_sigterm_stops_a_real_driver_cleanly_and_a_second_driver_is_refused_while_it_runs(tmp_path, sessions):
+    """Issue 12 points 1, 2 and 4: `ray job stop` or a pod's deletion SIGTERMs the driver."""
+    run = tmp_path / "runs" / "tiny"
+    log = tmp_path / "driver.log"
+    args = [*_train_args(run), "training.max_steps=1000"]  # still running when the signal comes
+    driver = _start(["train", "--no-tracking", *args], log, sessions)
+    latest = run / "checkpoints" / "latest"
+    _wait_for(latest.is_file, driver, log, "committed checkpoint")
+
+    for extra in ([], ["--fresh"]):  # a second driver on the folder, and --fresh: both refused
+        second = _cli("train", "--no-tracking", *extra, *args, timeout=120)
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert f"is being driven by {os.uname().nodename}:{driver.pid} since" in second.stderr
+    assert sorted(p.name for p in run.parent.iterdir() if not p.name.startswith(".")) == ["tiny"]
+
+    t0 = time.monotonic()
+    os.kill(driver.pid, signal.SIGTERM)  # the driver only, as Kubernetes signals a pod's main process
+    assert driver.wait(timeout=30) == 130, log.read_text()[-4000:]
+    assert time.monotonic() - t0 < 30
+    rd = RunDir.open(run)
+    info = rd.read_info()
+    assert info.status == "STOPPED" and info.message == "stopped by SIGTERM", log.read_text()[-4000:]
+    stop = [e for e in rd.read_events() if e["event"] == "stop"]
+    assert stop and f"elastictrain resume {run}" in stop[-1]["message"]
+    tag = latest.read_text().strip()
+    assert _cli("verify", str(run / "checkpoints" / tag), timeout=120).returncode == 0
+    assert not _shm_buffers(rd), "the stopped run left its /dev/shm buffers"

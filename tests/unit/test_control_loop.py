@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from loop_harness import at_step, make_run
 
 from elastictrain.chaos import wait_until_replacements_are_warm
@@ -138,3 +139,54 @@ def test_an_error_seen_once_is_retried_like_a_lost_worker(tmp_path: Path):
     r.group.raise_at_step(rank=0, step=6, error="RuntimeError: a transient glitch")
     summary = r.run()
     assert summary.status.value == "FINISHED" and summary.failures == 1
+
+
+def test_a_worker_failing_while_warming_up_ends_the_run_at_once_with_its_error(tmp_path: Path):
+    r = make_run(tmp_path)
+    error = "ValueError: data.generated_chars=10 is shorter than one sequence of data.seq_len=32"
+    r.group.warmup_raises(error)
+    summary = r.run()
+    assert summary.status.value == "FAILED" and r.status == "FAILED"
+    assert error in summary.message and "resumable once capacity is back" not in summary.message
+    assert not r.events("waiting_for_capacity") and not r.events("attempt_started")
+    assert len(r.group.warmup_errors) == 2  # the two first workers: no busy loop of restarts
+
+
+def test_a_finished_run_leaves_its_last_attempt_cleanly_and_removes_its_shm_buffers(tmp_path: Path):
+    from elastictrain.rundir.liveness import _port_is_free
+
+    r = make_run(tmp_path)
+    last: list = []
+    r.controller.callbacks.after_attempt_start.append(lambda c: last.__setitem__(slice(None), c.active))
+    buffer = Path(f"/dev/shm/deepspeed_allreduce_buffer_{tmp_path.name}_127.0.0.1_29500_0")
+    if not Path("/dev/shm").is_dir() or not _port_is_free("127.0.0.1", 29500):
+        pytest.skip("no /dev/shm, or the fake's rendezvous port is in use here")
+    buffer.write_bytes(b"x")  # what a rank of this run's rendezvous (127.0.0.1:29500) left
+    try:
+        assert r.run().status.value == "FINISHED"
+        assert last and all(w.calls[-1] == "teardown" for w in last)  # each rank removes its own
+        assert not buffer.exists()  # and the driver those on its host that a rank could not
+        assert str(buffer) in r.events("shm_buffers_removed")[0]["paths"]
+    finally:
+        buffer.unlink(missing_ok=True)
+
+
+def test_nvme_swap_folders_are_keyed_by_run_and_rank(tmp_path: Path):
+    from elastictrain.config.deepspeed_config import nvme_paths
+
+    swap = tmp_path / "nvme"
+    swap.mkdir()
+    r = make_run(
+        tmp_path,
+        "deepspeed.zero_stage=3",
+        "deepspeed.offload_optimizer=nvme",
+        f"deepspeed.nvme_path={swap}",
+    )
+    specs: list = []
+    r.controller.callbacks.after_attempt_start.append(lambda c: specs.extend(w.spec for w in c.active))
+    r.run()
+    run_id = r.run_dir.read_info().run_id
+    assert [nvme_paths(s.ds_config) for s in specs[:2]] == [
+        [str(swap / run_id / "rank-0")],
+        [str(swap / run_id / "rank-1")],
+    ]

@@ -103,3 +103,12 @@ def test_a_different_error_or_step_or_a_lost_worker_is_still_retried():
     for failure in (other_step, other_error, died):
         decision = decide_after_failure(RULES, failure, 2, capacity=3, now=0.0, earlier=[first])
         assert isinstance(decision, Restart), failure
+
+
+def test_a_warmup_error_seen_twice_ends_the_run_one_seen_once_does_not():
+    from elastictrain.core.policy import repeated_warmup_error
+
+    assert repeated_warmup_error([("w0", "OSError: disk gone")]) is None
+    assert repeated_warmup_error([("w0", "OSError: a"), ("w1", "ValueError: b")]) is None
+    reason = repeated_warmup_error([("w0", "ValueError: too short"), ("w1", "ValueError: too short")])
+    assert reason is not None and "(w0, w1)" in reason and "ValueError: too short" in reason

@@ -80,3 +80,14 @@ def test_run_state_transitions():
     assert transition(RunStatus.STOPPED, RunStatus.STARTING) is RunStatus.STARTING
     with pytest.raises(InvalidTransition, match="FINISHED cannot become RUNNING"):
         transition(RunStatus.FINISHED, RunStatus.RUNNING)
+
+
+def test_a_new_checkpoint_is_read_back_only_when_pruning_would_leave_no_fallback():
+    from elastictrain.core.checkpoints import prune_leaves_no_fallback
+
+    tags = ["step-000004", "step-000008"]
+    assert prune_leaves_no_fallback(tags, "step-000008", keep_last=1)
+    assert not prune_leaves_no_fallback(tags, "step-000008", keep_last=2)  # nothing pruned
+    three = [*tags, "step-000012"]
+    assert not prune_leaves_no_fallback(three, "step-000012", keep_last=2)  # step-000008 stays
+    assert prune_leaves_no_fallback(three, "step-000012", keep_last=2, rejected=["step-000008"])

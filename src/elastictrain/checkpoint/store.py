@@ -63,7 +63,9 @@ class CheckpointStore:
 
     def begin(self, step: int) -> Path:
         """A fresh, empty staging folder for the checkpoint after `step` optimizer steps."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        if not self.root.is_dir():
+            self.root.mkdir(parents=True, exist_ok=True)
+            fsync_dir(self.root.parent)  # the new checkpoints/ folder survives a power loss
         staging = self.root / f"{STAGING_PREFIX}{tag_for_step(step)}"
         if staging.exists():
             shutil.rmtree(staging)
@@ -184,11 +186,14 @@ def _check_file(path: Path, entry: Any) -> str | None:
         return f"{path / MANIFEST}: file name {name!r} points outside the checkpoint folder"
     if not file.is_file():
         return f"{file}: missing"
-    size = file.stat().st_size
-    if size != entry["bytes"]:
-        return f"{file}: {size} bytes, manifest says {entry['bytes']} (truncated or altered)"
-    if sha256_of_file(file) != entry["sha256"]:
-        return f"{file}: sha256 differs from the manifest (corrupted)"
+    try:
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            return f"{file}: {size} bytes, manifest says {entry['bytes']} (truncated or altered)"
+        if sha256_of_file(file) != entry["sha256"]:
+            return f"{file}: sha256 differs from the manifest (corrupted)"
+    except OSError as e:  # EACCES, EIO: a file that cannot be read cannot be loaded either
+        return f"{file}: unreadable ({e.strerror or e})"
     return None
 
 

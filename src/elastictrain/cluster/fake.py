@@ -120,8 +120,13 @@ class FakeGroup:
         self._faults: list[_Fault] = []
         self.removed: list[str] = []
         self.node_queries = 0  # cluster queries made (one per check, not one per worker)
+        self.warmup_errors: list[tuple[str, str]] = []
+        self._warmup_error = ""  # every warm-up raises this (e.g. a data config error)
 
     # -- scenario --
+    def warmup_raises(self, error: str) -> None:
+        self._warmup_error = error
+
     def die_at_step(self, rank: int, step: int) -> None:
         self._faults.append(_Fault("die", rank, step))
 
@@ -196,7 +201,10 @@ class FakeGroup:
         became = []
         for w in self.warming:
             w.polls += 1
-            if w.polls > self.warmup_polls:
+            if w.polls > self.warmup_polls and self._warmup_error:
+                self.warmup_errors.append((w.worker_id, self._warmup_error))
+                self.remove(w)
+            elif w.polls > self.warmup_polls:
                 w.warm = True
                 became.append(w)
         return became

@@ -77,6 +77,7 @@ class WorkerGroup:
         self._ids = itertools.count()
         self._prefix = name_prefix
         self._actor_cls = ray.remote(concurrency_groups={"control": 2})(TrainWorker)
+        self.warmup_errors: list[tuple[str, str]] = []  # warm-ups that raised (the loop may end the run)
 
     # -- reservations --
     def request(self, n: int) -> None:
@@ -158,6 +159,9 @@ class WorkerGroup:
                 became_warm.append(w)
             except Exception as e:  # noqa: BLE001 - a worker that cannot warm up is not usable
                 log.warning("worker %s failed to start: %s", w.worker_id, e)
+                if isinstance(e, RayTaskError):  # the warm-up raised (not a dead actor): its own error
+                    cause = getattr(e, "cause", None)
+                    self.warmup_errors.append((w.worker_id, str(cause if cause is not None else e)))
                 self.remove(w)
         return became_warm
 

@@ -283,3 +283,24 @@ def build_deepspeed_config(
     cfg.setdefault("steps_per_print", 10**9)  # elastictrain reports progress itself
     cfg.setdefault("wall_clock_breakdown", False)
     return _deep_merge(cfg, dict(config.deepspeed.extra))
+
+
+def nvme_paths(ds_config: dict[str, Any]) -> list[str]:
+    """The NVMe swap folders a DeepSpeed config names (optimizer state, parameters)."""
+    zero = ds_config.get("zero_optimization", {})
+    blocks = (zero.get("offload_optimizer") or {}, zero.get("offload_param") or {})
+    return sorted({str(b["nvme_path"]) for b in blocks if b.get("device") == "nvme" and b.get("nvme_path")})
+
+
+def for_rank(ds_config: dict[str, Any], run_id: str, rank: int) -> dict[str, Any]:
+    """A rank's DeepSpeed config: NVMe swap under `<nvme_path>/<run_id>/rank-N`, so two runs (or two
+    ranks on one node) sharing an nvme_path never write into one another's swap files."""
+    if not nvme_paths(ds_config):
+        return ds_config
+    out = copy.deepcopy(ds_config)
+    zero = out["zero_optimization"]
+    for key in ("offload_optimizer", "offload_param"):
+        block = zero.get(key)
+        if block and block.get("device") == "nvme" and block.get("nvme_path"):
+            block["nvme_path"] = str(Path(block["nvme_path"]) / run_id / f"rank-{rank}")
+    return out

@@ -9,7 +9,15 @@ from typing import Any
 from elastictrain.cluster.calls import Group
 from elastictrain.control.errors import RunFailed
 from elastictrain.control.record import RunRecorder
-from elastictrain.core.policy import Fail, Restart, ScalingRules, Wait, decide_grow, decide_start
+from elastictrain.core.policy import (
+    Fail,
+    Restart,
+    ScalingRules,
+    Wait,
+    decide_grow,
+    decide_start,
+    repeated_warmup_error,
+)
 from elastictrain.core.state import RunStatus
 
 FIRST_PLACEMENT_WAIT_S = 5.0  # at the first start, time for the reservations to be placed
@@ -78,6 +86,7 @@ class Capacity:
         while True:
             self.start_new_workers(step)
             self.group.poll_warm()
+            self._fail_on_repeated_warmup_error()
             if not initial:
                 size = self.rules.best_size(len(self.group.warm_workers))
                 if size is not None:
@@ -94,6 +103,7 @@ class Capacity:
                         )
                     return decision.world_size
                 self.group.poll_warm(timeout_s=WARMUP_POLL_S, n=need)
+                self._fail_on_repeated_warmup_error()
                 continue
             if isinstance(decision, Fail):
                 raise RunFailed(decision.reason)
@@ -111,6 +121,12 @@ class Capacity:
                 )
                 announced = decision.reason
             self.group.wait_for_reservations(decision.need - len(self.group.workers), timeout_s=1.0)
+
+    def _fail_on_repeated_warmup_error(self) -> None:
+        """Waiting for workers whose warm-up raises the same error each time would only spin."""
+        reason = repeated_warmup_error(self.group.warmup_errors)
+        if reason:
+            raise RunFailed(f"{reason}; fix it, then `elastictrain resume {self.recorder.run_dir.path}`")
 
     def grow_target(self, world_size: int, step: int) -> int | None:
         """A larger world size to move to now (warm workers for it are there), or None."""

@@ -25,9 +25,11 @@ from elastictrain.control.errors import RunFailed
 from elastictrain.control.manifest import manifest_fields
 from elastictrain.control.record import RunRecorder
 from elastictrain.control.resume import ResumePoints
+from elastictrain.control.stop import sigterm_stops
 from elastictrain.core.batch import BatchPlan
 from elastictrain.core.state import RunStatus
 from elastictrain.progress import Reporter
+from elastictrain.rundir.durable import remove_stale_temporaries
 from elastictrain.rundir.run_dir import RunDir
 from elastictrain.tracking.tracker import Tracker
 
@@ -74,6 +76,10 @@ class LocalRun:
         self.recorder.event(name, message, style, step=self.step, **fields)
 
     def run(self) -> LocalSummary:
+        with sigterm_stops():  # SIGTERM stops the run as Ctrl-C does
+            return self._run()
+
+    def _run(self) -> LocalSummary:
         from elastictrain.config.deepspeed_config import build_deepspeed_config
         from elastictrain.core.batch import plan_batch
         from elastictrain.worker.actor import TrainWorker
@@ -85,6 +91,7 @@ class LocalRun:
             "ignore", message=r".*reduce_scatter_tensor.* is deprecated", category=FutureWarning
         )
         self.store.clean_partials()
+        remove_stale_temporaries(recorder.run_dir.path)  # a crashed driver's `.run.json.tmp-PID`
         try:
             resume = self.resume.find(self.step)
         except RunFailed as e:  # a checkpoint of another model
@@ -139,9 +146,14 @@ class LocalRun:
             recorder.set_status(RunStatus.FINISHED, "finished", step=self.step)
             self.event("finish", f"finished at step {self.step}", style="green")
             return LocalSummary(RunStatus.FINISHED, self.step, "finished")
-        except KeyboardInterrupt:
-            recorder.record_end(RunStatus.STOPPED, "interrupted", step=self.step)
-            self.event("stop", "interrupted; resume with `elastictrain resume --local`", style="yellow")
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (control/stop.py)
+            reason = str(e) or "interrupted"
+            recorder.record_end(RunStatus.STOPPED, reason, step=self.step)
+            self.event(
+                "stop",
+                f"{reason}; resume with `elastictrain resume --local {recorder.run_dir.path}`",
+                style="yellow",
+            )
             raise
         except Exception as e:
             message = f"{type(e).__name__}: {e}"

@@ -11,6 +11,7 @@ order in which the loop uses them. It never imports Ray: the worker group does (
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from typing import Any
 
 from elastictrain.checkpoint.store import CheckpointStore, Committed
 from elastictrain.cluster.calls import Group
-from elastictrain.config.deepspeed_config import build_deepspeed_config
+from elastictrain.config.deepspeed_config import build_deepspeed_config, for_rank
 from elastictrain.control.callbacks import Callbacks
 from elastictrain.control.capacity import Capacity
 from elastictrain.control.errors import AttemptFailed, RunFailed
@@ -29,13 +30,18 @@ from elastictrain.control.pipeline import Ahead, StepPipeline
 from elastictrain.control.record import RunRecorder
 from elastictrain.control.resume import ResumePoints
 from elastictrain.control.saves import SaveCoordinator
+from elastictrain.control.stop import sigterm_stops
 from elastictrain.core.batch import BatchPlan, plan_batch
 from elastictrain.core.policy import Fail, Failure, Restart, decide_after_failure
 from elastictrain.core.state import RunStatus
 from elastictrain.progress import Reporter
+from elastictrain.rundir.durable import remove_stale_temporaries
+from elastictrain.rundir.liveness import remove_dead_buffers
 from elastictrain.rundir.run_dir import RunDir
 from elastictrain.tracking.tracker import Tracker
 from elastictrain.worker.attempt import AttemptSpec
+
+log = logging.getLogger("elastictrain.controller")
 
 
 @dataclass
@@ -97,6 +103,10 @@ class Controller:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> RunSummary:
+        with sigterm_stops():  # SIGTERM takes the Ctrl-C path below
+            return self._run()
+
+    def _run(self) -> RunSummary:
         recorder, max_steps = self.recorder, self.cfg.training.max_steps
         try:
             self._begin()
@@ -116,24 +126,55 @@ class Controller:
             recorder.record_end(RunStatus.FAILED, str(e), step=self.step)
             self._event("fail", f"run failed: {e}", style="bold red", reason=str(e))
             return self._summary(RunStatus.FAILED, str(e))
-        except KeyboardInterrupt:
-            recorder.record_end(RunStatus.STOPPED, "interrupted", step=self.step)
-            self._event("stop", "interrupted; resume with `elastictrain resume`", style="yellow")
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (control/stop.py)
+            reason = str(e) or "interrupted"
+            self.saves.stop(self.step)  # committed if every rank's file is written, else dropped
+            recorder.record_end(RunStatus.STOPPED, reason, step=self.step)
+            self._event(
+                "stop",
+                f"{reason}; resume with `elastictrain resume {recorder.run_dir.path}`",
+                style="yellow",
+                reason=reason,
+            )
             raise
         except Exception as e:  # a bug or an error no part handles: still the run's recorded end
             message = f"{type(e).__name__}: {e}"
             recorder.record_end(RunStatus.FAILED, message, step=self.step)
-            self._event("fail", f"run failed: {message}", style="bold red", reason=message)
+            self._event(
+                "fail",
+                f"run failed: {message}; once fixed, `elastictrain resume {recorder.run_dir.path}` "
+                "continues from the last committed checkpoint",
+                style="bold red",
+                reason=message,
+            )
             raise
         finally:
             recorder.reporter.close()
             for callback in self.callbacks.before_shutdown:
                 callback(self)
-            self.group.shutdown()
+            self._leave()
+
+    def _leave(self) -> None:
+        """End the workers: the last attempt is left cleanly (each rank removes its /dev/shm buffers),
+        then the actors go; buffers of dead ranks on this host are removed here."""
+        try:
+            if self.active:
+                self._teardown()
+        except Exception as e:  # noqa: BLE001 - the actors are killed below all the same
+            log.warning("teardown at the end of the run: %s", e)
+        self.group.shutdown()
+        try:
+            removed = remove_dead_buffers(self.recorder.run_dir.read_events())
+        except OSError as e:
+            log.warning("removing /dev/shm buffers: %s", e)
+            return
+        if removed:
+            self.recorder.quiet_event("shm_buffers_removed", step=self.step, paths=removed)
 
     def _begin(self) -> None:
         """Clean what an interrupted save left, find the checkpoint to resume from, say so."""
-        partials = self.store.clean_partials()
+        # With the run folder's lock held, another pid's temporary file is a crashed driver's.
+        partials = self.store.clean_partials() + remove_stale_temporaries(self.recorder.run_dir.path)
         if partials:
             self._event(
                 "partial_checkpoints_removed",
@@ -219,6 +260,7 @@ class Controller:
         self, size: int, plan: BatchPlan, resume: Committed | None, master_addr: str, port: int
     ) -> list[AttemptSpec]:
         ds_config = build_deepspeed_config(self.cfg, plan.micro_batch_size, plan.grad_accum_steps, size)
+        run_id = self.recorder.run_dir.read_info().run_id
         return [
             AttemptSpec(
                 attempt=self.attempt,
@@ -229,7 +271,7 @@ class Controller:
                 backend="nccl" if self.cfg.scaling.use_gpu else "gloo",
                 plan=plan,
                 config=self.cfg,
-                ds_config=ds_config,
+                ds_config=for_rank(ds_config, run_id, rank),
                 checkpoint_dir=str(resume.path) if resume else None,
                 start_step=self.step,
             )

@@ -75,7 +75,10 @@ class RunRecorder:
             log.warning("could not update %s: %s", self.run_dir.run_json, e)
 
     def record_world_size(self, step: int, size: int, reason: str) -> None:
-        self.run_dir.record_world_size(step, size, reason)
+        try:
+            self.run_dir.record_world_size(step, size, reason)
+        except OSError as e:  # disk full: the history misses an entry (events.jsonl has it); training goes on
+            log.warning("could not record world size %d in %s: %s", size, self.run_dir.run_json, e)
 
     def metrics(self, metrics: dict[str, float], *, step: int) -> None:
         self.tracker.log_metrics(metrics, step=step)

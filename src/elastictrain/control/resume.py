@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from elastictrain.checkpoint.store import CheckpointStore, Committed, model_mismatch, verify
+from elastictrain.checkpoint.store import CheckpointError, CheckpointStore, Committed, model_mismatch, verify
 from elastictrain.control.errors import RunFailed
 from elastictrain.control.record import RunRecorder
+from elastictrain.core.checkpoints import choose_resume_tag
 
 
 class ResumePoints:
@@ -16,11 +17,34 @@ class ResumePoints:
         self.recorder = recorder
         self.rejected: list[str] = []  # checkpoints that failed verification: never loaded again
         self.last_verify_s = 0.0
-        self._said_none_verifies = False
+        self._step = 0  # the loop's step at the last find(), for the events of latest()
 
     def latest(self) -> Committed | None:
-        """The newest committed checkpoint not rejected (not verified again)."""
-        return self.store.latest_committed(rejected=tuple(self.rejected))
+        """The newest committed checkpoint not rejected (not verified again).
+
+        One whose manifest cannot be read (corrupt JSON, EIO) is rejected like one that does not
+        verify, and the previous one is used.
+        """
+        while True:
+            tag = choose_resume_tag(self.store.listing(), tuple(self.rejected))
+            if tag is None:
+                return None
+            try:
+                return Committed(tag, self.store.root / tag, self.store.manifest(tag))
+            except CheckpointError as e:
+                self.reject(tag, [str(e)], self._step)
+
+    def reject(self, tag: str, problems: list[str], step: int) -> None:
+        self.rejected.append(tag)
+        self.recorder.event(
+            "checkpoint_rejected",
+            f"checkpoint {tag} does not verify and will not be loaded: {'; '.join(problems)}"
+            " -- falling back to the previous committed checkpoint",
+            style="bold red",
+            step=step,
+            tag=tag,
+            problems=problems,
+        )
 
     def saved_anew(self, tag: str) -> None:
         """A checkpoint of this tag was committed again: the damaged copy is gone."""
@@ -34,17 +58,17 @@ class ResumePoints:
         the previous one is used instead. A checkpoint of another model is refused outright.
         `step` is the loop's step, for the events.
         """
+        self._step = step
         while True:
             found = self.latest()
             if found is None:
-                if self.rejected and not self._said_none_verifies:
-                    self._said_none_verifies = True
-                    self.recorder.event(
-                        "no_valid_checkpoint",
-                        f"no checkpoint verifies (rejected: {', '.join(self.rejected)}); "
-                        "starting from step 0",
-                        style="bold red",
-                        step=step,
+                if self.rejected:  # never silently back to step 0 when checkpoints existed
+                    raise RunFailed(
+                        f"no checkpoint in {self.store.root} verifies "
+                        f"(rejected: {', '.join(self.rejected)}); "
+                        "not starting over from step 0 on its own. Restore a checkpoint and "
+                        "`elastictrain resume RUN_DIR`, or start over with `elastictrain train --fresh` "
+                        "(moves this run folder aside)"
                     )
                 return None
             mismatch = model_mismatch(found.manifest, self.hf_config)
@@ -58,13 +82,4 @@ class ResumePoints:
             self.last_verify_s = result.seconds
             if result.ok:
                 return found
-            self.rejected.append(found.tag)
-            self.recorder.event(
-                "checkpoint_rejected",
-                f"checkpoint {found.tag} does not verify and will not be loaded: {'; '.join(result.problems)}"
-                " -- falling back to the previous committed checkpoint",
-                style="bold red",
-                step=step,
-                tag=found.tag,
-                problems=result.problems,
-            )
+            self.reject(found.tag, result.problems, step)

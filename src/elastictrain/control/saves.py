@@ -16,16 +16,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastictrain.checkpoint.store import CheckpointError, CheckpointStore, Committed
+from elastictrain.checkpoint.store import CheckpointError, CheckpointStore, Committed, verify
 from elastictrain.cluster.calls import Calls, Group
 from elastictrain.control.errors import AttemptFailed
 from elastictrain.control.failures import gather_results, is_disk_full, short
 from elastictrain.control.record import RunRecorder
 from elastictrain.control.resume import ResumePoints
-from elastictrain.core.checkpoints import tag_for_step
+from elastictrain.core.checkpoints import prune_leaves_no_fallback, tag_for_step
 from elastictrain.core.policy import Failure
 
 SETTLE_SAVE_WAIT_S = 30.0  # after a failure, how long survivors' background writes may take to end
+STOP_SAVE_WAIT_S = 10.0  # on Ctrl-C/SIGTERM: the whole stop must fit a pod's 30 s grace period
 
 
 @dataclass
@@ -190,12 +191,21 @@ class SaveCoordinator:
             )
 
     # -- settle --
-    def settle(self, failure: Failure, step: int) -> None:
+    def stop(self, step: int) -> None:
+        """On Ctrl-C or SIGTERM: commit the checkpoint in flight if its files are written, else drop it."""
+        try:
+            self.settle(Failure("stopped", (), step, "the run was stopped"), step, wait_s=STOP_SAVE_WAIT_S)
+        except Exception as e:  # noqa: BLE001 - stopping goes on; the next driver cleans the staging folder
+            self.recorder.event(
+                "checkpoint_abandoned", f"checkpoint in flight dropped on stop: {e}", step=step
+            )
+
+    def settle(self, failure: Failure, step: int, *, wait_s: float = SETTLE_SAVE_WAIT_S) -> None:
         """After a failure: commit the checkpoint being written if every rank's file made it, else drop it."""
         pending = self.pending
         if pending is None:
             return
-        wait_s = min(SETTLE_SAVE_WAIT_S, self.cfg.failure.collective_timeout_s)
+        wait_s = min(wait_s, self.cfg.failure.collective_timeout_s)
         ranks = {w.worker_id: rank for rank, w in enumerate(self._workers)}
         survivors = [w for w in self._workers if w.worker_id not in failure.worker_ids]
         replies = self.group.gather(self._ask_status(survivors, pending.staging, wait_s), wait_s + 2.0)
@@ -258,6 +268,20 @@ class SaveCoordinator:
         self.failed_at = self.clock()
         self.last_failure = reason
 
+    def _reads_back(self, committed: Committed, step: int) -> bool:
+        """Before a prune that would leave nothing else to fall back to: read the new checkpoint back.
+
+        Its hashes were taken from memory; one that does not verify on disk is rejected and the
+        previous checkpoint kept."""
+        listing = self.store.listing().committed
+        keep_last = self.cfg.checkpoint.keep_last
+        if not prune_leaves_no_fallback(listing, committed.tag, keep_last, self.resume.rejected):
+            return True
+        problems = verify(committed.path).problems
+        if problems:
+            self.resume.reject(committed.tag, problems, step)
+        return not problems
+
     def _commit_if_written(self, step: int) -> bool:
         """Commit the pending checkpoint if every rank's file is in; True when nothing is pending anymore."""
         pending = self.pending
@@ -274,6 +298,8 @@ class SaveCoordinator:
             self._failed(pending.staging, f"{type(e).__name__}: {e}", pending.step, step)
             return True
         self.resume.saved_anew(committed.tag)
+        if not self._reads_back(committed, step):
+            return True
         self.last_committed = committed
         removed = self.store.prune(self.cfg.checkpoint.keep_last, protect=(committed.tag,))
         seconds = self.clock() - pending.started

@@ -51,3 +51,16 @@ def tags_to_delete(committed: Iterable[str], keep_last: int, protect: Iterable[s
     ordered = sorted((t for t in committed if step_of_tag(t) is not None), key=step_of_tag)
     doomed = ordered[:-keep_last] if keep_last > 0 else ordered
     return [t for t in doomed if t not in keep]
+
+
+def prune_leaves_no_fallback(
+    committed: Iterable[str], new: str, keep_last: int, rejected: Iterable[str] = ()
+) -> bool:
+    """Would pruning after committing `new` remove every checkpoint a restart could fall back to?
+
+    Then `new` must be read back and verified first (its hashes were taken from memory): with
+    `keep_last: 1` a bad new checkpoint would otherwise be the only one left.
+    """
+    bad = set(rejected) | {new}
+    doomed = set(tags_to_delete(committed, keep_last, protect=(new,)))
+    return bool(doomed) and not [t for t in committed if t not in doomed and t not in bad]

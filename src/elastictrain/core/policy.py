@@ -108,6 +108,21 @@ def repeats_earlier_failure(failure: Failure, earlier: Sequence[Failure]) -> boo
     return any(error_signature(e.message) == sig for e in same)
 
 
+def repeated_warmup_error(errors: Sequence[tuple[str, str]]) -> str | None:
+    """The run's end when warm-ups raise: the same error from two warm-ups (two workers, or a worker and
+    its replacement) is the config's or the code's, not capacity's. None: keep starting workers."""
+    seen: dict[str, str] = {}
+    for worker_id, error in errors:
+        sig = error_signature(error)
+        if sig in seen:
+            return (
+                f"workers failed while warming up with the same error ({seen[sig]}, {worker_id}): "
+                f"{error.strip()}"
+            )
+        seen[sig] = worker_id
+    return None
+
+
 def decide_after_failure(
     rules: ScalingRules,
     failure: Failure,

@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import signal
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -88,6 +90,44 @@ def replace_text_atomically(path: Path, text: str) -> None:
     crash_point(f"{path.name}_tmp_written")
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def remove_stale_temporaries(folder: Path, max_age_s: float = 3600.0) -> list[str]:
+    """Remove the `.NAME.tmp-PID` files of replace_text_atomically that a crash left in `folder`.
+
+    Not this process's, and only when that pid is gone on this host or the file is old (a pid seen
+    from another node means nothing here).
+    """
+    removed = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return []
+    for path in entries:
+        match = _TMP.fullmatch(path.name)
+        if not match or int(match.group(1)) == os.getpid():
+            continue
+        try:
+            old = time.time() - path.stat().st_mtime > max_age_s
+            if old or not _pid_alive(int(match.group(1))):
+                path.unlink()
+                removed.append(path.name)
+        except OSError:
+            continue
+    return removed
+
+
+_TMP = re.compile(r"\..+\.tmp-(\d+)")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def sha256_of_file(path: Path, chunk: int = 8 << 20) -> str:

@@ -245,6 +245,7 @@ class RunDir:
         record: dict[str, Any] = {"time": _iso(self._clock()), "event": event, **fields}
         line = json.dumps(record, default=str)
         with self._lock, open(self.events_path, "a+b") as f:
+            created = f.seek(0, os.SEEK_END) == 0
             f.seek(0, os.SEEK_END)
             if f.tell() > 0:
                 f.seek(-1, os.SEEK_END)
@@ -255,6 +256,8 @@ class RunDir:
             f.write((line + "\n").encode("utf-8"))
             f.flush()
             os.fsync(f.fileno())
+            if created:  # the new file's name must survive a power loss too
+                fsync_dir(self.path)
         return record
 
     def read_events(self) -> list[dict[str, Any]]:

@@ -96,6 +96,7 @@ def reshard_checkpoint(checkpoint: Path, world_size: int, out: Path | None = Non
         )
     new_manifest = {**manifest, "world_size": world_size, "files": entries, "resharded_from": str(checkpoint)}
     write_bytes_durably(staging / MANIFEST, json.dumps(new_manifest, indent=1).encode())
+    fsync_dir(staging)  # its entries are durable before the rename publishes it
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)

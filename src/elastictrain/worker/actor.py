@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -18,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from elastictrain.config.deepspeed_config import nvme_paths
 from elastictrain.core.data_order import derive_seed, micro_batch_positions, sample_at
 from elastictrain.core.schedule import learning_rate
 from elastictrain.worker.attempt import AttemptSpec
@@ -178,6 +180,8 @@ class TrainWorker:
         # zero.Init patches tensor construction; lazy imports inside it (torch._dynamo) then fail.
         preload_model_code(cfg)
         reset_zero_counters()
+        for folder in nvme_paths(spec.ds_config):
+            os.makedirs(folder, exist_ok=True)
         model = build_model(cfg, spec.ds_config, zero3=zero_stage(spec) == 3)
         self.loss_fn = loss_function(cfg)
         self.engine, *_ = deepspeed.initialize(
@@ -372,14 +376,17 @@ class TrainWorker:
         # A background write may still fill a staging folder the controller is about to drop or reuse.
         self._join_writer()
         self._writer = None
-        addr_port = None
+        addr_port, swap = None, []
         if self.spec is not None:
             addr_port = (self.spec.master_addr, self.spec.master_port)
+            swap = nvme_paths(self.spec.ds_config)  # this rank's own (`<nvme_path>/<run_id>/rank-N`)
         self.engine = None
         gc.collect()
         destroy_process_group(self.use_gpu)
         if addr_port is not None:
             remove_shm_buffers(*addr_port)
+        for folder in swap:  # swap files are worthless once the engine is gone; the rank may change
+            shutil.rmtree(folder, ignore_errors=True)
         self.spec = None
         self._set_mark("idle", -1)
         return {"teardown_s": time.perf_counter() - t0}
