@@ -176,7 +176,11 @@ def status(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> Non
     if driver is not None:
         out.print(f"driver    {driver.text}")
     out.print(f"step      {info.last_step}\nfailures  {info.failures}")
-    out.print(f"mlflow    run {info.mlflow_run_id} at {info.mlflow_tracking_uri}")
+    from elastictrain.tracking.tracker import resolve_tracking_uri
+
+    stored_uri = info.mlflow_tracking_uri
+    shown_uri = resolve_tracking_uri(stored_uri, Path(run_dir)) if stored_uri else None
+    out.print(f"mlflow    run {info.mlflow_run_id} at {shown_uri}")
     out.print(
         "world size history: "
         + ", ".join(
@@ -236,9 +240,9 @@ def sync(
     from elastictrain.config import ConfigError, load_config
     from elastictrain.redact import redact_text
     from elastictrain.rundir.run_dir import RunDir, RunDirError
-    from elastictrain.tracking.run_tracker import run_tracker
+    from elastictrain.tracking.run_tracker import run_tracker, tracking_uri_of
     from elastictrain.tracking.spool import SPOOL_DIR
-    from elastictrain.tracking.tracker import TrackerError, default_tracking_uri
+    from elastictrain.tracking.tracker import TrackerError, resolve_tracking_uri
 
     try:
         rd = RunDir.open(run_dir)
@@ -249,7 +253,9 @@ def sync(
         out.print(f"{run_dir}: nothing spooled; MLflow has everything this run logged")
         return
     info = rd.read_info()
-    uri = info.mlflow_tracking_uri or cfg.tracking.uri or default_tracking_uri(rd.path)
+    # The URI the run used (run.json's) first: config.yaml's has its password masked.
+    stored = info.mlflow_tracking_uri
+    uri = resolve_tracking_uri(stored, rd.path) if stored else tracking_uri_of(rd, cfg.tracking.uri)
     tracker = run_tracker(rd, uri, cfg.tracking.experiment, start_wait_s=0.0)
     try:
         tracker.start()
