@@ -256,7 +256,9 @@ def sync(
     # The URI the run used (run.json's) first: config.yaml's has its password masked.
     stored = info.mlflow_tracking_uri
     uri = resolve_tracking_uri(stored, rd.path) if stored else tracking_uri_of(rd, cfg.tracking.uri)
-    tracker = run_tracker(rd, uri, cfg.tracking.experiment, start_wait_s=0.0)
+    tracker = run_tracker(
+        rd, uri, cfg.tracking.experiment, start_wait_s=0.0, max_spool_mb=cfg.tracking.max_spool_mb
+    )
     try:
         tracker.start()
     except TrackerError as e:

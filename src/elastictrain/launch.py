@@ -156,7 +156,7 @@ def make_tracker(config: Config, run_dir: RunDir, enabled: bool = True) -> Track
         return NullTracker()
     info = run_dir.read_info()
     uri = tracking_uri_of(run_dir, config.tracking.uri)
-    tracker = run_tracker(run_dir, uri, config.tracking.experiment)
+    tracker = run_tracker(run_dir, uri, config.tracking.experiment, max_spool_mb=config.tracking.max_spool_mb)
     run_id = tracker.start()  # "" while the server does not answer: the run is created when it does
     if info.mlflow_run_id is None:
         if run_id:  # the URI without its password, if it held one (redact.py)

@@ -57,6 +57,7 @@ class MlflowTracker(SendLoop):
         max_pending_metrics: int = 100_000,
         max_backoff_s: float = 30.0,
         max_attempts_refused: int = 3,
+        max_spool_mb: float | None = None,
         on_run_id: Callable[[str], None] | None = None,
         start_wait_s: float = 5.0,
     ) -> None:
@@ -70,6 +71,8 @@ class MlflowTracker(SendLoop):
         self.max_pending_metrics = max_pending_metrics
         self.max_backoff_s = max_backoff_s
         self.max_attempts_refused = max_attempts_refused
+        self.max_spool_bytes = None if max_spool_mb is None else int(max_spool_mb * 2**20)
+        self.metrics_dropped = 0  # while the spool was full
         self._resume = run_id is not None
         self._client: MlflowClient | None = None
 
@@ -102,6 +105,8 @@ class MlflowTracker(SendLoop):
         self._spill_seq: int | None = None  # metrics from this seq on are in the spool, not in memory
         self._dedup_keys: set[str] = set()  # metric keys replayed after a crash: some may have arrived
         self._replayed_upto = 0
+        self._logged_before: set[tuple[str, int, int, float]] = set()  # MLflow's, read during a replay
+        self._fetched_keys: set[str] = set()
 
     @property
     def pending_metrics(self) -> int:
@@ -234,7 +239,48 @@ class MlflowTracker(SendLoop):
         if not batch:
             return
         with self._cond:
+            if not self._spool_has_room(step):
+                self.metrics_dropped += len(batch)
+                return
             self._queue_metrics(batch, self._spool_append("metrics", batch))
+
+    def _spool_has_room(self, step: int) -> bool:
+        """Whether metrics may still be spooled (lock held); warns at 80% and once full.
+
+        A full spool drops new metrics and keeps the older ones: the run's record stays contiguous
+        from its start, nothing already on disk is rewritten during an outage, and params, events
+        and artifact texts (small, and the run's story) are still spooled.
+        """
+        limit = self.max_spool_bytes
+        if limit is None:
+            return True
+        size = self._spool.size
+        if size < limit // 2 and "spool-80" in self._warned:
+            self._warned -= {"spool-80", "spool-full"}  # drained: warn again next time
+            if self.metrics_dropped:
+                log.warning(
+                    "the tracking spool has room again; %d metric value(s) were dropped", self.metrics_dropped
+                )
+        if size >= limit:
+            self._warn_once(
+                "spool-full",
+                "the tracking spool %s is full (tracking.max_spool_mb=%g); metrics from step %d on are "
+                "dropped until MLflow takes what waits (events and params are still kept)",
+                self._spool.path,
+                limit / 2**20,
+                step,
+            )
+            return False
+        if size >= limit * 0.8:
+            self._warn_once(
+                "spool-80",
+                "the tracking spool %s is 80%% full (%.0f of %g MB, tracking.max_spool_mb) while MLflow "
+                "does not take it; when full, new metrics are dropped",
+                self._spool.path,
+                size / 2**20,
+                limit / 2**20,
+            )
+        return True
 
     def _queue_metrics(self, batch: list[tuple[str, float, int, int]], seq: int) -> None:
         """Queue in memory (lock held); past the memory bound, spooled batches wait on disk instead."""

@@ -58,7 +58,14 @@ def follow_moved_store(run_path: Path) -> None:
         mlflow_utils._artifact_repos_cache.clear()
 
 
-def run_tracker(run_dir: RunDir, uri: str, experiment: str, *, start_wait_s: float = 5.0) -> MlflowTracker:
+def run_tracker(
+    run_dir: RunDir,
+    uri: str,
+    experiment: str,
+    *,
+    start_wait_s: float = 5.0,
+    max_spool_mb: float | None = None,
+) -> MlflowTracker:
     info = run_dir.read_info()
     if uri == default_tracking_uri(run_dir.path):
         follow_moved_store(run_dir.path)
@@ -76,4 +83,5 @@ def run_tracker(run_dir: RunDir, uri: str, experiment: str, *, start_wait_s: flo
         spool_dir=run_dir.path,
         on_run_id=record_run_id,
         start_wait_s=start_wait_s,
+        max_spool_mb=max_spool_mb,
     )

@@ -132,10 +132,14 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+# What MLflow answers for a request it rejects as invalid: the same data would be rejected again.
+INVALID_REQUEST_CODES = frozenset({"INVALID_PARAMETER_VALUE", "MALFORMED_REQUEST", "BAD_REQUEST"})
+
+
 def is_permanent(exc: BaseException) -> bool:
-    """MLflow refused the request itself (4xx): retrying the same data will not help."""
-    code = getattr(exc, "get_http_status_code", None)
-    try:
-        return code is not None and 400 <= int(code()) < 500
-    except Exception:
-        return False
+    """MLflow rejected the request as invalid (400): resending it will not help.
+
+    Anything else may pass later and stays spooled: 401/403 (an expired token, a rotated password),
+    404, 429, 5xx, a proxy's error page, no connection.
+    """
+    return getattr(exc, "error_code", None) in INVALID_REQUEST_CODES
