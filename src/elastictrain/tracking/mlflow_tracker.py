@@ -71,6 +71,7 @@ class MlflowTracker(SendLoop):
         self.max_pending_metrics = max_pending_metrics
         self.max_backoff_s = max_backoff_s
         self.max_attempts_refused = max_attempts_refused
+        self.max_spool_mb = max_spool_mb
         self.max_spool_bytes = None if max_spool_mb is None else int(max_spool_mb * 2**20)
         self.metrics_dropped = 0  # while the spool was full
         self._resume = run_id is not None
@@ -267,18 +268,18 @@ class MlflowTracker(SendLoop):
                 "the tracking spool %s is full (tracking.max_spool_mb=%g); metrics from step %d on are "
                 "dropped until MLflow takes what waits (events and params are still kept)",
                 self._spool.path,
-                limit / 2**20,
+                self.max_spool_mb,
                 step,
             )
             return False
         if size >= limit * 0.8:
             self._warn_once(
                 "spool-80",
-                "the tracking spool %s is 80%% full (%.0f of %g MB, tracking.max_spool_mb) while MLflow "
+                "the tracking spool %s is 80%% full (%.1f of %g MB, tracking.max_spool_mb) while MLflow "
                 "does not take it; when full, new metrics are dropped",
                 self._spool.path,
                 size / 2**20,
-                limit / 2**20,
+                self.max_spool_mb,
             )
         return True
 
