@@ -11,16 +11,23 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from elastictrain.redact import install_exception_redaction, redact_text
+
+# typer's own traceback printer would show locals (a config holding a token): ours masks instead.
 app = typer.Typer(
-    add_completion=False, no_args_is_help=True, help="Elastic training on Ray with DeepSpeed ZeRO-3."
+    add_completion=False,
+    no_args_is_help=True,
+    help="Elastic training on Ray with DeepSpeed ZeRO-3.",
+    pretty_exceptions_enable=False,
 )
+install_exception_redaction()
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _fail(message: str, code: int = 2) -> None:
     # The message is plain text: config paths like [a, b] must not be read as rich markup.
-    err.print(Text.assemble(("error: ", "bold red"), message))
+    err.print(Text.assemble(("error: ", "bold red"), redact_text(message)))
     raise typer.Exit(code)
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from elastictrain.redact import install_log_redaction
+from elastictrain.redact import install_log_redaction, redact, redact_text
 from elastictrain.tracking.mlflow_send import SendLoop
 from elastictrain.tracking.spool import Spool
 from elastictrain.tracking.tracker import (
@@ -219,7 +219,7 @@ class MlflowTracker(SendLoop):
 
     # ------------------------------------------------------------------ enqueue (never blocks)
     def log_params(self, params: dict[str, Any]) -> None:
-        items = [(sanitize_key(k), str(v)[:MAX_PARAM_VAL_LENGTH]) for k, v in params.items()]
+        items = [(sanitize_key(k), str(v)[:MAX_PARAM_VAL_LENGTH]) for k, v in redact(params).items()]
         with self._cond:
             seq = self._spool_append("params", items)
             self._params.extend((k, v, seq) for k, v in items)
@@ -310,7 +310,7 @@ class MlflowTracker(SendLoop):
             )
 
     def log_event(self, record: dict[str, Any]) -> None:
-        line = json.dumps(record, default=str)
+        line = json.dumps(redact(record, by_key=False), default=str)  # also the `last_event` tag
         with self._cond:
             self._queue_event(line, self._spool_append("event", line))
 
@@ -324,6 +324,7 @@ class MlflowTracker(SendLoop):
 
     def log_artifact_text(self, text: str, artifact_file: str) -> None:
         with self._cond:
+            text = redact_text(text)
             self._queue_text(text, artifact_file, self._spool_append("text", [artifact_file, text]))
 
     def _queue_text(self, text: str, artifact_file: str, seq: int) -> None:
