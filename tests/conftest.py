@@ -24,8 +24,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_mlflow_server(root: Path, port: int | None = None) -> Iterator[str]:
-    """A real `mlflow server` on loopback, its SQLite store and artifacts under root; yields its URI."""
+def running_mlflow_server(
+    root: Path, port: int | None = None, *, app_name: str | None = None, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """A real `mlflow server` on loopback, its SQLite store and artifacts under root; yields its URI.
+
+    app_name="basic-auth" serves MLflow's own basic-auth app (give MLFLOW_AUTH_ADMIN_PASSWORD in env).
+    """
     port = port or free_port()
     uri = f"http://127.0.0.1:{port}"
     cmd = [
@@ -35,8 +40,9 @@ def running_mlflow_server(root: Path, port: int | None = None) -> Iterator[str]:
         # Proxied artifacts: clients upload through the server, so log_text works over HTTP alone.
         "--serve-artifacts", "--artifacts-destination", str(root / "artifacts"),
     ]  # fmt: skip
+    cmd += ["--app-name", app_name] if app_name else []
     # The job runner would start several huey consumer processes the tests never use.
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **(env or {})}
     log_path = root / "server.log"
     with open(log_path, "ab") as log_file:
         # Own session, so teardown can stop the server and the uvicorn worker it forks together.
@@ -89,3 +95,15 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def mlflow_server_factory() -> Callable[..., AbstractContextManager[str]]:
     """running_mlflow_server(root, port=None): for tests that stop and restart a server themselves."""
     return running_mlflow_server
+
+
+MLFLOW_ADMIN_PASSWORD = "right-password-4242"
+
+
+@pytest.fixture(scope="session")
+def mlflow_basic_auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real `mlflow server` with MLflow's basic-auth app: user admin, password MLFLOW_ADMIN_PASSWORD."""
+    env = {"MLFLOW_AUTH_ADMIN_PASSWORD": MLFLOW_ADMIN_PASSWORD, "MLFLOW_FLASK_SERVER_SECRET_KEY": "test-only"}
+    root = tmp_path_factory.mktemp("mlflow-auth")
+    with running_mlflow_server(root, app_name="basic-auth", env=env) as uri:
+        yield uri

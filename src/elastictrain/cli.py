@@ -11,16 +11,23 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from elastictrain.redact import install_exception_redaction, redact_text
+
+# typer's own traceback printer would show locals (a config holding a token): ours masks instead.
 app = typer.Typer(
-    add_completion=False, no_args_is_help=True, help="Elastic training on Ray with DeepSpeed ZeRO-3."
+    add_completion=False,
+    no_args_is_help=True,
+    help="Elastic training on Ray with DeepSpeed ZeRO-3.",
+    pretty_exceptions_enable=False,
 )
+install_exception_redaction()
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _fail(message: str, code: int = 2) -> None:
     # The message is plain text: config paths like [a, b] must not be read as rich markup.
-    err.print(Text.assemble(("error: ", "bold red"), message))
+    err.print(Text.assemble(("error: ", "bold red"), redact_text(message)))
     raise typer.Exit(code)
 
 
@@ -203,7 +210,11 @@ def status(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> Non
     if driver is not None:
         out.print(f"driver    {driver.text}")
     out.print(f"step      {info.last_step}\nfailures  {info.failures}")
-    out.print(f"mlflow    run {info.mlflow_run_id} at {info.mlflow_tracking_uri}")
+    from elastictrain.tracking.tracker import resolve_tracking_uri
+
+    stored_uri = info.mlflow_tracking_uri
+    shown_uri = resolve_tracking_uri(stored_uri, Path(run_dir)) if stored_uri else None
+    out.print(f"mlflow    run {info.mlflow_run_id} at {shown_uri}")
     out.print(
         "world size history: "
         + ", ".join(
@@ -279,9 +290,9 @@ def sync(
     from elastictrain.config import ConfigError, load_config
     from elastictrain.redact import redact_text
     from elastictrain.rundir.run_dir import RunDir, RunDirError
-    from elastictrain.tracking.run_tracker import run_tracker
+    from elastictrain.tracking.run_tracker import run_tracker, tracking_uri_of
     from elastictrain.tracking.spool import SPOOL_DIR
-    from elastictrain.tracking.tracker import TrackerError, default_tracking_uri
+    from elastictrain.tracking.tracker import TrackerError, resolve_tracking_uri
 
     try:
         rd = RunDir.open(run_dir)
@@ -292,8 +303,12 @@ def sync(
         out.print(f"{run_dir}: nothing spooled; MLflow has everything this run logged")
         return
     info = rd.read_info()
-    uri = info.mlflow_tracking_uri or cfg.tracking.uri or default_tracking_uri(rd.path)
-    tracker = run_tracker(rd, uri, cfg.tracking.experiment, start_wait_s=0.0)
+    # The URI the run used (run.json's) first: config.yaml's has its password masked.
+    stored = info.mlflow_tracking_uri
+    uri = resolve_tracking_uri(stored, rd.path) if stored else tracking_uri_of(rd, cfg.tracking.uri)
+    tracker = run_tracker(
+        rd, uri, cfg.tracking.experiment, start_wait_s=0.0, max_spool_mb=cfg.tracking.max_spool_mb
+    )
     try:
         tracker.start()
     except TrackerError as e:

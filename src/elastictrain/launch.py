@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from elastictrain.config import Config, config_digest, to_flat_dict, to_yaml
 from elastictrain.progress import Reporter
-from elastictrain.redact import install_log_redaction, redact_text
+from elastictrain.redact import install_log_redaction
 from elastictrain.rundir.run_dir import RunDir
-from elastictrain.tracking.run_tracker import run_tracker
-from elastictrain.tracking.tracker import NullTracker, Tracker, default_tracking_uri
+from elastictrain.tracking.run_tracker import run_tracker, tracking_uri_of
+from elastictrain.tracking.tracker import NullTracker, Tracker, stored_tracking_uri
 
 if TYPE_CHECKING:
     from elastictrain.control.local import LocalSummary
@@ -189,12 +189,12 @@ def make_tracker(config: Config, run_dir: RunDir, enabled: bool = True) -> Track
     if not enabled:
         return NullTracker()
     info = run_dir.read_info()
-    uri = config.tracking.uri or info.mlflow_tracking_uri or default_tracking_uri(run_dir.path)
-    tracker = run_tracker(run_dir, uri, config.tracking.experiment)
+    uri = tracking_uri_of(run_dir, config.tracking.uri)
+    tracker = run_tracker(run_dir, uri, config.tracking.experiment, max_spool_mb=config.tracking.max_spool_mb)
     run_id = tracker.start()  # "" while the server does not answer: the run is created when it does
     if info.mlflow_run_id is None:
         if run_id:  # the URI without its password, if it held one (redact.py)
-            run_dir.update(mlflow_run_id=run_id, mlflow_tracking_uri=redact_text(uri))
+            run_dir.update(mlflow_run_id=run_id, mlflow_tracking_uri=stored_tracking_uri(uri, run_dir.path))
         tracker.log_params(to_flat_dict(config))
         tracker.log_artifact_text(to_yaml(config), "config.yaml")
     return tracker

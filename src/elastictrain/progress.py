@@ -21,6 +21,8 @@ from rich.progress import (
 )
 from rich.text import Text
 
+from elastictrain.redact import redact_text
+
 
 class Reporter:
     def __init__(self, total_steps: int, *, stream: TextIO | None = None, live: bool | None = None) -> None:
@@ -67,7 +69,7 @@ class Reporter:
 
     def event(self, message: str, style: str = "") -> None:
         # Plain text: messages carry config values such as [2, 3] that must not be read as markup.
-        self.console.print(Text(message, style=style))
+        self.console.print(Text(redact_text(message), style=style))
 
     def close(self) -> None:
         if self._progress is not None:

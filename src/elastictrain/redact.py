@@ -3,8 +3,10 @@
 Secrets belong in the environment (MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or
 MLFLOW_TRACKING_TOKEN for MLflow, HF_TOKEN, cloud keys). One written in the config is used by this
 process but written everywhere as `***`: values under a key that names a secret, the password in a
-URL (`http://user:***@host`), secret query parameters, and the value of any secret environment
-variable wherever it appears in a log message.
+URL (`http://user:***@host`, `https://***@host` for a token alone), secret query parameters, and
+the value of any secret environment variable. `redact_text` (and `redact` for trees) is the one
+masking function: every path to disk (run.json, events.jsonl, the spool), MLflow and the terminal
+goes through it, as do log records (their tracebacks included) and uncaught exceptions.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
+import threading
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +34,8 @@ _SECRET_WORDS = {
     "auth",
 }
 _SECRET_PAIRS = {("api", "key"), ("access", "key"), ("private", "key"), ("secret", "key"), ("signing", "key")}
-_URL_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<pw>[^@/\s]+)@", re.I)
+# The userinfo runs to the last '@' before the host: a password may hold '/' or '@' itself.
+_URL_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<info>[^\s\"'<>?#]*)@(?=[^\s@/?#])", re.I)
 _QUERY_SECRET = re.compile(
     r"(?P<k>[?&](?:[^=&\s]*?)(?:token|password|passwd|secret|api[_-]?key|access[_-]?key|signature|sig)"
     r"[^=&\s]*=)(?P<v>[^&\s]+)",
@@ -51,22 +57,32 @@ def _env_secrets() -> list[str]:
     return sorted(values, key=len, reverse=True)
 
 
+def _mask_userinfo(m: re.Match[str]) -> str:
+    user, colon, _ = m["info"].partition(":")
+    # `user:password@` keeps the user; a lone `TOKEN@` (a token used as the user name) is masked whole.
+    return f"{m['scheme']}{user}:{MASK}@" if colon else f"{m['scheme']}{MASK}@"
+
+
 def redact_text(text: str) -> str:
     """URL passwords, secret query parameters and secret environment values replaced by ***."""
-    text = _URL_USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:{MASK}@", text)
+    text = _URL_USERINFO.sub(_mask_userinfo, text)
     text = _QUERY_SECRET.sub(lambda m: f"{m['k']}{MASK}", text)
     for value in _env_secrets():
         text = text.replace(value, MASK)
     return text
 
 
-def redact(value: Any, key: str = "") -> Any:
-    """A copy of a config tree (dicts, lists, scalars) with every secret masked."""
+def redact(value: Any, key: str = "", *, by_key: bool = True) -> Any:
+    """A copy of a tree (dicts, lists, scalars) with every string masked by `redact_text`.
+
+    by_key (configs): also every value under a key that names a secret. Records that are not configs
+    (events, run.json) are masked by text only: a metric named `token_acc` is not a secret.
+    """
     if isinstance(value, dict):
-        return {k: redact(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
+        return {k: redact(v, f"{key}.{k}" if key else str(k), by_key=by_key) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(redact(v, key) for v in value)
-    if key and is_secret_key(key) and value not in (None, ""):
+        return type(value)(redact(v, key, by_key=by_key) for v in value)
+    if by_key and key and is_secret_key(key) and value not in (None, ""):
         return MASK
     if isinstance(value, str):
         return redact_text(value)
@@ -85,6 +101,11 @@ def _redacting(factory: Callable[..., logging.LogRecord]) -> Callable[..., loggi
         redacted = redact_text(message)
         if redacted != message:
             record.msg, record.args = redacted, ()
+        # Handlers format a traceback only later, from exc_info: format it now, masked (they reuse exc_text).
+        if record.exc_info and record.exc_info[0] is not None and not record.exc_text:
+            record.exc_text = redact_text("".join(traceback.format_exception(*record.exc_info)).rstrip("\n"))
+        if record.stack_info:
+            record.stack_info = redact_text(record.stack_info)
         return record
 
     make._elastictrain_redacting = True  # type: ignore[attr-defined]
@@ -102,3 +123,28 @@ def install_log_redaction() -> None:
     if getattr(current, "_elastictrain_redacting", False):
         return
     logging.setLogRecordFactory(_redacting(current))
+
+
+def _print_masked(exc_type: type[BaseException], exc: BaseException, tb: Any, header: str = "") -> None:
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    sys.stderr.write(header + redact_text(text))
+    sys.stderr.flush()
+
+
+def install_exception_redaction() -> None:
+    """Uncaught exceptions, in the main thread or any other, print their traceback masked."""
+    if getattr(sys.excepthook, "_elastictrain_redacting", False):
+        return
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        _print_masked(exc_type, exc, tb)
+
+    def thread_hook(args: threading.ExceptHookArgs) -> None:
+        if args.exc_type is SystemExit or args.exc_value is None:
+            return
+        name = args.thread.name if args.thread is not None else "?"
+        _print_masked(args.exc_type, args.exc_value, args.exc_traceback, f"Exception in thread {name}:\n")
+
+    hook._elastictrain_redacting = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+    threading.excepthook = thread_hook

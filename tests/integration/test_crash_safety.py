@@ -20,6 +20,7 @@ import pytest
 
 from elastictrain.checkpoint.store import CheckpointError, CheckpointStore, verify
 from elastictrain.rundir.durable import write_bytes_durably
+from elastictrain.tracking.tracker import resolve_tracking_uri
 
 SAVE_TWO_CHECKPOINTS = textwrap.dedent(
     """
@@ -237,7 +238,7 @@ def test_resume_rejects_a_corrupted_checkpoint_says_so_everywhere_and_falls_back
     assert attempt["verify_s"] >= 0 and attempt["load_s"] > 0
 
     info = rd.read_info()
-    client = MlflowClient(info.mlflow_tracking_uri)
+    client = MlflowClient(resolve_tracking_uri(info.mlflow_tracking_uri, rd.path))
     local = client.download_artifacts(info.mlflow_run_id, "events.jsonl", str(tmp_path / "dl"))
     mlflow_events = [json.loads(line) for line in Path(local).read_text().splitlines()]
     assert any(e["event"] == "checkpoint_rejected" for e in mlflow_events)

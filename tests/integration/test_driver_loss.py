@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 
 from elastictrain.cli import app
 from elastictrain.rundir.run_dir import RunDir
+from elastictrain.tracking.tracker import resolve_tracking_uri
 
 pytestmark = pytest.mark.integration
 cli = CliRunner()
@@ -180,7 +181,7 @@ def test_a_killed_driver_loses_nothing_and_the_run_resumes_into_the_same_mlflow_
     # One MLflow run holds every step's metrics: those the killed driver logged and the rest.
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(info.mlflow_tracking_uri)
+    client = MlflowClient(resolve_tracking_uri(info.mlflow_tracking_uri, rd.path))
     steps = {m.step for m in client.get_metric_history(mlflow_run, "loss")}
     assert steps == set(range(1, MAX_STEPS + 1)), sorted(steps)
     assert client.get_run(mlflow_run).info.status == "FINISHED"

@@ -126,19 +126,20 @@ CHILD = textwrap.dedent(
     rd = RunDir.open(sys.argv[1])
     tracker = tracker_for(rd, sys.argv[2])
     tracker.start()
-    tracker.log_params({{"lr": 0.003}})
-    log_steps(tracker, range(1, 31))
+    if sys.argv[4] == "log":  # else only send what an earlier process spooled
+        tracker.log_params({{"lr": 0.003}})
+        log_steps(tracker, range(1, 31))
     tracker.flush(timeout_s=float(sys.argv[3]))
     os.kill(os.getpid(), signal.SIGKILL)  # the driver dies with whatever is still unsent
     """
 )
 
 
-def run_child(rd: RunDir, uri: str, flush_s: float, crash_at: str | None = None) -> None:
+def run_child(rd: RunDir, uri: str, flush_s: float, crash_at: str | None = None, *, log: bool = True) -> None:
     env = {**os.environ, **({"ELASTICTRAIN_CRASH_AT": crash_at} if crash_at else {})}
     code = CHILD.format(tests=str(Path(__file__).parent))
     child = subprocess.run(
-        [sys.executable, "-c", code, str(rd.path), uri, str(flush_s)],
+        [sys.executable, "-c", code, str(rd.path), uri, str(flush_s), "log" if log else "send"],
         env=env,
         capture_output=True,
         text=True,
@@ -217,3 +218,35 @@ def test_the_spool_survives_a_torn_line_and_drops_acked_records_as_it_grows(tmp_
     again.ack(again.last_seq)
     again.close()
     assert Spool(tmp_path).max_step == 28 and Spool(tmp_path).read() == []
+
+
+def test_replayed_metrics_read_back_from_the_spool_are_not_sent_twice(
+    tmp_path: Path, mlflow_server_factory
+) -> None:
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    rd = make_run_dir(tmp_path / "run", uri)
+    run_child(rd, uri, flush_s=0.5)  # nothing listens: all of it is spooled
+    with mlflow_server_factory(server_root(tmp_path), port):
+        # The next process sends it in batches of 10 (its max_pending_metrics) and is killed after the
+        # third reached MLflow, before any ack: 30 sent metrics of which only 10 fit in the memory of
+        # the process that replays them; the other 20 come back from the spool.
+        run_child(rd, uri, flush_s=30, crash_at="tracking_metrics_sent@3", log=False)
+        assert len(MlflowClient(uri).get_metric_history(str(rd.read_info().mlflow_run_id), "loss")) == 15
+        sent: list[tuple[str, int]] = []
+
+        class CountingClient(MlflowClient):
+            # MLflow's SQL store ignores an exact duplicate, so count what is sent, not what is stored.
+            def log_batch(self, run_id, metrics=(), params=(), tags=(), synchronous=None):  # noqa: ANN001, ANN201
+                sent.extend((m.key, m.step) for m in metrics)
+                return super().log_batch(run_id, metrics, params, tags, synchronous=synchronous)
+
+        tracker = tracker_for(rd, uri)
+        tracker._client = CountingClient(uri)
+        try:
+            tracker.start()
+            assert tracker.flush(timeout_s=60)
+        finally:
+            tracker.close()
+        assert sorted(step for key, step in sent if key == "loss") == list(range(16, 31)), "only the unsent"
+        check_every_step_once(uri, rd, STEPS)

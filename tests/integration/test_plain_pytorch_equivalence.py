@@ -27,6 +27,7 @@ from mlflow.tracking import MlflowClient
 from reference import global_batch, train_reference
 
 from elastictrain.rundir.run_dir import RunDir
+from elastictrain.tracking.tracker import resolve_tracking_uri
 from elastictrain.worker.data import dataset_from_config
 
 pytestmark = pytest.mark.integration
@@ -37,7 +38,9 @@ FP32_EPS = float(torch.finfo(torch.float32).eps)
 
 def logged_losses(run_dir: RunDir) -> list[float]:
     info = run_dir.read_info()
-    history = MlflowClient(info.mlflow_tracking_uri).get_metric_history(info.mlflow_run_id, "loss")
+    history = MlflowClient(resolve_tracking_uri(info.mlflow_tracking_uri, run_dir.path)).get_metric_history(
+        info.mlflow_run_id, "loss"
+    )
     by_step = {m.step: m.value for m in sorted(history, key=lambda m: m.timestamp)}
     return [by_step[s] for s in sorted(by_step)]
 

@@ -290,3 +290,41 @@ def test_sanitized_keys_pass_mlflow_validation(key: str) -> None:
     clean = sanitize_key(key)
     _validate_metric_name(clean)
     assert len(clean) <= 250
+
+
+def test_a_moved_run_folder_keeps_logging_into_its_own_embedded_store(tmp_path: Path) -> None:
+    import shutil
+
+    from elastictrain.config import load_config
+    from elastictrain.launch import make_tracker, prepare_run_dir
+    from elastictrain.rundir.run_dir import RunDir
+
+    tiny = Path(__file__).resolve().parents[2] / "conf" / "tiny-cpu.yaml"
+    cfg = load_config(tiny, [f"run.dir={tmp_path}/old/run"])
+    run_dir, _ = prepare_run_dir(cfg, fresh=False)
+    tracker = make_tracker(cfg, run_dir)
+    try:
+        tracker.log_metrics({"loss": 1.0}, step=1)
+        tracker.log_event({"event": "before_move", "step": 1})
+        tracker.finish("KILLED")
+    finally:
+        tracker.close()
+    assert "old" not in (run_dir.read_info().mlflow_tracking_uri or ""), "stored relative to the run folder"
+
+    shutil.move(str(tmp_path / "old"), tmp_path / "new")
+    moved = RunDir.open(tmp_path / "new" / "run")
+    tracker = make_tracker(load_config(moved.config_yaml), moved)  # what `resume` builds
+    try:
+        tracker.log_metrics({"loss": 0.5}, step=2)
+        tracker.log_event({"event": "after_move", "step": 2})
+        tracker.finish("FINISHED")
+    finally:
+        tracker.close()
+    assert not (tmp_path / "old").exists(), "nothing written at the old place"
+    client = MlflowClient(default_tracking_uri(moved.path))
+    run_id = moved.read_info().mlflow_run_id
+    assert run_id
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2]
+    events = read_text_artifact(client, run_id, "events.jsonl", tmp_path / "dl")
+    assert [json.loads(x)["event"] for x in events.splitlines()] == ["before_move", "after_move"]
+    assert list((moved.path / "mlartifacts").rglob("events.jsonl"))

@@ -11,6 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from elastictrain.checkpoint.store import verify_checkpoint
 from elastictrain.rundir.run_dir import RunDir
+from elastictrain.tracking.tracker import resolve_tracking_uri
 
 pytestmark = pytest.mark.integration
 
@@ -18,7 +19,9 @@ pytestmark = pytest.mark.integration
 def _losses(run_dir: RunDir, key: str = "loss") -> dict[int, float]:
     """Per-step metric from the run's MLflow run; for steps logged twice (rolled back), the last one."""
     info = run_dir.read_info()
-    history = MlflowClient(info.mlflow_tracking_uri).get_metric_history(info.mlflow_run_id, key)
+    history = MlflowClient(resolve_tracking_uri(info.mlflow_tracking_uri, run_dir.path)).get_metric_history(
+        info.mlflow_run_id, key
+    )
     out: dict[int, float] = {}
     for m in sorted(history, key=lambda m: m.timestamp):
         out[m.step] = m.value
@@ -63,7 +66,7 @@ def test_two_workers_train_and_leave_the_run_folder_as_specified(ray_local, tmp_
     assert losses[12] < losses[1] - 0.5, losses
 
     # The MLflow run holds the flattened config, every step's metrics and the config artifact.
-    client = MlflowClient(info.mlflow_tracking_uri)
+    client = MlflowClient(resolve_tracking_uri(info.mlflow_tracking_uri, run_dir.path))
     mlrun = client.get_run(info.mlflow_run_id)
     assert mlrun.data.params["training.global_batch_size"] == "12"
     assert mlrun.data.params["model.hf_config.model_type"] == "llama"

@@ -250,6 +250,7 @@ def validate(config: Config) -> Config:
     _at_least(p, "failure.hang_timeout_s", f.hang_timeout_s, 0, strict=True)
     _at_least(p, "failure.collective_timeout_s", f.collective_timeout_s, 0, strict=True)
     _at_least(p, "failure.wait_for_capacity_s", f.wait_for_capacity_s, 0)
+    _at_least(p, "tracking.max_spool_mb", config.tracking.max_spool_mb, 0, strict=True)
     if config.ray.num_cpus is not None:
         _at_least(p, "ray.num_cpus", config.ray.num_cpus, 1)
     if not p and not valid_world_sizes(config):

@@ -125,6 +125,8 @@ class CheckpointConfig:
 class TrackingConfig:
     uri: str | None = None  # None: an embedded sqlite store inside the run folder
     experiment: str = "elastictrain"
+    # The spool's bound during an MLflow outage: warned at 80%; when full, new metrics are dropped.
+    max_spool_mb: float = 1024.0
 
 
 @dataclass

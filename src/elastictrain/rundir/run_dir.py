@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.core.state import RunStatus
+from elastictrain.redact import redact
 from elastictrain.rundir.durable import fsync_dir, replace_text_atomically, write_bytes_durably
 
 log = logging.getLogger("elastictrain.rundir.run_dir")
@@ -195,7 +196,10 @@ class RunDir:
             ) from e
 
     def _write_info(self, info: RunInfo) -> None:
-        replace_text_atomically(self.run_json, json.dumps(info.to_dict(), indent=2) + "\n")
+        # Masked here, whatever wrote it: a worker's error message may quote a token.
+        replace_text_atomically(
+            self.run_json, json.dumps(redact(info.to_dict(), by_key=False), indent=2) + "\n"
+        )
 
     def update(self, **changes: Any) -> RunInfo:
         unknown = sorted(set(changes) - _UPDATABLE)
@@ -242,7 +246,8 @@ class RunDir:
     def append_event(self, event: str, **fields: Any) -> dict[str, Any]:
         if "time" in fields:
             raise ValueError("append_event: 'time' is set by the run folder's clock")
-        record: dict[str, Any] = {"time": _iso(self._clock()), "event": event, **fields}
+        # Masked before it is written; the caller passes the returned record on (MLflow, terminal).
+        record: dict[str, Any] = redact({"time": _iso(self._clock()), "event": event, **fields}, by_key=False)
         line = json.dumps(record, default=str)
         with self._lock, open(self.events_path, "a+b") as f:
             created = f.seek(0, os.SEEK_END) == 0

@@ -177,7 +177,14 @@ class SendLoop:
             self._refused[what] = n
             if n < self.max_attempts_refused:
                 raise
-            log.warning("MLflow refused %s %d times (%s); dropping them", what, n, e)
+            self._spool.record_rejected(what, e, args[1:])
+            log.warning(
+                "MLflow rejected %s as invalid %d times (%s); dropped, recorded in %s",
+                what,
+                n,
+                e,
+                self._spool.rejected_path,
+            )
         self._refused.pop(what, None)
 
     def _flush_once(self) -> None:
@@ -225,9 +232,9 @@ class SendLoop:
                         if self._tags.get(k) == v:  # a newer value may have arrived meanwhile
                             del self._tags[k]
 
-        if self._dedup_keys:
-            self._drop_already_logged(client)
         while True:
+            if self._dedup_keys:
+                self._drop_already_logged(client)
             while batch := self._snapshot(lambda: list(islice(self._metrics, MAX_METRICS_PER_BATCH))):
                 self._send("metrics", client.log_batch, self.run_id, [Metric(*m[:4]) for m in batch])
                 crash_point("tracking_metrics_sent")  # tests: killed after sending, before the ack
@@ -277,13 +284,17 @@ class SendLoop:
                     self._terminal = None
 
     def _drop_already_logged(self, client: MlflowClient) -> None:
-        """Replayed metrics that reached MLflow before a crash (sent, not yet acked) are not sent again."""
-        keys = sorted(self._dedup_keys)
-        logged = {
-            (key, m.step, m.timestamp, m.value)
-            for key in keys
-            for m in client.get_metric_history(self.run_id, key)
-        }
+        """Replayed metrics that reached MLflow before a crash (sent, not yet acked) are not sent again.
+
+        What MLflow held before this process sent anything is read once per key and kept while the
+        replay lasts: replayed metrics beyond max_pending_metrics come back from the spool later.
+        """
+        logged = self._logged_before
+        for key in sorted(self._dedup_keys - self._fetched_keys):
+            logged.update(
+                (key, m.step, m.timestamp, m.value) for m in client.get_metric_history(self.run_id, key)
+            )
+            self._fetched_keys.add(key)
         with self._cond:
             keep: deque[tuple[str, float, int, int, int]] = deque()
             for m in self._metrics:
@@ -294,6 +305,9 @@ class SendLoop:
             dropped = len(self._metrics) - len(keep)
             self._metrics = keep
             self._dedup_keys.clear()
+            if self._spill_seq is None or self._spill_seq > self._replayed_upto:
+                self._logged_before.clear()  # no replayed metric is left to check
+                self._fetched_keys.clear()
         if dropped:
             log.info("%d replayed metric value(s) had already reached MLflow; not sent twice", dropped)
 
@@ -311,6 +325,8 @@ class SendLoop:
                 if r.get("kind") == "metrics":
                     if room < len(r["data"]) and loaded:
                         break  # memory is full again: the rest next time
+                    if int(r["seq"]) <= self._replayed_upto:  # may have reached MLflow before a crash
+                        self._dedup_keys.update(str(m[0]) for m in r["data"])
                     self._metrics.extend((k, v, ts, st, int(r["seq"])) for k, v, ts, st in r["data"])
                     room -= len(r["data"])
                     loaded += len(r["data"])

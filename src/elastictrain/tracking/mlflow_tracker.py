@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from elastictrain.redact import install_log_redaction
+from elastictrain.redact import install_log_redaction, redact, redact_text
 from elastictrain.tracking.mlflow_send import SendLoop
 from elastictrain.tracking.spool import Spool
 from elastictrain.tracking.tracker import (
@@ -57,6 +57,7 @@ class MlflowTracker(SendLoop):
         max_pending_metrics: int = 100_000,
         max_backoff_s: float = 30.0,
         max_attempts_refused: int = 3,
+        max_spool_mb: float | None = None,
         on_run_id: Callable[[str], None] | None = None,
         start_wait_s: float = 5.0,
     ) -> None:
@@ -70,6 +71,9 @@ class MlflowTracker(SendLoop):
         self.max_pending_metrics = max_pending_metrics
         self.max_backoff_s = max_backoff_s
         self.max_attempts_refused = max_attempts_refused
+        self.max_spool_mb = max_spool_mb
+        self.max_spool_bytes = None if max_spool_mb is None else int(max_spool_mb * 2**20)
+        self.metrics_dropped = 0  # while the spool was full
         self._resume = run_id is not None
         self._client: MlflowClient | None = None
 
@@ -102,6 +106,8 @@ class MlflowTracker(SendLoop):
         self._spill_seq: int | None = None  # metrics from this seq on are in the spool, not in memory
         self._dedup_keys: set[str] = set()  # metric keys replayed after a crash: some may have arrived
         self._replayed_upto = 0
+        self._logged_before: set[tuple[str, int, int, float]] = set()  # MLflow's, read during a replay
+        self._fetched_keys: set[str] = set()
 
     @property
     def pending_metrics(self) -> int:
@@ -213,7 +219,7 @@ class MlflowTracker(SendLoop):
 
     # ------------------------------------------------------------------ enqueue (never blocks)
     def log_params(self, params: dict[str, Any]) -> None:
-        items = [(sanitize_key(k), str(v)[:MAX_PARAM_VAL_LENGTH]) for k, v in params.items()]
+        items = [(sanitize_key(k), str(v)[:MAX_PARAM_VAL_LENGTH]) for k, v in redact(params).items()]
         with self._cond:
             seq = self._spool_append("params", items)
             self._params.extend((k, v, seq) for k, v in items)
@@ -234,7 +240,48 @@ class MlflowTracker(SendLoop):
         if not batch:
             return
         with self._cond:
+            if not self._spool_has_room(step):
+                self.metrics_dropped += len(batch)
+                return
             self._queue_metrics(batch, self._spool_append("metrics", batch))
+
+    def _spool_has_room(self, step: int) -> bool:
+        """Whether metrics may still be spooled (lock held); warns at 80% and once full.
+
+        A full spool drops new metrics and keeps the older ones: the run's record stays contiguous
+        from its start, nothing already on disk is rewritten during an outage, and params, events
+        and artifact texts (small, and the run's story) are still spooled.
+        """
+        limit = self.max_spool_bytes
+        if limit is None:
+            return True
+        size = self._spool.size
+        if size < limit // 2 and "spool-80" in self._warned:
+            self._warned -= {"spool-80", "spool-full"}  # drained: warn again next time
+            if self.metrics_dropped:
+                log.warning(
+                    "the tracking spool has room again; %d metric value(s) were dropped", self.metrics_dropped
+                )
+        if size >= limit:
+            self._warn_once(
+                "spool-full",
+                "the tracking spool %s is full (tracking.max_spool_mb=%g); metrics from step %d on are "
+                "dropped until MLflow takes what waits (events and params are still kept)",
+                self._spool.path,
+                self.max_spool_mb,
+                step,
+            )
+            return False
+        if size >= limit * 0.8:
+            self._warn_once(
+                "spool-80",
+                "the tracking spool %s is 80%% full (%.1f of %g MB, tracking.max_spool_mb) while MLflow "
+                "does not take it; when full, new metrics are dropped",
+                self._spool.path,
+                size / 2**20,
+                self.max_spool_mb,
+            )
+        return True
 
     def _queue_metrics(self, batch: list[tuple[str, float, int, int]], seq: int) -> None:
         """Queue in memory (lock held); past the memory bound, spooled batches wait on disk instead."""
@@ -263,7 +310,7 @@ class MlflowTracker(SendLoop):
             )
 
     def log_event(self, record: dict[str, Any]) -> None:
-        line = json.dumps(record, default=str)
+        line = json.dumps(redact(record, by_key=False), default=str)  # also the `last_event` tag
         with self._cond:
             self._queue_event(line, self._spool_append("event", line))
 
@@ -277,6 +324,7 @@ class MlflowTracker(SendLoop):
 
     def log_artifact_text(self, text: str, artifact_file: str) -> None:
         with self._cond:
+            text = redact_text(text)
             self._queue_text(text, artifact_file, self._spool_append("text", [artifact_file, text]))
 
     def _queue_text(self, text: str, artifact_file: str, seq: int) -> None:

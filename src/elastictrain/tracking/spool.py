@@ -7,6 +7,8 @@ RUN_DIR/tracking-spool/
   state.json    the MLflow run id once created (a run created in the background survives a crash)
   lock          held (flock) by the process that sends from this spool
 
+RUN_DIR/tracking-rejected.jsonl: what MLflow rejected as invalid and was dropped (error and data).
+
 Records after `acked` are re-sent by the next tracker on this run folder (a resumed driver, or
 `elastictrain sync RUN_DIR`); metrics that did reach MLflow before a crash are recognised and not
 sent twice. Once everything is acked the file is emptied, so it only grows during an outage.
@@ -19,15 +21,19 @@ import fcntl
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
+from elastictrain.redact import redact_text
 from elastictrain.rundir.durable import replace_text_atomically
 
 log = logging.getLogger("elastictrain.tracker")
 
 SPOOL_DIR = "tracking-spool"
 COMPACT_BYTES = 1 << 20  # rewrite the spool without its acked records beyond this size
+REJECTED_FILE = "tracking-rejected.jsonl"
+MAX_REJECTED_CHARS = 100_000  # of one dropped request's data kept in the rejected log
 
 
 class Spool:
@@ -39,6 +45,11 @@ class Spool:
         self._state_path = self.folder / "state.json"
         self._lock_fd: int | None = None
         self._file: Any = None
+        self.rejected_path = Path(run_dir) / REJECTED_FILE
+        try:
+            self.size = self.path.stat().st_size  # bytes on disk, bounded by the tracker's max_spool
+        except OSError:
+            self.size = 0
         try:
             fields = self._acked_path.read_text().split()
             self.acked = int(fields[0]) if fields else 0
@@ -86,8 +97,10 @@ class Spool:
                     if f.read(1) != b"\n":
                         self._file.write("\n")
         record = {"seq": seq, "kind": kind, "data": payload}
-        self._file.write(json.dumps(record) + "\n")
+        line = json.dumps(record) + "\n"
+        self._file.write(line)
         self._file.flush()
+        self.size += len(line.encode())
         self.last_seq = seq
         self._note_steps(record)
         return seq
@@ -126,11 +139,29 @@ class Spool:
             # All sent: start an empty file (the seq numbering goes on from `acked`).
             self._close_file()
             os.truncate(self.path, 0)
+            self.size = 0
         elif self.path.stat().st_size > COMPACT_BYTES:
             # Records keep arriving while older ones are acked: drop the acked ones now and then.
             keep = "".join(json.dumps(r) + "\n" for r in self.read())
             self._close_file()
             replace_text_atomically(self.path, keep)
+            self.size = len(keep.encode())
+
+    def record_rejected(self, what: str, error: BaseException, data: Any) -> None:
+        """Keep what MLflow rejected as invalid (and is dropped) in the run folder, secrets masked."""
+        record = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "what": what,
+            "error": redact_text(f"{type(error).__name__}: {error}"),
+            "data": redact_text(json.dumps(data, default=str))[:MAX_REJECTED_CHARS],
+        }
+        try:
+            with open(self.rejected_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            log.warning("cannot record the rejected %s in %s: %s", what, self.rejected_path, e)
 
     def _close_file(self) -> None:
         if self._file is not None:

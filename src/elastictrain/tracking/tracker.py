@@ -84,15 +84,46 @@ def default_tracking_uri(run_dir: Path) -> str:
     return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
 
 
+_SQLITE = "sqlite:///"
+
+
+def _sqlite_path(tracking_uri: str) -> str | None:
+    """The file of a SQLite store URI, absolute ("/abs/mlflow.db") or relative ("mlflow.db")."""
+    if not tracking_uri.startswith(_SQLITE):
+        return None
+    db = tracking_uri[len(_SQLITE) :].split("?", 1)[0]
+    return None if db in ("", ":memory:") else db
+
+
+def stored_tracking_uri(uri: str, run_dir: Path) -> str:
+    """The URI as run.json records it: without its password, and a store inside the run folder
+    relative to it, so a moved run folder goes on logging into its own store."""
+    from elastictrain.redact import redact_text
+
+    db = _sqlite_path(uri)
+    if db is None:
+        return redact_text(uri)
+    path = Path(db).resolve()  # a relative one as this process sees it (its working directory)
+    try:
+        inside = path.relative_to(Path(run_dir).resolve())
+    except ValueError:
+        return uri.replace(db, str(path), 1)
+    return uri.replace(db, inside.as_posix(), 1)
+
+
+def resolve_tracking_uri(stored: str, run_dir: Path) -> str:
+    """A URI recorded by `stored_tracking_uri`, usable from this run folder wherever it now is."""
+    db = _sqlite_path(stored)
+    if db is None or Path(db).is_absolute():
+        return stored
+    return stored.replace(db, str(Path(run_dir).resolve() / db), 1)
+
+
 def artifacts_beside_sqlite(tracking_uri: str) -> str | None:
     # MLflow's default artifact root for a SQL store is relative to the current directory; keep a
     # SQLite store's artifacts next to its database instead (<run_dir>/mlartifacts for the default).
-    prefix = "sqlite:///"
-    if not tracking_uri.startswith(prefix):
-        return None
-    # What follows the prefix is the file path, absolute ("/abs/mlflow.db") or relative ("mlflow.db").
-    db = tracking_uri[len(prefix) :].split("?", 1)[0]
-    if db in ("", ":memory:"):
+    db = _sqlite_path(tracking_uri)
+    if db is None:
         return None
     return (Path(db).parent / "mlartifacts").resolve().as_uri()
 
@@ -101,10 +132,14 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+# What MLflow answers for a request it rejects as invalid: the same data would be rejected again.
+INVALID_REQUEST_CODES = frozenset({"INVALID_PARAMETER_VALUE", "MALFORMED_REQUEST", "BAD_REQUEST"})
+
+
 def is_permanent(exc: BaseException) -> bool:
-    """MLflow refused the request itself (4xx): retrying the same data will not help."""
-    code = getattr(exc, "get_http_status_code", None)
-    try:
-        return code is not None and 400 <= int(code()) < 500
-    except Exception:
-        return False
+    """MLflow rejected the request as invalid (400): resending it will not help.
+
+    Anything else may pass later and stays spooled: 401/403 (an expired token, a rotated password),
+    404, 429, 5xx, a proxy's error page, no connection.
+    """
+    return getattr(exc, "error_code", None) in INVALID_REQUEST_CODES
