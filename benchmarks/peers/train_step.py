@@ -148,22 +148,15 @@ def _save_fragments(engine: Any, out_dir: Path, rank: int, world_size: int, step
     """elastictrain's checkpoint write (TrainWorker.save_shard): snapshot, then a durable file per rank."""
     from safetensors.torch import save as save_safetensors
 
-    from elastictrain.checkpoint.zero_state import FRAGMENTS_KEY, fragments_metadata, snapshot_local_state
+    from elastictrain.checkpoint.zero_state import rank_file, snapshot_local_state
     from elastictrain.rundir.durable import write_bytes_durably
 
     t0 = time.perf_counter()
     tensors, fragments, scalars = snapshot_local_state(engine)
     snapshot_s = time.perf_counter() - t0
-    data = save_safetensors(
-        tensors,
-        metadata={
-            FRAGMENTS_KEY: fragments_metadata(fragments),
-            "rank": str(rank),
-            "world_size": str(world_size),
-        },
-    )
+    name, metadata = rank_file(rank, world_size, fragments)
+    data = save_safetensors(tensors, metadata=metadata)
     out_dir.mkdir(parents=True, exist_ok=True)
-    name = f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
     write_bytes_durably(out_dir / name, data)
     return {
         "snapshot_s": snapshot_s,

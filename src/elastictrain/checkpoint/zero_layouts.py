@@ -84,8 +84,9 @@ def unreshardable_state(group: OpenGroup) -> list[str]:
 def scalar_state(group: OpenGroup) -> dict[str, dict[str, Any]]:
     """Scalars of the optimizer state (e.g. Adam's step), with how to rebuild them."""
     out = {}
+    elementwise = group.fields()
     for key, value in group.state.items():
-        if key in group.fields() or not _is_scalar(value):
+        if key in elementwise or not _is_scalar(value):
             continue
         if isinstance(value, torch.Tensor):
             out[key] = {
@@ -129,6 +130,10 @@ class Zero3Layout:
 
     def num_groups(self) -> int:
         return len(self._slices)
+
+    def load_slices(self) -> list[LocalSlice]:
+        """Every slice this rank fills when loading, known without opening (swapping in) a group."""
+        return [piece for group in self._slices for piece in group]
 
     @contextmanager
     def open(self, group: int, *, write_back: bool) -> Iterator[OpenGroup]:
@@ -220,6 +225,9 @@ class FlatPartitionLayout:
     def num_groups(self) -> int:
         return len(self._flats)
 
+    def load_slices(self) -> list[LocalSlice]:
+        return [piece for group in self._slices for piece in group]
+
     @contextmanager
     def open(self, group: int, *, write_back: bool) -> Iterator[OpenGroup]:
         flat = self._flats[group]
@@ -262,6 +270,9 @@ class ReplicatedLayout:
     def num_groups(self) -> int:
         return len(self._params)
 
+    def load_slices(self) -> list[LocalSlice]:
+        return [_whole(piece) for _, piece in self._params]
+
     @contextmanager
     def open(self, group: int, *, write_back: bool) -> Iterator[OpenGroup]:
         param, piece = self._params[group]
@@ -272,15 +283,19 @@ class ReplicatedLayout:
             k: (v.view(-1) if isinstance(v, torch.Tensor) and v.shape == param.shape else v)
             for k, v in state.items()
         }
-        whole = LocalSlice(piece.name, 0, piece.numel, piece.numel, piece.shape, 0)
         holder = _FlatState(state, param.shape, view)
-        yield OpenGroup(flat, holder, [piece] if piece.length else [], load_slices=[whole])
+        yield OpenGroup(flat, holder, [piece] if piece.length else [], load_slices=[_whole(piece)])
 
     def before_load(self) -> None:
         pass
 
     def after_load(self, reader: Any) -> None:
         pass
+
+
+def _whole(piece: LocalSlice) -> LocalSlice:
+    """All of a parameter: what every rank loads when every rank holds every parameter."""
+    return LocalSlice(piece.name, 0, piece.numel, piece.numel, piece.shape, 0)
 
 
 class _FlatState(dict):  # type: ignore[type-arg]

@@ -84,6 +84,17 @@ def snapshot_local_state(engine: Any) -> tuple[dict[str, torch.Tensor], dict[str
     return tensors, fragments, scalars
 
 
+def rank_file(rank: int, world_size: int, fragments: dict[str, Fragment]) -> tuple[str, dict[str, str]]:
+    """A rank's fragment file: its name and the safetensors metadata that makes it one of ours."""
+    name = f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+    metadata = {
+        FRAGMENTS_KEY: fragments_metadata(fragments),
+        "rank": str(rank),
+        "world_size": str(world_size),
+    }
+    return name, metadata
+
+
 def fragments_metadata(fragments: dict[str, Fragment]) -> str:
     return json.dumps({n: [f.start, f.length, f.numel, list(f.shape)] for n, f in sorted(fragments.items())})
 
@@ -164,17 +175,16 @@ def load_local_state(engine: Any, reader: FragmentReader, scalars: dict[str, Any
     """Fill this rank's weights, optimizer state and step from a checkpoint of any world size or stage."""
     layout = layout_for(engine)
     saved_scalars = _saved_scalars(scalars)
+    # Checked from the layout alone: opening a group would swap its NVMe-offloaded state in for nothing.
     names: set[str] = set()
-    for group in range(layout.num_groups()):
-        with layout.open(group, write_back=False) as opened:
-            for piece in opened.to_load():
-                names.add(piece.name)
-                if piece.name in reader.params and reader.params[piece.name].numel != piece.numel:
-                    saved = reader.params[piece.name].numel
-                    raise ValueError(
-                        f"checkpoint does not match the model: {piece.name} has {saved} elements "
-                        f"in the checkpoint and {piece.numel} in the model"
-                    )
+    for piece in layout.load_slices():
+        names.add(piece.name)
+        if piece.name in reader.params and reader.params[piece.name].numel != piece.numel:
+            saved = reader.params[piece.name].numel
+            raise ValueError(
+                f"checkpoint does not match the model: {piece.name} has {saved} elements "
+                f"in the checkpoint and {piece.numel} in the model"
+            )
     missing = sorted(names - set(reader.params))
     if missing:
         raise ValueError(f"checkpoint does not match the model: missing parameters {missing[:5]}")

@@ -249,11 +249,8 @@ def owned_settings_notice(config: Config) -> str | None:
 def effective_offload(config: Config) -> tuple[str, str]:
     """(optimizer, parameter) offload devices that will actually be used."""
     if config.deepspeed.config_file:
-        zero = _read_user_json(config).get("zero_optimization", {})
-        return (
-            zero.get("offload_optimizer", {}).get("device", "none"),
-            zero.get("offload_param", {}).get("device", "none"),
-        )
+        zero = _read_user_json(config).get("zero_optimization")
+        return _offload_devices(zero if isinstance(zero, dict) else {})
     return config.deepspeed.offload_optimizer, config.deepspeed.offload_param
 
 

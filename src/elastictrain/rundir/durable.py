@@ -15,6 +15,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from elastictrain.rundir.liveness import pid_exists
+
 CRASH_ENV = "ELASTICTRAIN_CRASH_AT"
 _passed: Counter[str] = Counter()
 
@@ -109,7 +111,7 @@ def remove_stale_temporaries(folder: Path, max_age_s: float = 3600.0) -> list[st
             continue
         try:
             old = time.time() - path.stat().st_mtime > max_age_s
-            if old or not _pid_alive(int(match.group(1))):
+            if old or not pid_exists(int(match.group(1))):
                 path.unlink()
                 removed.append(path.name)
         except OSError:
@@ -118,16 +120,6 @@ def remove_stale_temporaries(folder: Path, max_age_s: float = 3600.0) -> list[st
 
 
 _TMP = re.compile(r"\..+\.tmp-(\d+)")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def sha256_of_file(path: Path, chunk: int = 8 << 20) -> str:

@@ -24,7 +24,7 @@ SHM_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*_{addr}_{port}_*"
 ACTIVE_STATUSES = ("STARTING", "RUNNING", "RECOVERING", "RESIZING", "WAITING")
 
 
-def _create_time(pid: int) -> float | None:
+def process_start_time(pid: int) -> float | None:
     try:
         import psutil
 
@@ -40,7 +40,7 @@ def this_driver() -> dict[str, Any]:
         "host": socket.gethostname(),
         "pid": pid,
         # With the pid, the start time tells this process from a later one that reused its pid.
-        "process_started": _create_time(pid),
+        "process_started": process_start_time(pid),
         "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
@@ -62,9 +62,9 @@ def driver_state(record: dict[str, Any] | None, status: str, run_dir: str = "RUN
     if host != socket.gethostname():
         return DriverState(None, f"{who}: another host, cannot check from here")
     started = record.get("process_started")
-    now_started = _create_time(pid)
+    now_started = process_start_time(pid)
     if now_started is None:
-        alive = _pid_exists(pid) if started is None else False
+        alive = pid_exists(pid) if started is None else False
     else:
         alive = started is None or abs(now_started - float(started)) < 1.0
     if alive:
@@ -76,7 +76,7 @@ def driver_state(record: dict[str, Any] | None, status: str, run_dir: str = "RUN
     )
 
 
-def _pid_exists(pid: int) -> bool:
+def pid_exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elastictrain.rundir.liveness import _create_time, _pid_exists, this_driver
+from elastictrain.rundir.liveness import pid_exists, process_start_time, this_driver
 
 TTL_S = 60.0
 HEARTBEAT_S = 10.0
@@ -52,9 +52,9 @@ def _owner_alive(owner: dict[str, Any]) -> bool:
     except (KeyError, TypeError, ValueError):
         return False
     started = owner.get("process_started")
-    now_started = _create_time(pid)
+    now_started = process_start_time(pid)
     if now_started is None:
-        return _pid_exists(pid) if started is None else False
+        return pid_exists(pid) if started is None else False
     return started is None or abs(now_started - float(started)) < 1.0
 
 

@@ -50,12 +50,7 @@ def _check_world_size(world_size: int, params: dict[str, Any]) -> None:
 def reshard_checkpoint(checkpoint: Path, world_size: int, out: Path | None = None) -> Path:
     from safetensors.torch import save as save_safetensors
 
-    from elastictrain.checkpoint.zero_state import (
-        FRAGMENTS_KEY,
-        Fragment,
-        FragmentReader,
-        fragments_metadata,
-    )
+    from elastictrain.checkpoint.zero_state import Fragment, FragmentReader, rank_file
 
     if world_size < 1:
         raise ValueError(f"--world-size: got {world_size}; expected an integer >= 1")
@@ -82,15 +77,8 @@ def reshard_checkpoint(checkpoint: Path, world_size: int, out: Path | None = Non
             for field in reader.fields(name):
                 tensors[f"{name}::{field}"] = reader.read(name, field, start, length)
             fragments[name] = Fragment(start, length, whole.numel, whole.shape)
-        data = save_safetensors(
-            tensors,
-            metadata={
-                FRAGMENTS_KEY: fragments_metadata(fragments),
-                "rank": str(rank),
-                "world_size": str(world_size),
-            },
-        )
-        name = f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+        name, metadata = rank_file(rank, world_size, fragments)
+        data = save_safetensors(tensors, metadata=metadata)
         entries.append(
             {"name": name, "bytes": len(data), "sha256": write_bytes_durably(staging / name, data)}
         )

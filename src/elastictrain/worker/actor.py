@@ -325,7 +325,7 @@ class TrainWorker:
         on, and its outcome comes back in the next `train_step` results (or from `save_status`).
         """
         from elastictrain.checkpoint.writer import ShardWrite
-        from elastictrain.checkpoint.zero_state import FRAGMENTS_KEY, fragments_metadata, snapshot_local_state
+        from elastictrain.checkpoint.zero_state import rank_file, snapshot_local_state
 
         assert self.spec is not None and self.engine is not None, "save_shard before setup"
         self._join_writer()  # one snapshot in host memory at a time
@@ -334,12 +334,7 @@ class TrainWorker:
         self._set_mark("save", self.spec.start_step)
         tensors, fragments, scalars = snapshot_local_state(self.engine)
         snapshot_s = time.perf_counter() - t0
-        name = f"rank-{self.spec.rank:05d}-of-{self.spec.world_size:05d}.safetensors"
-        metadata = {
-            FRAGMENTS_KEY: fragments_metadata(fragments),
-            "rank": str(self.spec.rank),
-            "world_size": str(self.spec.world_size),
-        }
+        name, metadata = rank_file(self.spec.rank, self.spec.world_size, fragments)
         write = ShardWrite(Path(staging_dir) / name, tensors, metadata, delay_s=self._write_delay_s)
         del tensors
         out: dict[str, Any] = {"name": name, "engine_state": scalars, "snapshot_s": snapshot_s}
