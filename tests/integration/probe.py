@@ -119,13 +119,15 @@ class ProbeGroup:
 
 
 def train_steps(group: ProbeGroup, steps: range) -> list[float]:
-    """Run the workers' real `train_step` for each step; the mean loss over ranks of each."""
+    """Run the workers' real `train_step` for each step; each step's loss as the controller reports it."""
     import ray
+
+    from elastictrain.core.losses import step_loss
 
     losses = []
     for step in steps:
         results = ray.get([a.train_step.remote(step) for a in group.active], timeout=300)
-        losses.append(sum(r["loss"] for r in results) / len(results))
+        losses.append(step_loss(results))
     return losses
 
 

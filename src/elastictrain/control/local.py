@@ -27,6 +27,7 @@ from elastictrain.control.record import RunRecorder
 from elastictrain.control.resume import ResumePoints
 from elastictrain.control.stop import sigterm_stops
 from elastictrain.core.batch import BatchPlan
+from elastictrain.core.losses import step_loss
 from elastictrain.core.state import RunStatus
 from elastictrain.progress import Reporter
 from elastictrain.rundir.durable import remove_stale_temporaries
@@ -169,7 +170,7 @@ class LocalRun:
         self.step_results.append(result)
         gbs = self.cfg.training.global_batch_size
         metrics = {
-            "loss": float(result["loss"]),
+            "loss": step_loss([result]),
             "lr": float(result["lr"]),
             "step_time_s": seconds,
             "samples_per_s": gbs / seconds if seconds > 0 else 0.0,

@@ -14,6 +14,7 @@ from elastictrain.control.capacity import Capacity
 from elastictrain.control.failures import gather_results
 from elastictrain.control.record import RunRecorder
 from elastictrain.control.saves import QueuedSave, SaveCoordinator
+from elastictrain.core.losses import step_loss
 
 PIPELINE_DEPTH = 2  # steps queued per actor, so no rank idles while the driver reads results
 
@@ -104,7 +105,7 @@ class StepPipeline:
         self.step = step + 1
         gbs = self.cfg.training.global_batch_size
         metrics = {
-            "loss": sum(r["loss"] for r in results) / len(results),
+            "loss": step_loss(results),
             "lr": results[0]["lr"],
             "step_time_s": wall,
             "samples_per_s": gbs / wall if wall > 0 else 0.0,

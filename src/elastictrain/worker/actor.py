@@ -253,9 +253,8 @@ class TrainWorker:
         destroy_process_group(self.use_gpu)
 
     def _train_step(self, step: int) -> dict[str, Any]:
-        import torch
-
         from elastictrain.worker.data import collate_items, to_device
+        from elastictrain.worker.micro_steps import run_micro_batches
 
         assert self.spec is not None
         spec, cfg, engine = self.spec, self.spec.config, self.engine
@@ -273,27 +272,28 @@ class TrainWorker:
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
         n = len(self.dataset)
-        losses: list[float] = []
         samples: list[int] = []
-        device = engine.device
+        batches: list[tuple[Any, int]] = []
         for micro in range(spec.plan.grad_accum_steps):
             positions = micro_batch_positions(step, spec.plan, spec.rank, micro)
             indices = [sample_at(p, n, cfg.training.seed) for p in positions]
             samples.extend(indices)
-            batch = to_device(collate_items([self.dataset[i] for i in indices], self.collate), device)
+            batch = to_device(collate_items([self.dataset[i] for i in indices], self.collate), engine.device)
             # Dropout and any other randomness depend on the data position, not on rank or world size.
-            torch.manual_seed(derive_seed(cfg.training.seed, positions.start))
-            loss = self.loss_fn(engine, batch)  # the engine forwards to the module, as the module would
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss.detach().float().item()))
-            self._set_mark("micro", step)
+            batches.append((batch, derive_seed(cfg.training.seed, positions.start)))
+        loss = run_micro_batches(
+            engine,
+            self.loss_fn,
+            batches,
+            world_size=spec.world_size,
+            on_micro=lambda: self._set_mark("micro", step),
+        )
         elapsed = time.perf_counter() - t0
         self._set_mark("done", step)
         return {
             "step": step,
             "rank": spec.rank,
-            "loss": sum(losses) / len(losses),
+            **loss.fields(),
             "lr": lr,
             "samples": len(samples),
             "tokens": len(samples) * cfg.data.seq_len,
