@@ -305,6 +305,17 @@ class FakeGroup:
             "save": w.writer.report() if w.writer is not None else None,
         }
 
+    def _evaluate(self, w: FakeWorker, step: int) -> dict[str, Any]:
+        # A validation loss of 1/steps trained, its 60 target tokens shared among the ranks.
+        size = w.spec.world_size
+        tokens = 60 // size
+        return {
+            "rank": w.spec.rank,
+            "loss_sum": tokens / w.step,
+            "target_tokens": tokens,
+            "samples": 12 // size,
+        }
+
     def _save_shard(self, w: FakeWorker, staging: str, background: bool = False) -> dict[str, Any]:
         rank = w.spec.rank
         if self._take("die_in_save", rank):

@@ -22,7 +22,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from elastictrain.config.errors import ConfigError
-from elastictrain.config.schema import Config
+from elastictrain.config.eval_check import eval_problems, pop_eval_data, set_eval_data
+from elastictrain.config.schema import Config, DataConfig
 from elastictrain.core.batch import workable_world_sizes
 from elastictrain.core.zero import stage_problems
 from elastictrain.redact import install_log_redaction, redact
@@ -128,6 +129,9 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
             problems.append(f"override {item!r}: {e}")
     _check_keys(raw_file, Config, "", problems)
     _check_keys(raw_overrides, Config, "", problems)
+    eval_data = pop_eval_data(raw_file, raw_overrides)  # merged over `data` below
+    if eval_data is not None:
+        _check_keys(eval_data, DataConfig, "eval.data", problems)
     unknown = {line.split("'")[1] for line in problems if line.startswith("unknown key")}
 
     cfg = OmegaConf.structured(Config)
@@ -142,6 +146,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
                 OmegaConf.update(cfg, key, value, merge=True)
             except OmegaConfBaseException:
                 problems.append(f"{key}: got {value!r}; expected {_type_words(_field_type(key))}")
+    if eval_data is not None:
+        set_eval_data(cfg, {k: v for k, v in eval_data.items() if k in _schema_fields(DataConfig)}, problems)
     if problems:
         raise ConfigError(problems)
     try:
@@ -190,6 +196,7 @@ def validate(config: Config) -> Config:
             f"model.hf_config.vocab_size: got {hf['vocab_size']}; expected >= 256 (built-in data is bytes)"
         )
     p.extend(_data_problems(config))
+    p.extend(eval_problems(config, _data_problems))
     _at_least(p, "data.generated_chars", d.generated_chars, 1)
     _at_least(p, "data.seq_len", d.seq_len, 2)
     max_pos = hf.get("max_position_embeddings") if from_hf_config else None

@@ -71,6 +71,17 @@ class DataConfig:
 
 
 @dataclass
+class EvalConfig:
+    # Validation: `steps` global batches of the validation set, every `every_steps` optimizer steps
+    # (0: only at the end) and at the end of the run. The set is `split` (a fraction) of the training
+    # data, held out so training never reads it, or a source of its own in `data` (the options of `data`).
+    every_steps: int = 0
+    steps: int = 0  # 0: no validation
+    split: float = 0.0
+    data: DataConfig | None = None
+
+
+@dataclass
 class TrainingConfig:
     global_batch_size: int = 24
     micro_batch_size: int = 4  # the largest per-rank micro batch; the split is recomputed per world size
@@ -148,6 +159,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)

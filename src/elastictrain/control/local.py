@@ -22,6 +22,7 @@ from typing import Any
 from elastictrain.checkpoint.store import CheckpointStore
 from elastictrain.control.callbacks import Callbacks
 from elastictrain.control.errors import RunFailed
+from elastictrain.control.evaluation import Evaluations
 from elastictrain.control.manifest import manifest_fields
 from elastictrain.control.record import RunRecorder
 from elastictrain.control.resume import ResumePoints
@@ -137,11 +138,14 @@ class LocalRun:
             for callback in self.callbacks.after_attempt_start:
                 callback(self)
             every = cfg.checkpoint.every_steps
+            evals = Evaluations(cfg, recorder)
             while self.step < cfg.training.max_steps:
                 t0 = time.perf_counter()
                 # The step itself, not train_step's wrapper: an error keeps its frames for the debugger.
                 result = worker._train_step(self.step)
                 self._report(result, time.perf_counter() - t0)
+                if evals.due(result["step"]):
+                    evals.record(self.step, [worker.evaluate(result["step"])])
                 if self.step % every == 0 or self.step == cfg.training.max_steps:
                     self._checkpoint(worker, plan)
             recorder.set_status(RunStatus.FINISHED, "finished", step=self.step)

@@ -11,6 +11,7 @@ from typing import Any
 
 from elastictrain.cluster.calls import Calls, Group
 from elastictrain.control.capacity import Capacity
+from elastictrain.control.evaluation import Evaluations
 from elastictrain.control.failures import gather_results
 from elastictrain.control.record import RunRecorder
 from elastictrain.control.saves import QueuedSave, SaveCoordinator
@@ -49,11 +50,13 @@ class StepPipeline:
         self.recovering_since: float | None = None  # set after a failure or resize until a step is done
         self.lost_steps = 0
         self.ledger: Callable[[int, int, list[int]], None] | None = _ledger_from_env()
+        self.evals = Evaluations(config, recorder)
 
     def attach(self, workers: Sequence[Any], step: int) -> None:
         self.workers = list(workers)
         self.world_size = len(self.workers)
         self.step = step
+        self.evals.forget()
 
     def run_segment(self, end: int, ahead: Ahead, *, resize_may_follow: bool) -> tuple[QueuedSave, Ahead]:
         """Steps up to `end`, then the checkpoint's snapshot, queued on each actor behind the last step.
@@ -92,7 +95,9 @@ class StepPipeline:
         self.last_step_done_at = self.clock()
 
     def _submit(self, step: int) -> Calls:
-        return self.group.call(self.workers, "train_step", step)
+        calls = self.group.call(self.workers, "train_step", step)
+        self.evals.submit(self.group, self.workers, step)  # queued behind the step on every rank
+        return calls
 
     def _report(self, step: int, results: list[dict[str, Any]]) -> None:
         self.saves.observe(step, results)
@@ -130,6 +135,7 @@ class StepPipeline:
         if self.group.pending:
             self.capacity.start_new_workers(self.step)  # a replacement placed mid-segment starts warming now
         self.recorder.step_metrics(self.step, metrics, log_every=self.cfg.training.log_every_steps)
+        self.evals.collect(self.group, step)
         self.after_step(step, results)
 
 

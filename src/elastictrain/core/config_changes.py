@@ -24,10 +24,14 @@ SAFE_KEYS = {
     "deepspeed.offload_param": "where the parameters live",
     "deepspeed.nvme_path": "where NVMe offload swaps",
     "deepspeed.activation_checkpointing": "memory against recomputation; the numbers stay the same",
+    "eval.every_steps": "how often to validate",
+    "eval.steps": "how much of the validation set each evaluation reads",
 }
 REFUSED_PREFIXES = {
     "model.": "the model's shape and weights",
     "data.": "the data and its order",
+    "eval.split": "which samples training reads (the held-out ones are not)",
+    "eval.data": "the validation set, so evaluations before and after would not compare",
     "training.global_batch_size": "the global batch",
     "training.seed": "the data order",
     "training.": "what the optimizer computes",

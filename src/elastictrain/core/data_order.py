@@ -54,3 +54,27 @@ def derive_seed(seed: int, *parts: int) -> int:
     or world size, so nothing RNG-related needs resharding.
     """
     return random.Random("/".join(map(str, (seed, *parts)))).getrandbits(63)
+
+
+def held_out(num_samples: int, fraction: float, seed: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(training indices, validation indices): a seeded `fraction` of the samples, never trained on.
+
+    The split is a fixed permutation of the dataset (its own seed stream), so it is the same at every
+    world size and restart; training reads only the first tuple, in the global order above.
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"eval.split: got {fraction}; expected a fraction in [0, 1)")
+    count = 0 if fraction == 0 else min(num_samples - 1, max(1, round(num_samples * fraction)))
+    order = list(range(num_samples))
+    random.Random(f"elastictrain/{seed}/held-out").shuffle(order)
+    return tuple(sorted(order[count:])), tuple(sorted(order[:count]))
+
+
+def eval_positions(batch: int, plan: BatchPlan, rank: int, micro_step: int, num_samples: int) -> list[int]:
+    """Validation samples read by `rank` in micro-step `micro_step` of validation batch `batch`.
+
+    The same cut of positions as a training step (so every rank does the same number of forward
+    passes), read in the validation set's own order, from its start, wrapping around when an
+    evaluation reads more than the set holds.
+    """
+    return [p % num_samples for p in micro_batch_positions(batch, plan, rank, micro_step)]

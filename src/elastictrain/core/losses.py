@@ -26,3 +26,29 @@ def perplexity(loss: float) -> float:
         return math.exp(loss)
     except OverflowError:
         return math.inf
+
+
+def eval_summary(results: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """A validation's loss, perplexity and size from every rank's share.
+
+    With the built-in loss: summed token losses over target tokens, exact at any world size. With a
+    loss of your own: each micro-batch's mean weighed by its samples.
+    """
+    samples = sum(int(r["samples"]) for r in results)
+    if results and all(r.get("target_tokens") is not None for r in results):
+        tokens = sum(int(r["target_tokens"]) for r in results)
+        loss = sum(float(r["loss_sum"]) for r in results) / max(tokens, 1)
+    else:
+        tokens = 0
+        loss = sum(float(r["loss_sum"]) for r in results) / max(samples, 1)
+    return {
+        "eval_loss": loss,
+        "eval_perplexity": perplexity(loss),
+        "eval_tokens": float(tokens),
+        "eval_samples": float(samples),
+    }
+
+
+def eval_due(step_done: int, every: int, max_steps: int) -> bool:
+    """Whether a validation follows the step that brings the run to `step_done` steps (1-based)."""
+    return step_done == max_steps or (every > 0 and step_done % every == 0)

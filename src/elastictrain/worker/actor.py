@@ -56,6 +56,7 @@ class TrainWorker:
         self.spec: AttemptSpec | None = None
         self.engine: Any = None
         self.dataset: Any = None  # any map-style dataset: len() and [i]
+        self.eval_dataset: Any = None  # the validation set (worker/eval_data.py), or None
         self.collate: Any = None  # data.collate, or None for the default
         self.loss_fn: Any = None  # loss(model, batch) -> scalar tensor
         self._dataset_key: tuple[Any, ...] | None = None
@@ -203,12 +204,12 @@ class TrainWorker:
     def _ensure_dataset(self, cfg: Any) -> None:
         import dataclasses
 
-        from elastictrain.worker.data import dataset_from_config
+        from elastictrain.worker.eval_data import train_and_eval_datasets
         from elastictrain.worker.user_code import user_callable
 
-        key = (repr(dataclasses.asdict(cfg.data)), cfg.training.seed)
+        key = (repr(dataclasses.asdict(cfg.data)), repr(dataclasses.asdict(cfg.eval)), cfg.training.seed)
         if key != self._dataset_key:  # kept across attempts: part of what a warm actor saves
-            self.dataset = dataset_from_config(cfg)
+            self.dataset, self.eval_dataset = train_and_eval_datasets(cfg)
             self._dataset_key = key
         self.collate = user_callable(cfg, "data.collate")
 
@@ -254,6 +255,7 @@ class TrainWorker:
 
     def _train_step(self, step: int) -> dict[str, Any]:
         from elastictrain.worker.data import collate_items, to_device
+        from elastictrain.worker.eval_data import source_ids
         from elastictrain.worker.micro_steps import run_micro_batches
 
         assert self.spec is not None
@@ -277,7 +279,7 @@ class TrainWorker:
         for micro in range(spec.plan.grad_accum_steps):
             positions = micro_batch_positions(step, spec.plan, spec.rank, micro)
             indices = [sample_at(p, n, cfg.training.seed) for p in positions]
-            samples.extend(indices)
+            samples.extend(source_ids(self.dataset, indices))
             batch = to_device(collate_items([self.dataset[i] for i in indices], self.collate), engine.device)
             # Dropout and any other randomness depend on the data position, not on rank or world size.
             batches.append((batch, derive_seed(cfg.training.seed, positions.start)))
@@ -302,6 +304,26 @@ class TrainWorker:
             # How the last background checkpoint write is doing: the controller commits when all are done.
             "save": self._writer.report() if self._writer is not None else None,
         }
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """This rank's share of a validation (`eval.steps` global batches) of the model after `step` steps."""
+        from elastictrain.worker.evaluate import evaluate_share
+
+        assert self.spec is not None and self.engine is not None, "evaluate before setup"
+        self._set_mark("eval", step)
+        spec = self.spec
+        t0 = time.perf_counter()
+        out = evaluate_share(
+            self.engine,
+            self.eval_dataset,
+            self.collate,
+            self.loss_fn,
+            plan=spec.plan,
+            rank=spec.rank,
+            batches=spec.config.eval.steps,
+        )
+        self._set_mark("done", step)
+        return {**out, "step": step, "eval_s": time.perf_counter() - t0}
 
     def inject_write_delay(self, seconds: float) -> None:
         """Make every later checkpoint write start `seconds` late, as on a slow disk (tests, chaos)."""

@@ -1,0 +1,77 @@
+"""Validation during a run: queued on every rank behind the step it follows, reported once per step.
+
+An evaluation reads the same validation batches every time, so one repeated after a restart or a
+resize gives the same numbers (tested at world sizes 1, 2 and 3); it is logged once, like a step's
+metrics. Results go to the terminal, events.jsonl (`eval`), MLflow (`eval_loss`, `eval_perplexity`,
+`eval_tokens`) and run.json (`last_eval`, and `best_eval`: the lowest loss so far).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from elastictrain.cluster.calls import Calls, Group
+from elastictrain.config.eval_check import evaluates
+from elastictrain.control.failures import gather_results
+from elastictrain.control.record import RunRecorder
+from elastictrain.core.losses import eval_due, eval_summary
+
+log = logging.getLogger("elastictrain.controller")
+
+
+class Evaluations:
+    def __init__(self, config: Any, recorder: RunRecorder) -> None:
+        self.cfg = config
+        self.recorder = recorder
+        self.enabled = evaluates(config)
+        self.pending: dict[int, Calls] = {}  # step index -> the evaluate calls queued behind it
+        info = recorder.run_dir.read_info()
+        self.logged_step = int(info.extra.get("last_eval", {}).get("step", 0))
+        self.best: dict[str, Any] = dict(info.extra.get("best_eval", {}))
+
+    def due(self, step: int) -> bool:
+        """Whether a validation follows step `step` (0-based)."""
+        return self.enabled and eval_due(step + 1, self.cfg.eval.every_steps, self.cfg.training.max_steps)
+
+    def submit(self, group: Group, workers: Sequence[Any], step: int) -> None:
+        if self.due(step):
+            self.pending[step] = group.call(workers, "evaluate", step)
+
+    def forget(self) -> None:
+        """A new attempt: what the last one queued will not answer."""
+        self.pending.clear()
+
+    def collect(self, group: Group, step: int) -> None:
+        calls = self.pending.pop(step, None)
+        if calls is None:
+            return
+        results = gather_results(group, calls, step, timeout_s=self.cfg.failure.hang_timeout_s, phase="eval")
+        self.record(step + 1, list(results.values()))
+
+    def record(self, step_done: int, results: list[dict[str, Any]]) -> dict[str, float]:
+        """Report a validation of the model after `step_done` steps (from every rank's share)."""
+        summary = eval_summary(results)
+        if step_done <= self.logged_step:  # repeated after a restart: logged the first time
+            return summary
+        self.logged_step = step_done
+        loss, ppl = summary["eval_loss"], summary["eval_perplexity"]
+        self.recorder.metrics(summary, step=step_done)
+        entry = {"step": step_done, **{k: round(v, 6) for k, v in summary.items()}}
+        if not self.best or loss < float(self.best["eval_loss"]):
+            self.best = entry
+        for key, value in (("last_eval", entry), ("best_eval", self.best)):
+            try:
+                self.recorder.run_dir.set_extra(key, value)
+            except OSError as e:  # a full disk must not stop training; the event and MLflow have it
+                log.warning("could not record %s in run.json: %s", key, e)
+        self.recorder.event(
+            "eval",
+            f"eval at step {step_done}: loss {loss:.4f}, perplexity {ppl:.2f} "
+            f"({int(summary['eval_tokens'])} tokens, {int(summary['eval_samples'])} samples)",
+            "magenta",
+            step=step_done,
+            **summary,
+        )
+        return summary

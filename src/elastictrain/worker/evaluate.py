@@ -1,0 +1,66 @@
+"""A rank's share of a validation: the same micro-batch cut as a training step, no gradients.
+
+Every rank runs the same number of forward passes (ZeRO-3 gathers parameters collectively) and reports
+summed token losses and target tokens; the controller adds them up (core/losses.py), so the result does
+not depend on the world size or the micro-batch size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from elastictrain.core.batch import BatchPlan
+from elastictrain.core.data_order import eval_positions
+from elastictrain.worker.data import collate_items, to_device
+from elastictrain.worker.eval_data import source_ids
+from elastictrain.worker.model import causal_lm_loss
+from elastictrain.worker.token_loss import causal_lm_loss_sum
+
+
+def evaluate_share(
+    engine: Any,
+    dataset: Any,
+    collate: Callable[[list[Any]], Any] | None,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    *,
+    plan: BatchPlan,
+    rank: int,
+    batches: int,
+) -> dict[str, Any]:
+    if dataset is None:
+        raise ValueError("evaluate: this run has no validation set (set eval.split or eval.data)")
+    n = len(dataset)
+    if n == 0:
+        raise ValueError(
+            "evaluate: the validation set is empty; raise eval.split or give eval.data more data"
+        )
+    module = engine.module
+    was_training = module.training
+    module.eval()
+    builtin = loss_fn is causal_lm_loss
+    loss_sum, tokens, read = 0.0, 0, []
+    try:
+        with torch.no_grad():
+            for b in range(batches):
+                for micro in range(plan.grad_accum_steps):
+                    indices = eval_positions(b, plan, rank, micro, n)
+                    read.extend(indices)
+                    batch = to_device(collate_items([dataset[i] for i in indices], collate), engine.device)
+                    if builtin:
+                        summed, count = causal_lm_loss_sum(engine, batch)
+                        loss_sum += float(summed.item())
+                        tokens += count
+                    else:  # a loss of your own: its mean, weighed by the micro-batch's samples
+                        loss_sum += float(loss_fn(engine, batch).float().item()) * len(indices)
+    finally:
+        module.train(was_training)
+    return {
+        "rank": rank,
+        "loss_sum": loss_sum,
+        "target_tokens": tokens if builtin else None,
+        "samples": len(read),
+        "sample_ids": source_ids(dataset, read),
+    }
