@@ -1,4 +1,4 @@
-"""elastictrain's command line: train, resume, status, runs, verify, reshard, export."""
+"""elastictrain's command line: train, resume, status, runs, verify, reshard, export (eval: cli_eval.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.text import Text
 
-from elastictrain.redact import install_exception_redaction, redact_text
+from elastictrain.cli_eval import eval_lines, evaluate_command
+from elastictrain.cli_output import choose as _choose
+from elastictrain.cli_output import err, out
+from elastictrain.cli_output import fail as _fail
+from elastictrain.redact import install_exception_redaction
 
 # typer's own traceback printer would show locals (a config holding a token): ours masks instead.
 app = typer.Typer(
@@ -21,14 +23,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 install_exception_redaction()
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
-
-
-def _fail(message: str, code: int = 2) -> None:
-    # The message is plain text: config paths like [a, b] must not be read as rich markup.
-    err.print(Text.assemble(("error: ", "bold red"), redact_text(message)))
-    raise typer.Exit(code)
+app.command("eval")(evaluate_command)
 
 
 def _load(config_path: Path | None, overrides: list[str]):  # noqa: ANN202 - Config, imported lazily
@@ -229,6 +224,8 @@ def status(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> Non
     for line in usable.passed_over:
         out.print(f"  not used: {line}; a resume loads {latest or 'no checkpoint (starts at step 0)'}")
     out.print("last metrics: " + json.dumps(info.last_metrics))
+    for line in eval_lines(info.extra):
+        out.print(line)
 
 
 @app.command()
@@ -249,20 +246,6 @@ def runs(root: Annotated[Path, typer.Argument(help="folder holding run folders")
         orphaned = info.status in ACTIVE_STATUSES and driver is not None and driver.alive is False
         note = "  (driver not running: resume it)" if orphaned else ""
         out.print(f"{info.status:<10} step {info.last_step:<6} {info.name:<20} {path}{note}")
-
-
-def _choose(checkpoint: Path) -> Path:
-    """The checkpoint a command uses; says which and why, when a newer folder is not one."""
-    from elastictrain.checkpoint.choice import choose_checkpoint
-    from elastictrain.checkpoint.store import CheckpointError
-
-    try:
-        choice = choose_checkpoint(checkpoint)
-    except CheckpointError as e:
-        _fail(str(e))
-    if choice.passed_over:
-        err.print(Text.assemble(("note: ", "bold yellow"), choice.describe()))
-    return choice.path
 
 
 @app.command()
