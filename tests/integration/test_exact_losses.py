@@ -83,3 +83,42 @@ def test_padded_data_gives_the_same_gradient_at_world_sizes_1_2_and_3(probes, tm
     for w in (2, 3):
         worst = max(float((grads[w][n] - grads[1][n]).abs().max()) for n in before)
         assert worst <= 1e-5 * scale, f"world size {w}: gradient differs by {worst} (scale {scale})"
+
+
+def evaluate(probes, step: int) -> tuple[dict[str, float], set[int]]:  # noqa: ANN001
+    from elastictrain.core.losses import eval_summary
+
+    shares = ray.get([a.evaluate.remote(step) for a in probes.active], timeout=300)
+    return eval_summary(shares), {i for s in shares for i in s["sample_ids"]}
+
+
+def test_validation_is_the_same_at_world_sizes_1_2_and_3_and_after_a_resize_and_never_trained_on(
+    probes, tmp_path
+):
+    from probe import save_checkpoint
+
+    from elastictrain.core.data_order import held_out
+
+    cfg = padded_sft_config(tmp_path, "eval.split=0.1", "eval.steps=2")
+    ray.get([a.warmup.remote(cfg) for a in probes.actors], timeout=600)
+    probes.setup(cfg, 2)
+    trained: set[int] = set()
+    for step in range(3):
+        results = ray.get([a.train_step.remote(step) for a in probes.active], timeout=300)
+        trained.update(i for r in results for i in r["sample_ids"])
+    ckpt = save_checkpoint(probes, cfg, tmp_path / "ckpt", 3)
+    at_two, read = evaluate(probes, 3)
+    # A resize: the checkpoint saved at 2 loaded at 1 and at 3, evaluated there.
+    found = {2: at_two}
+    for world in (1, 3):
+        probes.setup(cfg, world, checkpoint_dir=str(ckpt), step=3)
+        found[world], read_there = evaluate(probes, 3)
+        assert read_there == read
+    # 2 batches of 6 samples of the 84 held out (10% of 843 records), at every world size
+    assert found[1]["eval_samples"] == 12 and found[1]["eval_tokens"] > 12 * 8
+    for world in (2, 3):
+        assert found[world]["eval_tokens"] == found[1]["eval_tokens"]
+        assert found[world]["eval_loss"] == pytest.approx(found[1]["eval_loss"], rel=1e-6, abs=0)
+    held = set(held_out(843, 0.1, cfg.training.seed)[1])
+    assert read <= held and not trained & held  # the training ledger never holds a validation sample
+    assert len(trained) == 3 * 6
