@@ -27,6 +27,7 @@ from elastictrain.config.schema import Config, DataConfig
 from elastictrain.core.batch import workable_world_sizes
 from elastictrain.core.zero import stage_problems
 from elastictrain.redact import install_log_redaction, redact
+from elastictrain.worker.token_index import index_problems
 
 log = logging.getLogger("elastictrain.config")
 install_log_redaction()  # secrets given in the config or environment never reach a log line
@@ -308,7 +309,11 @@ def _model_problems(config: Config) -> list[str]:
 
 def _data_problems(config: Config) -> list[str]:
     d, p = config.data, []
-    _choice(p, "data.source", d.source, ["generated", "file", "hf", "factory"])
+    _choice(p, "data.source", d.source, ["generated", "file", "hf", "tokens", "factory"])
+    if d.source == "tokens":  # the shards against their index, at every start
+        p.extend(
+            index_problems(d.path, d.dtype) if d.path else ["data.path: missing; expected a shard folder"]
+        )
     p.extend(_code_path_problems("data.factory", d.factory))
     p.extend(_code_path_problems("data.collate", d.collate))
     if d.source == "file":

@@ -117,6 +117,17 @@ def _seq_len_problem(config: Any, built: Any) -> str | None:
 def vocab_problem(config: Any, vocab: int | None, field: str) -> str | None:
     """A `data.tokenizer` with more tokens than the model's embedding has rows (`field` names that)."""
     d = config.data
+    if d.source == "tokens" and d.path and isinstance(vocab, int):
+        from elastictrain.worker.token_index import vocab_of
+
+        used = vocab_of(d.path)
+        if used is None or used <= vocab:
+            return None
+        return (
+            f"data.path: the shards in {d.path!r} were tokenized with a vocabulary of {used} tokens "
+            f"(its index.json), more than the model's {field} ({vocab}); token ids {vocab} and up would "
+            f"index past the embedding. Expected a model with vocab_size >= {used}"
+        )
     if d.source != "hf" or not d.tokenizer or not isinstance(vocab, int):
         return None
     from elastictrain.worker.hf_data import load_tokenizer

@@ -54,8 +54,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "generated"  # generated | file | hf | factory
-    path: str | None = None  # file: a UTF-8 text file; hf: data file(s), a glob allowed
+    source: str = "generated"  # generated | file | hf | tokens | factory
+    path: str | None = None  # file: a UTF-8 text file; hf: data file(s), a glob allowed; tokens: a folder
     generated_chars: int = 400_000
     seq_len: int = 64
     # source=hf: Hugging Face `datasets` on local files, tokenized with a tokenizer from a local folder.
@@ -63,6 +63,9 @@ class DataConfig:
     text_field: str = "text"  # the column tokenized (json, csv, parquet)
     tokenizer: str | None = None  # a local folder (AutoTokenizer.from_pretrained)
     packing: bool = True  # true: concatenate and cut into seq_len blocks; false: pad/truncate each record
+    # source=tokens: shards of token ids (.bin/.npy, `elastictrain prepare-data`); the dtype of .bin
+    # shards when their folder has no index.json yet (uint16 | uint32; default: the index's, else uint16)
+    dtype: str | None = None
     # source=factory: your dataset. "module:attr", called as attr(config) (or attr()); needs __len__ and
     # __getitem__(int).
     factory: str | None = None

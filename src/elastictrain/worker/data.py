@@ -129,7 +129,7 @@ def build_dataset(
 
 
 def dataset_from_config(config: Any) -> Any:
-    """The run's map-style dataset, by `data.source`: generated | file | hf | factory."""
+    """The run's map-style dataset, by `data.source`: generated | file | hf | tokens | factory."""
     d = config.data
     if d.source == "factory":
         from elastictrain.worker.user_code import user_dataset
@@ -139,6 +139,10 @@ def dataset_from_config(config: Any) -> Any:
         from elastictrain.worker.hf_data import build_hf_dataset
 
         return build_hf_dataset(d)
+    if d.source == "tokens":
+        from elastictrain.worker.token_data import TokenShards
+
+        return TokenShards(str(d.path), d.seq_len, d.dtype)
     return build_dataset(d.source, d.path, d.generated_chars, d.seq_len, config.training.seed)
 
 
