@@ -1,4 +1,4 @@
-"""elastictrain's command line: train, resume, status, runs, verify, reshard, export (eval: cli_eval.py)."""
+"""elastictrain's command line: train, resume, status, runs, verify, reshard, export (more in cli_*.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from elastictrain.cli_data import prepare_data_command
 from elastictrain.cli_eval import eval_lines, evaluate_command
 from elastictrain.cli_output import choose as _choose
 from elastictrain.cli_output import err, out
@@ -24,6 +25,7 @@ app = typer.Typer(
 )
 install_exception_redaction()
 app.command("eval")(evaluate_command)
+app.command("prepare-data")(prepare_data_command)
 
 
 def _load(config_path: Path | None, overrides: list[str]):  # noqa: ANN202 - Config, imported lazily
