@@ -120,7 +120,7 @@ def index_problems(folder_name: str, dtype: str | None, field: str = "data.path"
         size = path.stat().st_size
         if size != entry["bytes"]:
             p.append(
-                f"{field}: shard {path} is {size} bytes, {INDEX} says {entry['bytes']} "
+                f"{field}: shard {path} is {size} bytes, {INDEX} says {entry['bytes']} bytes "
                 f"({entry['tokens']} tokens): truncated or rewritten; restore it, or {rebuild}"
             )
         elif path.suffix == ".bin" and size % np.dtype(DTYPES[index["dtype"]]).itemsize:
