@@ -158,8 +158,8 @@ def test_shards_of_a_vocabulary_larger_than_the_model_are_refused_before_any_act
     cfg = load_config(None, ["data.source=tokens", f"data.path={out}", *small])
     assert model_problems(cfg) == [
         f"data.path: the shards in {str(out)!r} were tokenized with a vocabulary of 14 tokens "
-        "(its index.json), more than the model's model.hf_config.vocab_size (12); token ids 12 and up would index past the "
-        "embedding. Expected a model with vocab_size >= 14"
+        "(its index.json), more than the model's model.hf_config.vocab_size (12); token ids 12 and up "
+        "would index past the embedding. Expected a model with vocab_size >= 14"
     ]
     res = CliRunner().invoke(
         app, ["train", f"run.dir={tmp_path / 'run'}", "data.source=tokens", f"data.path={out}", *small]
