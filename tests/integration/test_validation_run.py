@@ -1,8 +1,10 @@
-"""Validation in a real run: 2 Ray workers, one killed mid-run (restart at world size 1), real MLflow.
+"""Validation and token shards in a real run: 2 Ray workers, one killed mid-run (restart at world size 1),
+real MLflow, data from `elastictrain prepare-data` (several shards, a local tokenizer).
 
-One run, several checks: evaluations every 4 steps and at the end, each recorded once (terminal,
-events.jsonl, MLflow, run.json, `elastictrain status`); `elastictrain eval` of the checkpoints,
-in one process, gives what the run logged at its world size; training never read a held-out sample.
+One run, several checks: it trains on the shards; evaluations every 4 steps and at the end, each
+recorded once (terminal, events.jsonl, MLflow, run.json, `elastictrain status`); `elastictrain eval`
+of the checkpoints, in one process, gives what the run logged at 2 workers; the sample ledger holds
+every training sample exactly once across the restart at another world size, and no held-out one.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 
 import pytest
 import ray
-from helpers import at_step, run, tiny_config
+from helpers import REPO, at_step, run, tiny_config
 from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
@@ -23,13 +25,30 @@ from elastictrain.tracking.tracker import resolve_tracking_uri
 pytestmark = pytest.mark.integration
 
 
-def test_a_run_validates_on_schedule_through_a_restart_and_eval_reproduces_it(
+def test_a_run_on_token_shards_validates_on_schedule_through_a_restart_and_eval_reproduces_it(
     ray_local, tmp_path, monkeypatch
 ):
+    import sys
+
+    sys.path.insert(0, str(REPO / "examples" / "hf_causal_lm"))
+    from prepare import build_tokenizer
+
+    from elastictrain.tools.prepare_data import prepare_data
+
+    sentences = REPO / "examples" / "data" / "sentences.jsonl"
+    texts = [json.loads(line)["text"] for line in sentences.read_text().splitlines() if line.strip()]
+    vocab = len(build_tokenizer(texts, tmp_path / "tok"))
+    index = prepare_data(
+        [sentences], tmp_path / "shards", str(tmp_path / "tok"), shard_tokens=4000, progress=False
+    )
+    assert len(index["shards"]) >= 3
     ledger = tmp_path / "ledger.jsonl"
     monkeypatch.setenv("ELASTICTRAIN_SAMPLE_LEDGER", str(ledger))
     cfg = tiny_config(
         tmp_path / "run",
+        "data.source=tokens",
+        f"data.path={tmp_path / 'shards'}",
+        f"model.hf_config.vocab_size={vocab}",
         "scaling.min_workers=1",
         "scaling.max_workers=2",
         "checkpoint.keep_last=3",
@@ -74,7 +93,7 @@ def test_a_run_validates_on_schedule_through_a_restart_and_eval_reproduces_it(
     bad = cli.invoke(app, ["eval", str(run_dir.path), "--checkpoint", "step-000005"])
     assert bad.exit_code == 2 and "committed checkpoints of" in bad.output
 
-    held = set(held_out(120_000 // 64, 0.05, cfg.training.seed)[1])
+    held = set(held_out(index["tokens"] // 64, 0.05, cfg.training.seed)[1])
     trained = [i for line in ledger.read_text().splitlines() for i in json.loads(line)["ids"]]
     # Steps 5 and 6 are in the ledger twice (before the failure, and redone): 12 steps of 12 samples.
     assert len(set(trained)) == 12 * 12 and held and not held & set(trained)
