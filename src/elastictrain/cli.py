@@ -11,6 +11,7 @@ import typer
 
 from elastictrain.cli_data import prepare_data_command
 from elastictrain.cli_eval import eval_lines, evaluate_command
+from elastictrain.cli_mlflow import log_export, plot_command
 from elastictrain.cli_output import choose as _choose
 from elastictrain.cli_output import err, out
 from elastictrain.cli_output import fail as _fail
@@ -26,6 +27,7 @@ app = typer.Typer(
 install_exception_redaction()
 app.command("eval")(evaluate_command)
 app.command("prepare-data")(prepare_data_command)
+app.command("plot")(plot_command)
 
 
 def _load(config_path: Path | None, overrides: list[str]):  # noqa: ANN202 - Config, imported lazily
@@ -324,6 +326,9 @@ def export(
         Path, typer.Argument(help="a checkpoint folder, checkpoints/ folder or run folder")
     ],
     out_dir: Annotated[Path, typer.Option("--out", help="output folder for safetensors + config.json")],
+    log_to_mlflow: Annotated[
+        bool, typer.Option("--log-to-mlflow", help="also log the exported model to the run's MLflow run")
+    ] = False,
 ) -> None:
     """Write consolidated weights (safetensors) and the model config, loadable with from_pretrained."""
     from elastictrain.checkpoint.store import CheckpointError, verify_checkpoint
@@ -338,6 +343,8 @@ def export(
     except (CheckpointError, ValueError) as e:
         _fail(str(e))
     out.print(f"exported {path} to {out_dir}: {', '.join(p.name for p in written)}")
+    if log_to_mlflow:
+        log_export(path, out_dir)
 
 
 @app.command()

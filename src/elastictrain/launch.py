@@ -19,6 +19,7 @@ from elastictrain.config import Config, config_digest, to_flat_dict, to_yaml
 from elastictrain.progress import Reporter
 from elastictrain.redact import install_log_redaction
 from elastictrain.rundir.run_dir import RunDir
+from elastictrain.tracking.artifacts import SystemMetrics
 from elastictrain.tracking.run_tracker import run_tracker, tracking_uri_of
 from elastictrain.tracking.tracker import NullTracker, Tracker, stored_tracking_uri
 
@@ -224,6 +225,7 @@ def run_training(
         reporter.event(f"deepspeed.nvme_path {config.deepspeed.nvme_path} is writable on every worker node")
     tracker = make_tracker(config, run_dir, tracking)
     take_over(run_dir, reporter)
+    system = SystemMetrics(config, run_dir) if tracking else None
     mlflow_run = run_dir.read_info().mlflow_run_id
     if not tracking:
         mlflow_run = "none (--no-tracking)"
@@ -248,8 +250,7 @@ def run_training(
         status = (
             "KILLED" if summary is None else ("FINISHED" if summary.status.value == "FINISHED" else "FAILED")
         )
-        tracker.finish(status)
-        tracker.close()
+        _end_tracking(config, run_dir, tracker, system, status, reporter if summary is not None else None)
 
 
 def take_over(run_dir: RunDir, reporter: Reporter) -> None:
@@ -308,6 +309,7 @@ def _run_local(
 
     tracker = make_tracker(config, run_dir, tracking)
     take_over(run_dir, reporter)
+    system = SystemMetrics(config, run_dir) if tracking else None
     reporter.event(f"run folder {run_dir.path}; one local worker in this process (no Ray)")
     status = "KILLED"
     try:
@@ -322,5 +324,23 @@ def _run_local(
         status = "FAILED"
         raise
     finally:
-        tracker.finish(status)
-        tracker.close()
+        _end_tracking(config, run_dir, tracker, system, status, reporter if status != "KILLED" else None)
+
+
+def _end_tracking(
+    config: Config,
+    run_dir: RunDir,
+    tracker: Tracker,
+    system: SystemMetrics | None,
+    status: str,
+    reporter: Reporter | None,
+) -> None:
+    """Stop system metrics, send the rest to MLflow, then (unless interrupted) plot the run from it."""
+    if system is not None:
+        system.stop()
+    tracker.finish(status)
+    tracker.close()
+    if reporter is not None and system is not None:  # tracked, and not interrupted
+        from elastictrain.tools.plots import plots_at_end
+
+        plots_at_end(config, run_dir, reporter.event)

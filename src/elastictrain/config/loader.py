@@ -206,6 +206,9 @@ def validate(config: Config) -> Config:
             f"data.seq_len: got {d.seq_len}; expected <= model.hf_config.max_position_embeddings ({max_pos})"
         )
     _at_least(p, "training.global_batch_size", t.global_batch_size, 1)
+    _at_least(
+        p, "tracking.system_metrics_interval_s", config.tracking.system_metrics_interval_s, 0, strict=True
+    )
     _at_least(p, "training.micro_batch_size", t.micro_batch_size, 1)
     _at_least(p, "training.max_steps", t.max_steps, 1)
     _at_least(p, "training.lr", t.lr, 0, strict=True)

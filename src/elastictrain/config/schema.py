@@ -141,6 +141,10 @@ class TrackingConfig:
     experiment: str = "elastictrain"
     # The spool's bound during an MLflow outage: warned at 80%; when full, new metrics are dropped.
     max_spool_mb: float = 1024.0
+    # MLflow's system metrics (CPU, memory, disk, network; GPU where present), sampled on the driver.
+    system_metrics: bool = True
+    system_metrics_interval_s: float = 10.0
+    plots: bool = True  # PNGs of the run's metrics in RUN_DIR/plots at its end, logged to the MLflow run
 
 
 @dataclass
