@@ -1,7 +1,8 @@
 """Validation and token shards in a real run: 2 Ray workers, one killed mid-run (restart at world size 1),
 real MLflow, data from `elastictrain prepare-data` (several shards, a local tokenizer).
 
-One run, several checks: it trains on the shards; evaluations every 4 steps and at the end, each
+One run, several checks: it trains on the shards; plots at its end (files and MLflow artifacts),
+MLflow system metrics, the exported model logged to the run; evaluations every 4 steps and at the end, each
 recorded once (terminal, events.jsonl, MLflow, run.json, `elastictrain status`); `elastictrain eval`
 of the checkpoints, in one process, gives what the run logged at 2 workers; the sample ledger holds
 every training sample exactly once across the restart at another world size, and no held-out one.
@@ -55,6 +56,7 @@ def test_a_run_on_token_shards_validates_on_schedule_through_a_restart_and_eval_
         "eval.split=0.05",
         "eval.steps=2",
         "eval.every_steps=4",
+        "tracking.system_metrics_interval_s=1",
     )
 
     def kill_last(controller: Any) -> None:
@@ -92,6 +94,25 @@ def test_a_run_on_token_shards_validates_on_schedule_through_a_restart_and_eval_
         assert found["eval_loss"] == pytest.approx(logged[step], rel=1e-5), (step, found, logged)
     bad = cli.invoke(app, ["eval", str(run_dir.path), "--checkpoint", "step-000005"])
     assert bad.exit_code == 2 and "committed checkpoints of" in bad.output
+
+    # Plots made at the end: valid PNGs in the run folder and in the MLflow run; `plot` makes them again.
+    names = ["loss.png", "lr.png", "throughput.png", "world_size.png"]
+    for name in names:
+        assert (run_dir.path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(f.path for f in client.list_artifacts(info.mlflow_run_id, "plots")) == [
+        f"plots/{n}" for n in names
+    ]
+    (run_dir.path / "plots" / "loss.png").unlink()
+    again = cli.invoke(app, ["plot", str(run_dir.path)])
+    assert again.exit_code == 0 and (run_dir.path / "plots" / "loss.png").is_file(), again.output
+    metrics = client.get_run(info.mlflow_run_id).data.metrics
+    assert any(k.startswith("system/cpu_utilization") for k in metrics), sorted(metrics)
+    exported = cli.invoke(
+        app, ["export", str(run_dir.path), "--out", str(tmp_path / "hf"), "--log-to-mlflow"]
+    )
+    assert exported.exit_code == 0, exported.output
+    model_files = {f.path for f in client.list_artifacts(info.mlflow_run_id, "model/step-000012")}
+    assert {"model/step-000012/config.json", "model/step-000012/model.safetensors"} <= model_files
 
     held = set(held_out(index["tokens"] // 64, 0.05, cfg.training.seed)[1])
     trained = [i for line in ledger.read_text().splitlines() for i in json.loads(line)["ids"]]

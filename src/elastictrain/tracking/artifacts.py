@@ -8,6 +8,7 @@ the export folder), so a failed upload loses nothing; `elastictrain plot RUN_DIR
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -50,34 +51,59 @@ def log_folder(run_dir: RunDir, configured_uri: str | None, folder: Path, artifa
 
 
 class SystemMetrics:
-    """MLflow's system metrics monitor for the run's MLflow run, on the driver (`tracking.system_metrics`)."""
+    """MLflow's system metrics monitor for the run's MLflow run, on the driver (`tracking.system_metrics`).
+
+    Started once the MLflow run exists: at once when it does, else when the tracker's thread has
+    created it (an MLflow server that answers late).
+    """
 
     def __init__(self, config: Any, run_dir: RunDir) -> None:
+        self.config, self.run_dir = config, run_dir
         self.monitor: Any = None
-        t = config.tracking
-        run_id = run_dir.read_info().mlflow_run_id
-        if not t.system_metrics or not run_id:
-            return  # off, or MLflow not reached yet (the tracker creates the run when it answers)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        if config.tracking.system_metrics:
+            self._thread = threading.Thread(
+                target=self._start_when_run_exists, name="system-metrics", daemon=True
+            )
+            self._thread.start()
+
+    def _start_when_run_exists(self) -> None:
+        while not self._stop.is_set():
+            info = self.run_dir.read_info()
+            if info.mlflow_run_id:
+                with self._lock:
+                    if not self._stop.is_set():
+                        self.monitor = self._monitor(info.mlflow_run_id, resume=info.last_step > 0)
+                return
+            self._stop.wait(1.0)
+
+    def _monitor(self, run_id: str, *, resume: bool) -> Any:
+        t = self.config.tracking
         try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
             from elastictrain.tracking.run_tracker import tracking_uri_of
 
-            self.monitor = SystemMetricsMonitor(
+            monitor = SystemMetricsMonitor(
                 run_id,
                 sampling_interval=t.system_metrics_interval_s,
-                resume_logging=run_dir.read_info().last_step > 0,
-                tracking_uri=tracking_uri_of(run_dir, t.uri),
+                resume_logging=resume,
+                tracking_uri=tracking_uri_of(self.run_dir, t.uri),
             )
-            self.monitor.start()
+            monitor.start()
+            return monitor
         except Exception as e:  # noqa: BLE001 - never a reason to stop training (e.g. psutil missing)
             log.warning("MLflow system metrics are off: %s", e)
-            self.monitor = None
+            return None
 
     def stop(self) -> None:
-        if self.monitor is not None:
+        with self._lock:
+            self._stop.set()
+            monitor, self.monitor = self.monitor, None
+        if monitor is not None:
             try:
-                self.monitor.finish()
+                monitor.finish()
             except Exception as e:  # noqa: BLE001
                 log.warning("stopping MLflow system metrics: %s", e)
-            self.monitor = None
