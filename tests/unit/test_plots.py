@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import struct
 
-from elastictrain.tools.plots import Marker, make_plots, markers
+from elastictrain.tools.plots import Marker, make_plots, markers, world_sizes
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -25,6 +25,7 @@ def test_failures_recoveries_and_resizes_are_marked_at_their_steps():
         {"event": "grow", "step": 10},
         {"event": "attempt_started", "step": 10, "world_size": 2},
     ]
+    assert world_sizes(events, last_step=12) == [(0, 2.0), (6, 1.0), (8, 1.0), (10, 2.0), (12, 2.0)]
     assert markers(events) == [
         Marker(6, "failure", "worker_died"),
         Marker(6, "resize", "2->1"),

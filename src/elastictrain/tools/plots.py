@@ -1,6 +1,7 @@
 """Pictures of a run: loss and validation loss, learning rate, throughput and world size over steps.
 
-Metrics come from the run's MLflow run (every step's, logged once), markers from events.jsonl:
+Metrics come from the run's MLflow run (every step's, logged once); the world size and the markers from
+events.jsonl:
 failures (red), recoveries (green) and resizes (blue, with the new world size). Written as PNGs to
 RUN_DIR/plots at the end of a run (`tracking.plots`) and by `elastictrain plot RUN_DIR`, and logged
 to the MLflow run under `plots/`.
@@ -18,7 +19,7 @@ from elastictrain.rundir.run_dir import RunDir
 log = logging.getLogger("elastictrain.plots")
 
 PLOTS = "plots"
-METRICS = ("loss", "eval_loss", "lr", "samples_per_s", "tokens_per_s", "world_size")
+METRICS = ("loss", "eval_loss", "lr", "samples_per_s", "tokens_per_s")
 # (file, title, y label, metrics drawn)
 FIGURES = (
     ("loss.png", "loss", "loss (per target token)", ("loss", "eval_loss")),
@@ -52,6 +53,19 @@ def markers(events: list[dict[str, Any]]) -> list[Marker]:
                 out.append(Marker(step, "resize", f"{size}->{new}"))
             size = new
     return out
+
+
+def world_sizes(events: list[dict[str, Any]], last_step: int) -> list[tuple[int, float]]:
+    """The world size each attempt trained at, from the step it started at (events, not the per-step
+    metric: a step redone after a failure is logged once, with the world size it first ran at)."""
+    points = [
+        (int(e.get("step") or 0), float(e["world_size"]))
+        for e in events
+        if e.get("event") == "attempt_started"
+    ]
+    if points and last_step > points[-1][0]:
+        points.append((last_step, points[-1][1]))
+    return points
 
 
 def metric_histories(client: Any, run_id: str) -> dict[str, list[tuple[int, float]]]:
@@ -112,7 +126,9 @@ def plot_run(run_dir: RunDir, configured_uri: str | None, *, log: bool = True) -
     histories = metric_histories(client, run_id)
     if not histories:
         raise ValueError(f"{run_dir.path}: its MLflow run {run_id} holds no step metrics yet")
-    written = make_plots(histories, markers(run_dir.read_events()), run_dir.path / PLOTS)
+    events = run_dir.read_events()
+    histories["world_size"] = world_sizes(events, run_dir.read_info().last_step)
+    written = make_plots(histories, markers(events), run_dir.path / PLOTS)
     if log:
         log_files(run_dir, configured_uri, written, PLOTS)
     return written
