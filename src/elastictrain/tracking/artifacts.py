@@ -86,6 +86,7 @@ class SystemMetrics:
 
             from elastictrain.tracking.run_tracker import tracking_uri_of
 
+            logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop lines
             monitor = SystemMetricsMonitor(
                 run_id,
                 sampling_interval=t.system_metrics_interval_s,
