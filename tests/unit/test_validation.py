@@ -122,3 +122,16 @@ def test_without_a_validation_set_no_rank_is_asked_to_evaluate(tmp_path: Path):
     r.controller.callbacks.after_attempt_start.append(lambda c: workers.extend(c.active))
     r.run()
     assert workers and not r.events("eval") and all("evaluate" not in w.calls for w in workers)
+
+
+def test_keep_best_keeps_the_checkpoint_of_the_lowest_validation_loss_out_of_pruning(tmp_path: Path):
+    args = ("eval.split=0.1", "eval.steps=1", "eval.every_steps=4", "checkpoint.keep_last=1")
+    r = make_run(tmp_path / "best", *args, "checkpoint.keep_best=true")
+    r.group.eval_loss_at = {4: 2.0, 8: 1.0, 12: 3.0}  # overfitting after step 8
+    assert r.run().status.value == "FINISHED"
+    assert sorted(p.name for p in r.run_dir.checkpoints_dir.glob("step-*")) == ["step-000008", "step-000012"]
+    assert r.run_dir.read_info().extra["best_eval"]["step"] == 8
+    plain = make_run(tmp_path / "plain", *args)
+    plain.group.eval_loss_at = {4: 2.0, 8: 1.0, 12: 3.0}
+    plain.run()
+    assert sorted(p.name for p in plain.run_dir.checkpoints_dir.glob("step-*")) == ["step-000012"]

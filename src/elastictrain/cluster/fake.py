@@ -122,6 +122,7 @@ class FakeGroup:
         self.node_queries = 0  # cluster queries made (one per check, not one per worker)
         self.warmup_errors: list[tuple[str, str]] = []
         self._warmup_error = ""  # every warm-up raises this (e.g. a data config error)
+        self.eval_loss_at: dict[int, float] = {}  # steps trained -> validation loss (default 1/steps)
 
     # -- scenario --
     def warmup_raises(self, error: str) -> None:
@@ -306,12 +307,12 @@ class FakeGroup:
         }
 
     def _evaluate(self, w: FakeWorker, step: int) -> dict[str, Any]:
-        # A validation loss of 1/steps trained, its 60 target tokens shared among the ranks.
+        # A validation loss of 1/steps trained (or eval_loss_at's), its 60 target tokens shared among ranks.
         size = w.spec.world_size
         tokens = 60 // size
         return {
             "rank": w.spec.rank,
-            "loss_sum": tokens / w.step,
+            "loss_sum": tokens * self.eval_loss_at.get(w.step, 1 / w.step),
             "target_tokens": tokens,
             "samples": 12 // size,
         }

@@ -133,6 +133,8 @@ class CheckpointConfig:
     # Training pauses only for a host-memory snapshot; each rank writes its file in a background thread
     # (one more copy of the rank's state in host memory while it writes). false: write before going on.
     background_write: bool = True
+    # Also keep the checkpoint at the step of the lowest validation loss (when one was saved at that step).
+    keep_best: bool = False
 
 
 @dataclass

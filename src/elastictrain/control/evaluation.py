@@ -16,9 +16,18 @@ from elastictrain.cluster.calls import Calls, Group
 from elastictrain.config.eval_check import evaluates
 from elastictrain.control.failures import gather_results
 from elastictrain.control.record import RunRecorder
+from elastictrain.core.checkpoints import tag_for_step
 from elastictrain.core.losses import eval_due, eval_summary
 
 log = logging.getLogger("elastictrain.controller")
+
+
+def best_checkpoint(config: Any, recorder: RunRecorder) -> tuple[str, ...]:
+    """The tag `checkpoint.keep_best` keeps out of pruning: the step of the lowest validation loss."""
+    if not config.checkpoint.keep_best:
+        return ()
+    best = recorder.run_dir.read_info().extra.get("best_eval") or {}
+    return (tag_for_step(int(best["step"])),) if "step" in best else ()
 
 
 class Evaluations:

@@ -22,7 +22,7 @@ from typing import Any
 from elastictrain.checkpoint.store import CheckpointStore
 from elastictrain.control.callbacks import Callbacks
 from elastictrain.control.errors import RunFailed
-from elastictrain.control.evaluation import Evaluations
+from elastictrain.control.evaluation import Evaluations, best_checkpoint
 from elastictrain.control.manifest import manifest_fields
 from elastictrain.control.record import RunRecorder
 from elastictrain.control.resume import ResumePoints
@@ -199,7 +199,8 @@ class LocalRun:
             info=self.recorder.run_dir.read_info(),
         )
         committed = self.store.commit(self.step, staging, [report["file"]], fields)
-        removed = self.store.prune(self.cfg.checkpoint.keep_last, protect=(committed.tag,))
+        best = best_checkpoint(self.cfg, self.recorder)
+        removed = self.store.prune(self.cfg.checkpoint.keep_last, protect=(committed.tag, *best))
         seconds = time.perf_counter() - t0
         self.recorder.metrics({"checkpoint_time_s": seconds}, step=self.step)
         self.event(

@@ -19,6 +19,7 @@ from typing import Any
 from elastictrain.checkpoint.store import CheckpointError, CheckpointStore, Committed, verify
 from elastictrain.cluster.calls import Calls, Group
 from elastictrain.control.errors import AttemptFailed
+from elastictrain.control.evaluation import best_checkpoint
 from elastictrain.control.failures import gather_results, is_disk_full, short
 from elastictrain.control.record import RunRecorder
 from elastictrain.control.resume import ResumePoints
@@ -301,7 +302,8 @@ class SaveCoordinator:
         if not self._reads_back(committed, step):
             return True
         self.last_committed = committed
-        removed = self.store.prune(self.cfg.checkpoint.keep_last, protect=(committed.tag,))
+        best = best_checkpoint(self.cfg, self.recorder)
+        removed = self.store.prune(self.cfg.checkpoint.keep_last, protect=(committed.tag, *best))
         seconds = self.clock() - pending.started
         self.recorder.metrics({"checkpoint_time_s": seconds}, step=pending.step)
         written = "in the background" if self.cfg.checkpoint.background_write else "synchronously"
