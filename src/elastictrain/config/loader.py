@@ -313,10 +313,7 @@ def _model_problems(config: Config) -> list[str]:
 def _data_problems(config: Config) -> list[str]:
     d, p = config.data, []
     _choice(p, "data.source", d.source, ["generated", "file", "hf", "tokens", "factory"])
-    if d.source == "tokens":  # the shards against their index, at every start
-        p.extend(
-            index_problems(d.path, d.dtype) if d.path else ["data.path: missing; expected a shard folder"]
-        )
+    p.extend(index_problems(d.path, d.dtype) if d.source == "tokens" else [])  # shards against their index
     p.extend(_code_path_problems("data.factory", d.factory))
     p.extend(_code_path_problems("data.collate", d.collate))
     if d.source == "file":

@@ -306,24 +306,14 @@ class TrainWorker:
         }
 
     def evaluate(self, step: int) -> dict[str, Any]:
-        """This rank's share of a validation (`eval.steps` global batches) of the model after `step` steps."""
+        """This rank's share of a validation of the model after `step` steps (worker/evaluate.py)."""
         from elastictrain.worker.evaluate import evaluate_share
 
         assert self.spec is not None and self.engine is not None, "evaluate before setup"
         self._set_mark("eval", step)
-        spec = self.spec
-        t0 = time.perf_counter()
-        out = evaluate_share(
-            self.engine,
-            self.eval_dataset,
-            self.collate,
-            self.loss_fn,
-            plan=spec.plan,
-            rank=spec.rank,
-            batches=spec.config.eval.steps,
-        )
+        out = evaluate_share(self.engine, self.eval_dataset, self.collate, self.loss_fn, self.spec)
         self._set_mark("done", step)
-        return {**out, "step": step, "eval_s": time.perf_counter() - t0}
+        return {**out, "step": step}
 
     def inject_write_delay(self, seconds: float) -> None:
         """Make every later checkpoint write start `seconds` late, as on a slow disk (tests, chaos)."""

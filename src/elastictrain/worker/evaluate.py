@@ -7,13 +7,14 @@ not depend on the world size or the micro-batch size.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from elastictrain.core.batch import BatchPlan
 from elastictrain.core.data_order import eval_positions
+from elastictrain.worker.attempt import AttemptSpec
 from elastictrain.worker.data import collate_items, to_device
 from elastictrain.worker.eval_data import source_ids
 from elastictrain.worker.model import causal_lm_loss
@@ -25,11 +26,11 @@ def evaluate_share(
     dataset: Any,
     collate: Callable[[list[Any]], Any] | None,
     loss_fn: Callable[[Any, Any], torch.Tensor],
-    *,
-    plan: BatchPlan,
-    rank: int,
-    batches: int,
+    spec: AttemptSpec,
 ) -> dict[str, Any]:
+    """`eval.steps` global batches of the validation set, this rank's micro-batches of each."""
+    t0 = time.perf_counter()
+    plan, rank, batches = spec.plan, spec.rank, spec.config.eval.steps
     if dataset is None:
         raise ValueError("evaluate: this run has no validation set (set eval.split or eval.data)")
     n = len(dataset)
@@ -63,4 +64,5 @@ def evaluate_share(
         "target_tokens": tokens if builtin else None,
         "samples": len(read),
         "sample_ids": source_ids(dataset, read),
+        "eval_s": time.perf_counter() - t0,
     }

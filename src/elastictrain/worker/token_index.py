@@ -86,8 +86,10 @@ def load_index(folder: Path, dtype: str | None) -> dict[str, Any]:
     return index
 
 
-def index_problems(folder_name: str, dtype: str | None, field: str = "data.path") -> list[str]:
+def index_problems(folder_name: str | None, dtype: str | None, field: str = "data.path") -> list[str]:
     """What is wrong with a shard folder, one line each, naming the field and the file."""
+    if not folder_name:
+        return [f"{field}: missing; expected a folder of token shards when data.source is 'tokens'"]
     folder = Path(folder_name)
     if not folder.is_dir():
         return [f"{field}: got {folder_name!r}; expected a folder of token shards (.bin or .npy)"]
