@@ -340,7 +340,15 @@ def _end_tracking(
         system.stop()
     tracker.finish(status)
     tracker.close()
-    if reporter is not None and system is not None:  # tracked, and not interrupted
-        from elastictrain.tools.plots import plots_at_end
+    if reporter is None or system is None:  # interrupted, or not tracked
+        return
+    left = int(getattr(tracker, "spooled", 0))
+    if left and config.tracking.plots:  # MLflow is not answering: plotting from it would wait on it too
+        reporter.event(
+            f"plots not made: MLflow has not taken {left} spooled record(s); run `elastictrain sync "
+            f"{run_dir.path}`, then `elastictrain plot {run_dir.path}`"
+        )
+        return
+    from elastictrain.tools.plots import plots_at_end
 
-        plots_at_end(config, run_dir, reporter.event)
+    plots_at_end(config, run_dir, reporter.event)

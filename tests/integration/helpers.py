@@ -32,6 +32,9 @@ def tiny_config(run_dir: Path, *overrides: str):  # noqa: ANN201 - elastictrain.
         "failure.hang_timeout_s=60",
         "failure.collective_timeout_s=60",
         "failure.wait_for_capacity_s=20",
+        # Plots and system metrics cost every run seconds; test_validation_run.py turns them on.
+        "tracking.plots=false",
+        "tracking.system_metrics=false",
     ]
     return load_config(TINY, [*base, *overrides])
 

@@ -56,6 +56,8 @@ def test_a_run_on_token_shards_validates_on_schedule_through_a_restart_and_eval_
         "eval.split=0.05",
         "eval.steps=2",
         "eval.every_steps=4",
+        "tracking.plots=true",
+        "tracking.system_metrics=true",
         "tracking.system_metrics_interval_s=1",
     )
 
