@@ -207,7 +207,7 @@ class TrainWorker:
         from elastictrain.worker.eval_data import train_and_eval_datasets
         from elastictrain.worker.user_code import user_callable
 
-        key = (repr(dataclasses.asdict(cfg.data)), repr(dataclasses.asdict(cfg.eval)), cfg.training.seed)
+        key = (repr(dataclasses.asdict(cfg.data)), repr((cfg.eval.split, cfg.eval.data)), cfg.training.seed)
         if key != self._dataset_key:  # kept across attempts: part of what a warm actor saves
             self.dataset, self.eval_dataset = train_and_eval_datasets(cfg)
             self._dataset_key = key
