@@ -28,6 +28,9 @@ def _hidden(config: Config) -> int:
     return int(config.model.hf_config.get("hidden_size", 1024))
 
 
+NVME_SUB_GROUP = 50_000_000  # elements of fp32 master, gradient and Adam state swapped in together
+
+
 def _largest_param(config: Config) -> int:
     hf = config.model.hf_config
     h = _hidden(config)
@@ -65,6 +68,10 @@ def _generated(config: Config) -> dict[str, Any]:
     }
     if ds.offload_optimizer != "none":
         zero["offload_optimizer"] = _offload_block(ds.offload_optimizer, config, param=False)
+    if ds.offload_optimizer == "nvme":
+        # ZeRO-3 swaps the optimizer in one sub-group at a time: DeepSpeed's default (1e9 elements) would
+        # bring a whole 1B model's state back into host memory; 5e7 bounds it to ~0.8 GB.
+        zero["sub_group_size"] = NVME_SUB_GROUP
     if ds.offload_param != "none":
         zero["offload_param"] = _offload_block(ds.offload_param, config, param=True)
     cfg: dict[str, Any] = {"zero_optimization": zero}

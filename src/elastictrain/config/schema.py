@@ -119,6 +119,10 @@ class CheckpointConfig:
     # Training pauses only for a host-memory snapshot; each rank writes its file in a background thread
     # (one more copy of the rank's state in host memory while it writes). false: write before going on.
     background_write: bool = True
+    # Host memory one rank's snapshot may take (MB). A rank whose state is larger streams its file from
+    # the live state instead (training waits for the write; nothing is copied). null: half the memory
+    # available at save time, split between the node's ranks.
+    max_host_memory_mb: float | None = None
 
 
 @dataclass

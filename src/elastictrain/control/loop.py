@@ -224,7 +224,8 @@ class Controller:
         )[active[0].worker_id]
         master_addr = active[0].info["node_ip"]
         t0 = self.clock()
-        specs = self._specs(size, plan, resume, master_addr, port)
+        nodes = [w.node_id for w in active]
+        specs = self._specs(size, plan, resume, master_addr, port, [nodes.count(n) for n in nodes])
         calls = self.group.call_each(active, "setup", [(spec,) for spec in specs])
         timings = gather_results(
             self.group, calls, self.step, timeout_s=self.cfg.failure.collective_timeout_s, phase="setup"
@@ -257,7 +258,13 @@ class Controller:
             callback(self)
 
     def _specs(
-        self, size: int, plan: BatchPlan, resume: Committed | None, master_addr: str, port: int
+        self,
+        size: int,
+        plan: BatchPlan,
+        resume: Committed | None,
+        master_addr: str,
+        port: int,
+        ranks_on_node: list[int],
     ) -> list[AttemptSpec]:
         ds_config = build_deepspeed_config(self.cfg, plan.micro_batch_size, plan.grad_accum_steps, size)
         run_id = self.recorder.run_dir.read_info().run_id
@@ -274,6 +281,7 @@ class Controller:
                 ds_config=for_rank(ds_config, run_id, rank),
                 checkpoint_dir=str(resume.path) if resume else None,
                 start_step=self.step,
+                ranks_on_node=ranks_on_node[rank],
             )
             for rank in range(size)
         ]

@@ -29,6 +29,7 @@ from elastictrain.worker.dist import (
     reset_zero_counters,
     zero_stage,
 )
+from elastictrain.worker.host_memory import snapshot_budget_bytes
 
 # Frames from these files mean "waiting for the other ranks".
 _COLLECTIVE_MODULES = (
@@ -319,34 +320,64 @@ class TrainWorker:
                 time.sleep(3600)
 
     def save_shard(self, staging_dir: str, background: bool = False) -> dict[str, Any]:
-        """Snapshot this rank's fragments to host memory, then write them durably into the staging folder.
+        """Write this rank's fragments durably into the staging folder.
 
-        With `background`, only the snapshot blocks: the write runs in a thread while training goes
-        on, and its outcome comes back in the next `train_step` results (or from `save_status`).
+        With `background`, training pauses only for a host-memory snapshot: the write runs in a thread
+        while training goes on, and its outcome comes back in the next `train_step` results (or from
+        `save_status`). A snapshot larger than the host memory checkpoints may use
+        (`checkpoint.max_host_memory_mb`), and every save without `background`, is streamed from the
+        live state group by group instead: no copy, training waits for the write.
         """
+        from elastictrain.checkpoint.rank_snapshot import Walked, stream_chunks, take_snapshot
         from elastictrain.checkpoint.writer import ShardWrite
-        from elastictrain.checkpoint.zero_state import rank_file, snapshot_local_state
+        from elastictrain.checkpoint.zero_state import fragments_of, rank_file
 
-        assert self.spec is not None and self.engine is not None, "save_shard before setup"
+        spec, engine = self.spec, self.engine
+        assert spec is not None and engine is not None, "save_shard before setup"
         self._join_writer()  # one snapshot in host memory at a time
         waited = time.time() - self._idle_since
         t0 = time.perf_counter()
-        self._set_mark("save", self.spec.start_step)
-        tensors, fragments, scalars = snapshot_local_state(self.engine)
-        snapshot_s = time.perf_counter() - t0
-        name, metadata = rank_file(self.spec.rank, self.spec.world_size, fragments)
-        write = ShardWrite(Path(staging_dir) / name, tensors, metadata, delay_s=self._write_delay_s)
-        del tensors
-        out: dict[str, Any] = {"name": name, "engine_state": scalars, "snapshot_s": snapshot_s}
-        if background:
-            self._writer = write
-            write.start()
+        self._set_mark("save", spec.start_step)
+        budget = snapshot_budget_bytes(spec.config.checkpoint.max_host_memory_mb, spec.ranks_on_node)
+        snap = take_snapshot(engine, max_bytes=budget) if background else None
+        path = Path(staging_dir) / rank_file(spec.rank, spec.world_size, {})[0]
+        if snap is not None:
+            name, metadata = rank_file(spec.rank, spec.world_size, fragments_of(snap.plan.pieces))
+            header = snap.plan.header(metadata)
+            chunks = snap.chunks  # the writer holds the buffer until it is written, then drops it
+            write = ShardWrite(
+                path,
+                lambda: chunks(metadata),
+                len(header) + snap.plan.data_bytes,
+                delay_s=self._write_delay_s,
+            )
+            scalars, mode = snap.scalars, "snapshot"
         else:
+            walked = Walked()
+
+            def metadata_for(plan: Any) -> dict[str, str]:
+                return rank_file(spec.rank, spec.world_size, fragments_of(plan.pieces))[1]
+
+            write = ShardWrite(
+                path, lambda: stream_chunks(engine, metadata_for, walked), delay_s=self._write_delay_s
+            )
             write.run()
             if write.error:
                 raise RuntimeError(write.error)
+            scalars, mode = walked.scalars, "streamed"
+        snapshot_s = time.perf_counter() - t0
+        out: dict[str, Any] = {
+            "name": path.name,
+            "engine_state": scalars,
+            "snapshot_s": snapshot_s,
+            "mode": mode,
+        }
+        if mode == "snapshot" and background:
+            self._writer = write
+            write.start()
+        else:
             out["file"] = write.file
-        self._set_mark("saved", self.spec.start_step)
+        self._set_mark("saved", spec.start_step)
         out["save_s"] = time.perf_counter() - t0
         out["waited_s"] = waited
         self._idle_since = time.time()
