@@ -328,9 +328,7 @@ class TrainWorker:
         (`checkpoint.max_host_memory_mb`), and every save without `background`, is streamed from the
         live state group by group instead: no copy, training waits for the write.
         """
-        from elastictrain.checkpoint.rank_snapshot import Walked, stream_chunks, take_snapshot
-        from elastictrain.checkpoint.writer import ShardWrite
-        from elastictrain.checkpoint.zero_state import fragments_of, rank_file
+        from elastictrain.checkpoint.rank_save import prepare_rank_write
 
         spec, engine = self.spec, self.engine
         assert spec is not None and engine is not None, "save_shard before setup"
@@ -339,39 +337,19 @@ class TrainWorker:
         t0 = time.perf_counter()
         self._set_mark("save", spec.start_step)
         budget = snapshot_budget_bytes(spec.config.checkpoint.max_host_memory_mb, spec.ranks_on_node)
-        snap = take_snapshot(engine, max_bytes=budget) if background else None
-        path = Path(staging_dir) / rank_file(spec.rank, spec.world_size, {})[0]
-        if snap is not None:
-            name, metadata = rank_file(spec.rank, spec.world_size, fragments_of(snap.plan.pieces))
-            header = snap.plan.header(metadata)
-            chunks = snap.chunks  # the writer holds the buffer until it is written, then drops it
-            write = ShardWrite(
-                path,
-                lambda: chunks(metadata),
-                len(header) + snap.plan.data_bytes,
-                delay_s=self._write_delay_s,
-            )
-            scalars, mode = snap.scalars, "snapshot"
-        else:
-            walked = Walked()
-
-            def metadata_for(plan: Any) -> dict[str, str]:
-                return rank_file(spec.rank, spec.world_size, fragments_of(plan.pieces))[1]
-
-            write = ShardWrite(
-                path, lambda: stream_chunks(engine, metadata_for, walked), delay_s=self._write_delay_s
-            )
-            write.run()
-            if write.error:
-                raise RuntimeError(write.error)
-            scalars, mode = walked.scalars, "streamed"
-        snapshot_s = time.perf_counter() - t0
-        out: dict[str, Any] = {
-            "name": path.name,
-            "engine_state": scalars,
-            "snapshot_s": snapshot_s,
-            "mode": mode,
-        }
+        write, out = prepare_rank_write(
+            engine,
+            Path(staging_dir),
+            spec.rank,
+            spec.world_size,
+            snapshot=background,
+            max_snapshot_bytes=budget,
+            delay_s=self._write_delay_s,
+        )
+        if write.error:
+            raise RuntimeError(write.error)
+        out["snapshot_s"] = time.perf_counter() - t0
+        mode = out["mode"]
         if mode == "snapshot" and background:
             self._writer = write
             write.start()
