@@ -67,10 +67,11 @@ def preset_overrides(size: str) -> tuple[str, ...]:
         for part in key.split("."):
             node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, dict):
-            out += [f"{key}.{k}={'null' if v is None else v}" for k, v in node.items() if k != "max_steps"]
+            skip = ("max_steps", "warmup_steps")  # the benchmark's own step counts
+            out += [f"{key}.{k}={'null' if v is None else v}" for k, v in node.items() if k not in skip]
         elif node is not None:
             out.append(f"{key}={node}")
-    return (*out, "data.generated_chars=400000")
+    return (*out, "data.generated_chars=400000", "training.warmup_steps=1")
 
 
 def workload_for(size: str, smoke: bool) -> Workload:

@@ -8,12 +8,16 @@ once every rank's write reports `done`.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+
+WRITER_NICE = 10  # the background writer's nice value (training threads keep 0)
 
 
 class ShardWrite:
@@ -58,8 +62,17 @@ class ShardWrite:
             self._done.set()
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self.run, name=f"shard-write-{self.path.name}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run_niced, name=f"shard-write-{self.path.name}", daemon=True
+        )
         self._thread.start()
+
+    def _run_niced(self) -> None:
+        # Hashing and copying into the page cache take CPU from the training step that runs meanwhile:
+        # on Linux a thread has its own nice value, so the writer yields the cores to training.
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        self.run()
 
     def wait(self, timeout_s: float | None = None) -> bool:
         return self._done.wait(timeout_s)
