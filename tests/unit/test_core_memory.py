@@ -15,10 +15,14 @@ def _est(**kw):  # noqa: ANN003, ANN202
     return estimate_rank_memory(B, 0, 2, **args)
 
 
-def test_zero3_fp32_adam_is_20_bytes_per_parameter_divided_by_the_world_size() -> None:
+def test_zero3_fp32_adam_is_16_bytes_per_parameter_divided_by_the_world_size() -> None:
     e = _est()
-    assert e.bytes_per_param == 20
-    assert e.host_bytes == 20 * B // 2 and e.device_bytes == 0 and e.nvme_bytes == 0
+    assert e.bytes_per_param == 16  # weights updated in place: no separate fp32 master copy
+    assert e.host_bytes == 16 * B // 2 and e.device_bytes == 0 and e.nvme_bytes == 0
+
+
+def test_an_offloaded_optimizer_keeps_its_own_fp32_copy_20_bytes_per_parameter() -> None:
+    assert _est(offload_optimizer="cpu").host_bytes == 20 * B // 2
 
 
 def test_mixed_precision_is_18_bytes_per_parameter() -> None:
@@ -41,7 +45,7 @@ def test_lower_stages_divide_less_and_the_largest_layer_and_baseline_add_on_top(
     stage1 = _est(zero_stage=1)
     assert stage1.host_bytes == (4 + 4) * B + 12 * B // 2
     e = estimate_rank_memory(B, 1000, 4, zero_stage=3, precision="fp32", baseline_bytes=GIB)
-    assert e.host_bytes == 20 * B // 4 + 4000 + GIB
+    assert e.host_bytes == 16 * B // 4 + 4000 + GIB
     assert "1000.0M parameters at world size 4" in e.describe()
 
 

@@ -6,14 +6,16 @@ ZeRO paper), per parameter, divided between the ranks by ZeRO:
 - the training copy of the weights: 4 bytes in fp32, 2 in bf16/fp16;
 - gradients: ZeRO keeps its partitioned gradients in fp32 for the optimizer (4 bytes), whatever the
   training precision;
-- the optimizer's fp32 master weights (4 bytes; ZeRO-3 keeps them apart from the training copy even
-  in fp32) and Adam's two moments (8 bytes).
+- the optimizer's fp32 master weights (4 bytes), except in ZeRO-3 fp32 with the optimizer on the
+  device, where DeepSpeed (0.19) updates the training copy in place and keeps no second one;
+- Adam's two moments (8 bytes).
 
-So Adam costs 20 bytes per parameter in fp32 and 18 in mixed precision (the ZeRO paper's 16 plus the
-fp32 gradient partition), all of it divided by the world size under ZeRO-3. Stage 1 divides only the
-optimizer's 12 bytes, stage 2 the gradients too, stage 0 nothing. Offloading the optimizer moves its
-12 bytes (and the fp32 gradients) from the device to the host, or to NVMe; offloading the parameters
-moves the training copy too. On a CPU-only machine device and host are the same memory.
+So Adam costs 16 bytes per parameter in ZeRO-3 fp32, 20 in fp32 with the optimizer offloaded, and
+18 in mixed precision (the ZeRO paper's 16 plus the fp32 gradient partition), all of it divided by
+the world size under ZeRO-3. Stage 1 divides only the optimizer's bytes, stage 2 the gradients too,
+stage 0 nothing. Offloading the optimizer moves its bytes (and the fp32 gradients) from the device to
+the host, or to NVMe; offloading the parameters moves the training copy too. On a CPU-only machine
+device and host are the same memory.
 
 On top: the largest layer gathered whole for its forward and backward (fp32-sized, as DeepSpeed
 counts it), and the runtime's own baseline per process (Python, torch, DeepSpeed, the Ray actor).
@@ -27,7 +29,8 @@ GIB = 1 << 30
 # Resident memory of one idle worker process (interpreter, torch, DeepSpeed, Ray's worker): measured
 # with the scale benchmark on CPU (`make bench ARGS="--only scale"`); GPU processes add their CUDA context.
 RUNTIME_BASELINE_BYTES = int(0.9 * GIB)
-OPTIMIZER_BYTES = 12  # fp32 master weights + Adam's two moments
+MOMENT_BYTES = 8  # Adam's two fp32 moments
+MASTER_BYTES = 4  # the optimizer's fp32 copy of the weights, where it keeps one
 GRAD_BYTES = 4  # ZeRO's partitioned gradients are fp32
 
 
@@ -70,10 +73,12 @@ def estimate_rank_memory(
     if world_size < 1:
         raise ValueError(f"world_size: got {world_size}; expected >= 1")
     weight_bytes = 4 if precision == "fp32" else 2
+    in_place = zero_stage >= 3 and precision == "fp32" and offload_optimizer == "none"
+    optimizer_bytes = MOMENT_BYTES + (0 if in_place else MASTER_BYTES)
     share = 1.0 / world_size
     weights = params * weight_bytes * (share if zero_stage >= 3 else 1.0)
     grads = params * GRAD_BYTES * (share if zero_stage >= 2 else 1.0)
-    optimizer = params * OPTIMIZER_BYTES * (share if zero_stage >= 1 else 1.0)
+    optimizer = params * optimizer_bytes * (share if zero_stage >= 1 else 1.0)
     places = {"device": 0.0, "host": 0.0, "nvme": 0.0}
     places["host" if offload_param == "cpu" else "nvme" if offload_param == "nvme" else "device"] += weights
     opt_place = {"cpu": "host", "nvme": "nvme"}.get(offload_optimizer, "device")
@@ -93,7 +98,7 @@ def estimate_rank_memory(
         device_bytes=int(device),
         host_bytes=int(host),
         nvme_bytes=int(places["nvme"]),
-        bytes_per_param=weight_bytes + GRAD_BYTES + OPTIMIZER_BYTES,
+        bytes_per_param=weight_bytes + GRAD_BYTES + optimizer_bytes,
     )
 
 
