@@ -222,12 +222,19 @@ def model_size(config: Any) -> tuple[int, int]:
 
 def memory_estimate(config: Any, world_size: int) -> Any:
     """core.memory's estimate for this config at `world_size` (None for LoRA: most weights are frozen)."""
+    from elastictrain.config.deepspeed_config import NVME_SUB_GROUP, live_parameters
     from elastictrain.core.memory import estimate_rank_memory
 
     if config.model.lora.enabled:
         return None
     params, largest = model_size(config)
+    # What ZeRO-3 may hold gathered at once: at least the largest layer, at most its live-parameter bound.
+    largest = (
+        max(largest, min(params, live_parameters(config))) if config.deepspeed.zero_stage >= 3 else largest
+    )
     ds, t = config.deepspeed, config.training
+    # DeepSpeed's optimizer swapper stages sub-groups through 4 fp32 buffers of a sub-group each.
+    swap = 4 * 4 * min(NVME_SUB_GROUP, params // world_size) if ds.offload_optimizer == "nvme" else 0
     return estimate_rank_memory(
         params,
         largest,
@@ -237,6 +244,7 @@ def memory_estimate(config: Any, world_size: int) -> Any:
         offload_optimizer=ds.offload_optimizer,
         offload_param=ds.offload_param,
         use_gpu=config.scaling.use_gpu,
+        swap_buffer_bytes=swap,
     )
 
 

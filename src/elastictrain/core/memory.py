@@ -18,7 +18,9 @@ the host, or to NVMe; offloading the parameters moves the training copy too. On 
 device and host are the same memory.
 
 On top: the largest layer gathered whole for its forward and backward (fp32-sized, as DeepSpeed
-counts it), and the runtime's own baseline per process (Python, torch, DeepSpeed, the Ray actor).
+counts it; the caller passes ZeRO-3's live-parameter bound where larger), the host buffers an NVMe
+swap stages through (`swap_buffer_bytes`), and the runtime's own baseline per process (Python, torch,
+DeepSpeed, the Ray actor).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ def estimate_rank_memory(
     offload_param: str = "none",
     use_gpu: bool = False,
     baseline_bytes: int = RUNTIME_BASELINE_BYTES,
+    swap_buffer_bytes: int = 0,
 ) -> MemoryEstimate:
     """Per-rank memory at `world_size` (see the module's docstring for the accounting)."""
     if world_size < 1:
@@ -88,10 +91,10 @@ def estimate_rank_memory(
     layer = largest_layer_params * 4
     if use_gpu:
         device = places["device"] + layer
-        host = places["host"] + baseline_bytes
+        host = places["host"] + baseline_bytes + swap_buffer_bytes
     else:
         device = 0.0
-        host = places["device"] + places["host"] + layer + baseline_bytes
+        host = places["device"] + places["host"] + layer + baseline_bytes + swap_buffer_bytes
     return MemoryEstimate(
         params=params,
         world_size=world_size,
