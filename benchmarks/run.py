@@ -1,9 +1,12 @@
 """`make bench`: run the benchmarks side by side, write results/*.json, PNG plots and BENCHMARKS.md.
 
     python -m benchmarks.run [--only NAME[,NAME]] [--smoke] [--reps N] [--results DIR] [--markdown FILE]
+                             [--sizes 30m,125m,350m,1b] [--redo]
 
-Benchmarks: throughput, checkpoint_stall, memory, reshard, recovery, controller_scale, zero_stages. Runs that
-several benchmarks read (the plain training runs of each system) happen once per repetition.
+Benchmarks: throughput, checkpoint_stall, memory, reshard, recovery, controller_scale, zero_stages, and
+scale (30M to 1B parameters: hours on 2 cores, so only with `--only scale`; `--sizes` picks sizes, and
+sizes already in results/scale.json are skipped unless `--redo`). Runs that several benchmarks read
+(the plain training runs of each system) happen once per repetition.
 `--smoke` runs every benchmark at its smallest size, for the harness's own test: not a measurement.
 """
 
@@ -24,6 +27,7 @@ from benchmarks import (
     recovery,
     report,
     reshard,
+    scale,
     throughput,
     zero_stages,
 )
@@ -37,7 +41,9 @@ MODULES = {
     "recovery": recovery,
     "controller_scale": controller_scale,
     "zero_stages": zero_stages,
+    "scale": scale,
 }
+ON_REQUEST = ("scale",)  # run only when named in --only
 DEFAULT_REPS = 1  # the full run stays under 25 minutes on 2 cores; more with --reps
 
 
@@ -53,9 +59,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder for <benchmark>.json and plots")
     parser.add_argument("--markdown", type=Path, default=ROOT / "BENCHMARKS.md")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument(
+        "--sizes", default="", help=f"scale: comma-separated subset of {', '.join(scale.SIZES)}"
+    )
+    parser.add_argument(
+        "--redo", action="store_true", help="scale: measure sizes already in scale.json again"
+    )
     args = parser.parse_args(argv)
 
-    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(MODULES)
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or [
+        m for m in MODULES if m not in ON_REQUEST
+    ]
     unknown = [n for n in names if n not in MODULES]
     if unknown:
         parser.error(f"--only: unknown benchmark(s) {unknown}; expected any of {', '.join(MODULES)}")
@@ -76,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             mod = MODULES[name]
             if name == "controller_scale":
                 result = mod.run(reps, args.smoke)
+            elif name == "scale":
+                result = scale.run(w, scratch, reps, args.smoke, sizes=args.sizes, redo=args.redo)
             else:
                 result = mod.run(w, scratch, reps, args.smoke)
             path = result.write(args.results)

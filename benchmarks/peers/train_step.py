@@ -144,25 +144,31 @@ def _mean_over_ranks(value: float) -> float:
     return float(t.item()) / dist.get_world_size()
 
 
-def _save_fragments(engine: Any, out_dir: Path, rank: int, world_size: int, step: int) -> dict[str, float]:
-    """elastictrain's checkpoint write (TrainWorker.save_shard): snapshot, then a durable file per rank."""
-    from safetensors.torch import save as save_safetensors
+def _save_fragments(engine: Any, out_dir: Path, rank: int, world_size: int, step: int) -> dict[str, Any]:
+    """elastictrain's checkpoint write, through the worker's own code (checkpoint/rank_save.py): the
+    snapshot the background path pauses for, its durable write, and the streamed synchronous path."""
+    from elastictrain.checkpoint.rank_save import prepare_rank_write
 
-    from elastictrain.checkpoint.zero_state import rank_file, snapshot_local_state
-    from elastictrain.rundir.durable import write_bytes_durably
-
-    t0 = time.perf_counter()
-    tensors, fragments, scalars = snapshot_local_state(engine)
-    snapshot_s = time.perf_counter() - t0
-    name, metadata = rank_file(rank, world_size, fragments)
-    data = save_safetensors(tensors, metadata=metadata)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_bytes_durably(out_dir / name, data)
+    t0 = time.perf_counter()
+    write, info = prepare_rank_write(engine, out_dir, rank, world_size, snapshot=True)
+    snapshot_s = time.perf_counter() - t0
+    write.run()
+    save_s = time.perf_counter() - t0
+    streamed = out_dir.parent / f"{out_dir.name}-streamed"
+    streamed.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    stream, _ = prepare_rank_write(engine, streamed, rank, world_size, snapshot=False)
+    stream_s = time.perf_counter() - t0
+    for w in (write, stream):
+        if w.error:
+            raise RuntimeError(w.error)
     return {
         "snapshot_s": snapshot_s,
-        "save_s": time.perf_counter() - t0,
-        "bytes": len(data),
-        "scalars": scalars,
+        "save_s": save_s,
+        "stream_s": stream_s,
+        "bytes": write.file["bytes"] if write.file else 0,
+        "scalars": info["engine_state"],
     }
 
 
@@ -249,7 +255,7 @@ def train(spec: dict[str, Any], rank: int, world_size: int, *, report: Any = Non
     # Checkpoint stall: DeepSpeed's synchronous save against elastictrain's save, same state, same ranks.
     if spec.get("save_reps"):
         save_dir = Path(spec["save_dir"])
-        ds_times, frag_times, snap_times = [], [], []
+        ds_times, frag_times, snap_times, stream_times = [], [], [], []
         frag: dict[str, Any] = {}
         for i in range(int(spec["save_reps"])):
             dist.barrier()
@@ -260,6 +266,7 @@ def train(spec: dict[str, Any], rank: int, world_size: int, *, report: Any = Non
             frag = _save_fragments(engine, save_dir / f"fragments{i}", rank, world_size, step)
             frag_times.append(_max_over_ranks(frag["save_s"]))
             snap_times.append(_max_over_ranks(frag["snapshot_s"]))
+            stream_times.append(_max_over_ranks(frag["stream_s"]))
         dist.barrier()
         last = int(spec["save_reps"]) - 1
         if rank == 0:
@@ -268,6 +275,8 @@ def train(spec: dict[str, Any], rank: int, world_size: int, *, report: Any = Non
             "deepspeed_save_checkpoint_s": ds_times,
             "elastictrain_save_s": frag_times,
             "elastictrain_snapshot_s": snap_times,
+            "elastictrain_stream_s": stream_times,
+            "fragment_bytes": frag["bytes"] * world_size,
             "deepspeed_tag": f"bench{last}",
             "deepspeed_bytes": _dir_bytes(save_dir / "deepspeed" / f"bench{last}") if rank == 0 else None,
             "fragments_dir": str(save_dir / f"fragments{last}"),

@@ -219,10 +219,14 @@ def run_training(
     from elastictrain.control.loop import Controller
 
     reporter.event(connect_ray(config, address))
-    from elastictrain.preflight import check_nvme_on_nodes
+    from elastictrain.preflight import check_memory_on_nodes, check_nvme_on_nodes
 
-    if check_nvme_on_nodes(config):  # raises PreflightError before any worker or tracker exists
+    # Both raise PreflightError before any worker or tracker exists.
+    if check_nvme_on_nodes(config):
         reporter.event(f"deepspeed.nvme_path {config.deepspeed.nvme_path} is writable on every worker node")
+    estimate = check_memory_on_nodes(config)
+    if estimate is not None:
+        reporter.event(estimate.describe())
     tracker = make_tracker(config, run_dir, tracking)
     take_over(run_dir, reporter)
     system = SystemMetrics(config, run_dir) if tracking else None

@@ -134,45 +134,150 @@ def _nvme_probe(path: str) -> tuple[str, str | None]:
         return host, f"it cannot be written there ({e.strerror or e})"
 
 
+def _worker_nodes(config: Any) -> list[dict[str, Any]]:
+    """The alive Ray nodes with room for at least one worker (CPUs, and GPUs where used)."""
+    import ray
+
+    s = config.scaling
+    out = []
+    for node in ray.nodes():
+        res = node.get("Resources", {})
+        gpus_ok = not s.use_gpu or res.get("GPU", 0) >= s.gpus_per_worker
+        if node.get("Alive") and res.get("CPU", 0) >= s.cpus_per_worker and gpus_ok:
+            out.append(node)
+    return out
+
+
+def _on_each_node(
+    nodes: list[dict[str, Any]], fn: Any, *args: Any, timeout_s: float
+) -> tuple[list[tuple[dict[str, Any], Any]], list[dict[str, Any]]]:
+    """Run `fn(*args)` once on every node (no CPU reserved, pinned there): (node, answer) pairs, and the
+    nodes that did not answer within `timeout_s`."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0, max_retries=0)(fn)
+    refs = {
+        task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
+            *args
+        ): n
+        for n in nodes
+    }
+    done, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    for ref in late:
+        ray.cancel(ref, force=True)
+    return [(refs[ref], ray.get(ref)) for ref in done], [refs[ref] for ref in late]
+
+
+def _node_name(node: dict[str, Any]) -> str:
+    return f"{node['NodeManagerAddress']} (id {node['NodeID'][:8]})"
+
+
 def check_nvme_on_nodes(config: Any, timeout_s: float = 60.0) -> int:
     """With an NVMe offload, write a file in deepspeed.nvme_path on every alive node that can host a worker.
 
     The driver's own check (config/loader.py) sees only the driver's machine; each rank swaps on its
-    own node. One task per node (no CPU reserved), pinned to it. Returns the number of nodes checked;
-    raises PreflightError naming every node where the folder is missing or read-only.
+    own node. One task per node. Returns the number of nodes checked; raises PreflightError naming
+    every node where the folder is missing or read-only.
     """
-    ds, s = config.deepspeed, config.scaling
+    ds = config.deepspeed
     if "nvme" not in (ds.offload_optimizer, ds.offload_param):
         return 0
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    def can_host(resources: dict[str, float]) -> bool:
-        gpus_ok = not s.use_gpu or resources.get("GPU", 0) >= s.gpus_per_worker
-        return resources.get("CPU", 0) >= s.cpus_per_worker and gpus_ok
-
-    nodes = [n for n in ray.nodes() if n.get("Alive") and can_host(n.get("Resources", {}))]
+    nodes = _worker_nodes(config)
     if not nodes:
         return 0  # no node can host a worker yet: the run waits for capacity and says so
-    probe = ray.remote(num_cpus=0, max_retries=0)(_nvme_probe)
-    refs = {
-        probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
-            ds.nvme_path
-        ): f"{n['NodeManagerAddress']} (id {n['NodeID'][:8]})"
-        for n in nodes
-    }
-    done, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-    problems = []
-    for ref in done:
-        host, why = ray.get(ref)
-        if why:
-            problems.append(f"node {refs[ref]} on {host}: {why}")
-    problems += [f"node {refs[ref]}: did not answer within {timeout_s:.0f}s" for ref in late]
-    for ref in late:
-        ray.cancel(ref, force=True)
+    answers, late = _on_each_node(nodes, _nvme_probe, ds.nvme_path, timeout_s=timeout_s)
+    problems = [f"node {_node_name(n)} on {host}: {why}" for n, (host, why) in answers if why]
+    problems += [f"node {_node_name(n)}: did not answer within {timeout_s:.0f}s" for n in late]
     if problems:
         raise PreflightError(
             f"deepspeed.nvme_path: got {ds.nvme_path!r}; expected a folder every worker node can write "
             "(each rank swaps there), but:\n" + "\n".join(f"  {p}" for p in sorted(problems))
         )
     return len(nodes)
+
+
+# -- memory, once connected to Ray -----------------------------------------------------------------------
+def _memory_probe() -> tuple[str, int | None]:
+    """Runs on one node: its host name and total memory (MemTotal) in bytes."""
+    from elastictrain.worker.host_memory import meminfo_bytes
+
+    return socket.gethostname(), meminfo_bytes("MemTotal")
+
+
+def model_size(config: Any) -> tuple[int, int]:
+    """(parameters, parameters of the largest layer) of the model, built empty (no memory, no download)."""
+    from accelerate import init_empty_weights
+
+    from elastictrain.tools.adapter import base_structure
+    from elastictrain.worker.model import forget_hf_deepspeed_config
+
+    forget_hf_deepspeed_config()
+    with init_empty_weights():
+        model = base_structure(config)
+    total = sum(p.numel() for p in model.parameters())
+    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    return total, largest
+
+
+def memory_estimate(config: Any, world_size: int) -> Any:
+    """core.memory's estimate for this config at `world_size` (None for LoRA: most weights are frozen)."""
+    from elastictrain.config.deepspeed_config import NVME_SUB_GROUP, live_parameters
+    from elastictrain.core.memory import estimate_rank_memory
+
+    if config.model.lora.enabled:
+        return None
+    params, largest = model_size(config)
+    # What ZeRO-3 may hold gathered at once: at least the largest layer, at most its live-parameter bound.
+    largest = (
+        max(largest, min(params, live_parameters(config))) if config.deepspeed.zero_stage >= 3 else largest
+    )
+    ds, t = config.deepspeed, config.training
+    # DeepSpeed's optimizer swapper stages sub-groups through 4 fp32 buffers of a sub-group each.
+    swap = 4 * 4 * min(NVME_SUB_GROUP, params // world_size) if ds.offload_optimizer == "nvme" else 0
+    return estimate_rank_memory(
+        params,
+        largest,
+        world_size,
+        zero_stage=ds.zero_stage,
+        precision=t.precision,
+        offload_optimizer=ds.offload_optimizer,
+        offload_param=ds.offload_param,
+        use_gpu=config.scaling.use_gpu,
+        swap_buffer_bytes=swap,
+    )
+
+
+def check_memory_on_nodes(config: Any, timeout_s: float = 60.0) -> Any:
+    """The per-rank estimate at scaling.min_workers (the largest share each rank holds); raises
+    PreflightError when the alive worker nodes cannot hold min_workers such ranks in their memory."""
+    from elastictrain.core.memory import GIB, ranks_that_fit
+
+    s = config.scaling
+    estimate = memory_estimate(config, s.min_workers)
+    nodes = _worker_nodes(config)
+    if estimate is None or not nodes:
+        return estimate  # no node yet: the run waits for capacity, and the workers' own memory decides
+    answers, _ = _on_each_node(nodes, _memory_probe, timeout_s=timeout_s)
+    known = [(n, mem) for n, (_, mem) in answers if mem]
+    if not known:
+        return estimate
+    slots = [_slots(n.get("Resources", {}), config) for n, _ in known]
+    fit = ranks_that_fit([mem for _, mem in known], slots, estimate.host_bytes)
+    if fit < s.min_workers:
+        biggest = max(mem for _, mem in known)
+        raise PreflightError(
+            f"{estimate.describe()}; the worker nodes can hold {fit} such rank(s) in memory "
+            f"(largest node: {biggest / GIB:.1f} GiB), fewer than scaling.min_workers={s.min_workers}. "
+            "Offload the optimizer to NVMe (deepspeed.offload_optimizer=nvme, deepspeed.nvme_path=DIR), use "
+            "bf16, a smaller model, or nodes with more memory"
+        )
+    return estimate
+
+
+def _slots(resources: dict[str, float], config: Any) -> int:
+    s = config.scaling
+    by_cpu = int(resources.get("CPU", 0) // s.cpus_per_worker) if s.cpus_per_worker else s.max_workers
+    if s.use_gpu:
+        by_cpu = min(by_cpu, int(resources.get("GPU", 0) // s.gpus_per_worker))
+    return min(by_cpu, s.max_workers)

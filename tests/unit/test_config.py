@@ -30,7 +30,9 @@ def test_defaults_load_and_equal_the_embedded_default_file():
     assert load_config(None) == load_config(CONF / "tiny-cpu.yaml")
 
 
-@pytest.mark.parametrize("name", ["tiny-cpu.yaml", "gpu-llama-1b.yaml"])
+@pytest.mark.parametrize(
+    "name", ["tiny-cpu.yaml", "gpu-llama-1b.yaml", "llama-30m.yaml", "llama-125m.yaml", "llama-350m.yaml"]
+)
 def test_shipped_configs_load_and_validate(name):
     cfg = load_config(CONF / name)
     assert valid_world_sizes(cfg)
@@ -328,3 +330,16 @@ def test_hugging_face_style_jsons_are_accepted_with_a_one_line_notice(name):
     assert ds["optimizer"]["type"] == "AdamW" and ds["optimizer"]["params"]["lr"] == cfg.training.lr
     assert "scheduler" not in ds and ds["gradient_clipping"] == cfg.training.grad_clip
     assert ds["train_micro_batch_size_per_gpu"] == 2 and ds["gradient_accumulation_steps"] == 6
+
+
+def test_a_negative_snapshot_memory_bound_is_refused_naming_the_field():
+    assert "checkpoint.max_host_memory_mb: got -1" in problems("checkpoint.max_host_memory_mb=-1")
+
+
+def test_generated_zero3_buffers_are_sized_to_the_model_not_deepspeed_defaults():
+    cfg = load_config(CONF / "llama-125m.yaml")
+    zero = build_deepspeed_config(cfg, 1, 3, 2)["zero_optimization"]
+    assert zero["stage3_max_live_parameters"] == zero["stage3_max_reuse_distance"] == 20 * 768 * 768
+    assert zero["reduce_bucket_size"] == 1 << 22  # hidden^2 is below the floor: 4M elements, not 5e8
+    wide = load_config(CONF / "llama-125m.yaml", ["model.hf_config.hidden_size=4096"])
+    assert build_deepspeed_config(wide, 1, 3, 2)["zero_optimization"]["reduce_bucket_size"] == 4096 * 4096

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from elastictrain import launch
+from elastictrain import launch, preflight
 from elastictrain.config import load_config
 from elastictrain.launch import RunFolderConflict, prepare_run_dir
 from elastictrain.progress import Reporter
@@ -69,6 +69,7 @@ def test_a_fresh_run_says_when_its_mlflow_run_is_created(tmp_path, monkeypatch):
             raise Stop
 
     monkeypatch.setattr(launch, "connect_ray", lambda *a: "connected")
+    monkeypatch.setattr(preflight, "check_memory_on_nodes", lambda *a: None)  # no Ray cluster here
     monkeypatch.setattr(launch, "make_tracker", lambda *a: NullTracker())
     monkeypatch.setattr(worker_group, "WorkerGroup", lambda *a, **k: None)
     monkeypatch.setattr(loop, "Controller", Controller)

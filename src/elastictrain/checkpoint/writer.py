@@ -1,27 +1,38 @@
-"""One rank's checkpoint file, written from a host-memory snapshot, inline or in a background thread.
+"""One rank's checkpoint file, written from chunks of bytes, inline or in a background thread.
 
-The snapshot is a private copy of the rank's fragments, so training may go on changing the live state
-while this thread serializes, writes, fsyncs and hashes the copy. Only one write runs at a time; the
-controller commits the checkpoint once every rank's write reports `done`.
+The chunks come from a host-memory snapshot (a private copy, so training may go on changing the live
+state while this thread writes, fsyncs and hashes it) or, inline, straight from the live state
+(checkpoint/rank_snapshot.py). Only one write runs at a time; the controller commits the checkpoint
+once every rank's write reports `done`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+
+WRITER_NICE = 10  # the background writer's nice value (training threads keep 0)
 
 
 class ShardWrite:
     def __init__(
-        self, path: Path, tensors: dict[str, Any], metadata: dict[str, str], *, delay_s: float = 0.0
+        self,
+        path: Path,
+        chunks: Callable[[], Iterable[Any]],
+        total: int | None = None,
+        *,
+        delay_s: float = 0.0,
     ) -> None:
         self.path = path
         self._delay_s = delay_s  # tests: a slow disk
-        self._tensors: dict[str, Any] | None = tensors
-        self._metadata = metadata
+        self._chunks: Callable[[], Iterable[Any]] | None = chunks
+        self._total = total
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self.file: dict[str, Any] | None = None
@@ -33,30 +44,35 @@ class ShardWrite:
         return str(self.path.parent)
 
     def run(self) -> None:
-        """Serialize and write durably in the calling thread; the result or the error is kept."""
-        from safetensors.torch import save as save_safetensors
-
-        from elastictrain.rundir.durable import write_bytes_durably
+        """Write durably in the calling thread; the result or the error is kept."""
+        from elastictrain.rundir.durable import write_chunks_durably
 
         t0 = time.perf_counter()
         try:
             if self._delay_s > 0:
                 time.sleep(self._delay_s)
-            assert self._tensors is not None, "a shard is written once"
-            data = save_safetensors(self._tensors, metadata=self._metadata)
-            self._tensors = None  # the snapshot's memory goes as soon as it is serialized
-            digest = write_bytes_durably(self.path, data)
-            self.file = {"name": self.path.name, "bytes": len(data), "sha256": digest}
+            assert self._chunks is not None, "a shard is written once"
+            size, digest = write_chunks_durably(self.path, self._chunks(), self._total)
+            self.file = {"name": self.path.name, "bytes": size, "sha256": digest}
         except Exception as e:  # noqa: BLE001 - reported to the controller, which decides
             self.error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
         finally:
-            self._tensors = None
+            self._chunks = None  # the snapshot's memory goes with the last reference to it
             self.write_s = time.perf_counter() - t0
             self._done.set()
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self.run, name=f"shard-write-{self.path.name}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run_niced, name=f"shard-write-{self.path.name}", daemon=True
+        )
         self._thread.start()
+
+    def _run_niced(self) -> None:
+        # Hashing and copying into the page cache take CPU from the training step that runs meanwhile:
+        # on Linux a thread has its own nice value, so the writer yields the cores to training.
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        self.run()
 
     def wait(self, timeout_s: float | None = None) -> bool:
         return self._done.wait(timeout_s)

@@ -135,6 +135,10 @@ class Zero3Layout:
         """Every slice this rank fills when loading, known without opening (swapping in) a group."""
         return [piece for group in self._slices for piece in group]
 
+    def save_slices(self, group: int) -> list[LocalSlice]:
+        """What this rank saves of `group`, known without opening it."""
+        return self._slices[group]
+
     @contextmanager
     def open(self, group: int, *, write_back: bool) -> Iterator[OpenGroup]:
         opt = self.optimizer
@@ -228,6 +232,9 @@ class FlatPartitionLayout:
     def load_slices(self) -> list[LocalSlice]:
         return [piece for group in self._slices for piece in group]
 
+    def save_slices(self, group: int) -> list[LocalSlice]:
+        return self._slices[group]
+
     @contextmanager
     def open(self, group: int, *, write_back: bool) -> Iterator[OpenGroup]:
         flat = self._flats[group]
@@ -272,6 +279,10 @@ class ReplicatedLayout:
 
     def load_slices(self) -> list[LocalSlice]:
         return [_whole(piece) for _, piece in self._params]
+
+    def save_slices(self, group: int) -> list[LocalSlice]:
+        piece = self._params[group][1]
+        return [piece] if piece.length else []
 
     @contextmanager
     def open(self, group: int, *, write_back: bool) -> Iterator[OpenGroup]:

@@ -25,10 +25,9 @@ import torch
 
 from elastictrain.checkpoint.zero_layouts import (
     FP32,
+    LocalSlice,
     layout_for,
     rebuild_scalar,
-    scalar_state,
-    unreshardable_state,
 )
 
 FRAGMENTS_KEY = "elastictrain.fragments"
@@ -49,39 +48,20 @@ def _optimizer_name(engine: Any) -> str:
     return type(inner).__name__
 
 
-@torch.no_grad()
 def snapshot_local_state(engine: Any) -> tuple[dict[str, torch.Tensor], dict[str, Fragment], dict[str, Any]]:
-    """This rank's fragments as CPU tensors named 'param::field', their positions, and scalar state."""
-    layout = layout_for(engine)
-    tensors: dict[str, torch.Tensor] = {}
-    fragments: dict[str, Fragment] = {}
-    scalars: dict[str, Any] = {}
-    for group in range(layout.num_groups()):
-        with layout.open(group, write_back=False) as opened:
-            bad = unreshardable_state(opened)
-            if bad:
-                raise RuntimeError(
-                    f"optimizer {_optimizer_name(engine)}: state {bad} is neither elementwise nor a scalar, "
-                    "so it cannot be resharded; use a fixed world size (min_workers == max_workers)"
-                )
-            if not scalars.get("optimizer_state"):
-                scalars["optimizer_state"] = scalar_state(opened)
-            fields = opened.fields()
-            for piece in opened.slices:
-                for field, source in fields.items():
-                    part = source.narrow(0, piece.offset, piece.length).detach()
-                    tensors[f"{piece.name}::{field}"] = part.to("cpu", torch.float32, copy=True)
-                fragments[piece.name] = Fragment(piece.start, piece.length, piece.numel, piece.shape)
-    step = (scalars.get("optimizer_state") or {}).get("step")
-    scalars["optimizer_step"] = step["value"] if step else None  # kept for checkpoints' readers
-    scaler = getattr(engine.optimizer, "loss_scaler", None)
-    if scaler is not None:
-        scalars["loss_scaler"] = {
-            k: float(v)
-            for k, v in vars(scaler).items()
-            if isinstance(v, int | float) and not isinstance(v, bool)
-        }
-    return tensors, fragments, scalars
+    """This rank's fragments as CPU tensors named 'param::field', their positions, and scalar state.
+
+    The tensors are views into one host buffer (checkpoint/rank_snapshot.py), laid out as the file.
+    """
+    from elastictrain.checkpoint.rank_snapshot import take_snapshot
+
+    snap = take_snapshot(engine)
+    assert snap is not None  # no memory bound given
+    return snap.tensors(), fragments_of(snap.plan.pieces), snap.scalars
+
+
+def fragments_of(pieces: list[LocalSlice]) -> dict[str, Fragment]:
+    return {p.name: Fragment(p.start, p.length, p.numel, p.shape) for p in pieces}
 
 
 def rank_file(rank: int, world_size: int, fragments: dict[str, Fragment]) -> tuple[str, dict[str, str]]:

@@ -28,6 +28,33 @@ def _hidden(config: Config) -> int:
     return int(config.model.hf_config.get("hidden_size", 1024))
 
 
+NVME_SUB_GROUP = 50_000_000
+MIN_BUCKET = 1 << 22  # elements: below this, buckets only add collective calls on small models
+MAX_BUCKET = 500_000_000  # DeepSpeed's own default
+
+
+def live_parameters(config: Config) -> int:
+    """ZeRO-3's bound on gathered parameters (and on the reuse distance that keeps them gathered): about
+    twenty hidden^2, two layers of a Llama. DeepSpeed's default (1e9) keeps a whole 1B model gathered
+    through a backward pass with activation checkpointing: 4 GB of fp32 per rank on top of its partition."""
+    h = _hidden(config)
+    return min(1_000_000_000, max(10_000_000, 20 * h * h))
+
+
+def _bucket_sizes(config: Config) -> dict[str, int]:
+    """Gradient-reduce and parameter-prefetch buckets sized to the model (the Hugging Face recipe:
+    hidden^2 and 0.9 hidden^2), and the live-parameter bound. DeepSpeed's defaults (5e8 and 5e7
+    elements) fill 2 GB of fp32 reduce bucket per rank on a 1B model: a 2-rank CPU run of the 1B preset
+    went out of memory with them."""
+    h = _hidden(config)
+    return {
+        "reduce_bucket_size": min(MAX_BUCKET, max(MIN_BUCKET, h * h)),
+        "stage3_prefetch_bucket_size": min(MAX_BUCKET, max(MIN_BUCKET, int(0.9 * h * h))),
+        "stage3_max_live_parameters": live_parameters(config),
+        "stage3_max_reuse_distance": live_parameters(config),
+    }  # elements of fp32 master, gradient and Adam state swapped in together
+
+
 def _largest_param(config: Config) -> int:
     hf = config.model.hf_config
     h = _hidden(config)
@@ -62,9 +89,14 @@ def _generated(config: Config) -> dict[str, Any]:
         "contiguous_gradients": True,
         "overlap_comm": False,
         "stage3_gather_16bit_weights_on_model_save": False,
+        **_bucket_sizes(config),
     }
     if ds.offload_optimizer != "none":
         zero["offload_optimizer"] = _offload_block(ds.offload_optimizer, config, param=False)
+    if ds.offload_optimizer == "nvme":
+        # ZeRO-3 swaps the optimizer in one sub-group at a time: DeepSpeed's default (1e9 elements) would
+        # bring a whole 1B model's state back into host memory; 5e7 bounds it to ~0.8 GB.
+        zero["sub_group_size"] = NVME_SUB_GROUP
     if ds.offload_param != "none":
         zero["offload_param"] = _offload_block(ds.offload_param, config, param=True)
     cfg: dict[str, Any] = {"zero_optimization": zero}

@@ -135,6 +135,10 @@ class CheckpointConfig:
     background_write: bool = True
     # Also keep the checkpoint at the step of the lowest validation loss (when one was saved at that step).
     keep_best: bool = False
+    # Host memory one rank's snapshot may take (MB). A rank whose state is larger streams its file from
+    # the live state instead (training waits for the write; nothing is copied). null: half the memory
+    # available at save time, split between the node's ranks.
+    max_host_memory_mb: float | None = None
 
 
 @dataclass

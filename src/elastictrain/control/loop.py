@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastictrain.checkpoint.store import CheckpointStore, Committed
+from elastictrain.checkpoint.store import CheckpointStore
 from elastictrain.cluster.calls import Group
-from elastictrain.config.deepspeed_config import build_deepspeed_config, for_rank
+from elastictrain.control.attempt_specs import attempt_specs
 from elastictrain.control.callbacks import Callbacks
 from elastictrain.control.capacity import Capacity
 from elastictrain.control.errors import AttemptFailed, RunFailed
@@ -39,7 +39,6 @@ from elastictrain.rundir.durable import remove_stale_temporaries
 from elastictrain.rundir.liveness import remove_dead_buffers
 from elastictrain.rundir.run_dir import RunDir
 from elastictrain.tracking.tracker import Tracker
-from elastictrain.worker.attempt import AttemptSpec
 
 log = logging.getLogger("elastictrain.controller")
 
@@ -224,7 +223,17 @@ class Controller:
         )[active[0].worker_id]
         master_addr = active[0].info["node_ip"]
         t0 = self.clock()
-        specs = self._specs(size, plan, resume, master_addr, port)
+        specs = attempt_specs(
+            self.cfg,
+            attempt=self.attempt,
+            plan=plan,
+            run_id=self.recorder.run_dir.read_info().run_id,
+            master_addr=master_addr,
+            port=port,
+            checkpoint_dir=str(resume.path) if resume else None,
+            start_step=self.step,
+            node_ids=[w.node_id for w in active],
+        )
         calls = self.group.call_each(active, "setup", [(spec,) for spec in specs])
         timings = gather_results(
             self.group, calls, self.step, timeout_s=self.cfg.failure.collective_timeout_s, phase="setup"
@@ -255,28 +264,6 @@ class Controller:
         self.recorder.metrics({"world_size": float(size)}, step=self.step)
         for callback in self.callbacks.after_attempt_start:
             callback(self)
-
-    def _specs(
-        self, size: int, plan: BatchPlan, resume: Committed | None, master_addr: str, port: int
-    ) -> list[AttemptSpec]:
-        ds_config = build_deepspeed_config(self.cfg, plan.micro_batch_size, plan.grad_accum_steps, size)
-        run_id = self.recorder.run_dir.read_info().run_id
-        return [
-            AttemptSpec(
-                attempt=self.attempt,
-                rank=rank,
-                world_size=size,
-                master_addr=master_addr,
-                master_port=port,
-                backend="nccl" if self.cfg.scaling.use_gpu else "gloo",
-                plan=plan,
-                config=self.cfg,
-                ds_config=for_rank(ds_config, run_id, rank),
-                checkpoint_dir=str(resume.path) if resume else None,
-                start_step=self.step,
-            )
-            for rank in range(size)
-        ]
 
     def _manifest_for(self, size: int, plan: BatchPlan) -> Callable[[int, dict[str, Any]], dict[str, Any]]:
         def fields(step: int, engine_state: dict[str, Any]) -> dict[str, Any]:

@@ -81,6 +81,7 @@ class SaveCoordinator:
         self._pause_parts: tuple[int, list[float]] | None = None  # the last save's step, per-rank pause
         self._workers: list[Any] = []  # the attempt's workers, in rank order
         self._manifest: ManifestFields | None = None
+        self._streamed = False  # the pending save's ranks streamed their files (no room for a snapshot)
 
     # -- the attempt the saves belong to --
     def attach(self, workers: Sequence[Any], manifest: ManifestFields) -> None:
@@ -130,6 +131,8 @@ class SaveCoordinator:
             manifest=self._manifest(step, ordered[0]["engine_state"]),
             files={r["name"]: r["file"] for r in ordered if r.get("file")},
         )
+        # A rank whose snapshot would exceed checkpoint.max_host_memory_mb streamed its file inline.
+        self._streamed = any(r.get("mode") == "streamed" for r in ordered)
         self._commit_if_written(step)
 
     # -- observe --
@@ -307,6 +310,8 @@ class SaveCoordinator:
         seconds = self.clock() - pending.started
         self.recorder.metrics({"checkpoint_time_s": seconds}, step=pending.step)
         written = "in the background" if self.cfg.checkpoint.background_write else "synchronously"
+        if self.cfg.checkpoint.background_write and self._streamed:
+            written = "streamed from the live state: a snapshot would exceed checkpoint.max_host_memory_mb"
         self.recorder.event(
             "checkpoint",
             f"checkpoint {committed.tag} committed {seconds:.2f}s after it was queued (written {written})"

@@ -13,7 +13,9 @@ import re
 import signal
 import time
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from elastictrain.rundir.liveness import pid_exists
 
@@ -56,33 +58,62 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_bytes_durably(path: Path, data: bytes | memoryview) -> str:
-    """Write, fsync, and return the sha256 of what was written.
+    """Write, fsync, and return the sha256 of what was written (see `write_chunks_durably`)."""
+    return write_chunks_durably(path, [data], len(data))[1]
 
-    A failed write (ENOSPC, EIO) removes the torn file before re-raising, so a full disk never
-    leaves a half-written file behind that could be mistaken for a whole one.
+
+def write_chunks_durably(
+    path: Path, chunks: Iterable[Any], total: int | None = None, block: int = 64 << 20
+) -> tuple[int, str]:
+    """Write `chunks` (buffers: bytes, arrays; `total` bytes in all where known) in order, fsync, and
+    return (bytes written, sha256).
+
+    Chunks are written as they come, in pieces of at most `block` bytes, so a caller may stream a
+    file far larger than the memory it holds at once. A failed write (ENOSPC, EIO) removes the torn
+    file before re-raising, so a full disk never leaves a half-written file behind that could be
+    mistaken for a whole one.
     """
-    digest = hashlib.sha256(data).hexdigest()
+    h = hashlib.sha256()
     phase = _phase_of(Path(path))
+    # Where a crash test tears the file: half way, or after the first chunk when the size is not known.
+    torn_at = -1
+    if phase is not None and os.environ.get(CRASH_ENV):
+        torn_at = total // 2 if total else 1
+    written = 0
     try:
-        with open(path, "wb") as f:
-            if phase is not None and os.environ.get(CRASH_ENV):
-                half = len(data) // 2
-                f.write(data[:half])
-                f.flush()
-                os.fsync(f.fileno())
-                crash_point(f"{phase}_partial")  # killed mid-write: a torn file on disk
-                f.write(data[half:])
-            else:
-                f.write(data)
-            f.flush()
+        with open(path, "wb", buffering=0) as f:
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                for lo in range(0, len(view), block):
+                    piece = view[lo : lo + block]
+                    if written <= torn_at < written + len(piece):
+                        cut = torn_at - written
+                        _write_all(f, piece[:cut])
+                        os.fsync(f.fileno())
+                        crash_point(f"{phase}_partial")  # killed mid-write: a torn file on disk
+                        _write_all(f, piece[cut:])
+                    else:
+                        _write_all(f, piece)
+                    h.update(piece)
+                    written += len(piece)
             os.fsync(f.fileno())
     except OSError:
         with contextlib.suppress(OSError):
             os.unlink(path)
         raise
+    if total is not None and written != total:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise RuntimeError(f"{path}: wrote {written} bytes, expected {total}")
     if phase is not None:
         crash_point(f"{phase}_written")
-    return digest
+    return written, h.hexdigest()
+
+
+def _write_all(f: Any, view: memoryview) -> None:
+    while len(view):
+        n = f.write(view)
+        view = view[n:]
 
 
 def replace_text_atomically(path: Path, text: str) -> None:

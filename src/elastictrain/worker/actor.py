@@ -29,6 +29,7 @@ from elastictrain.worker.dist import (
     reset_zero_counters,
     zero_stage,
 )
+from elastictrain.worker.host_memory import snapshot_budget_bytes
 
 # Frames from these files mean "waiting for the other ranks".
 _COLLECTIVE_MODULES = (
@@ -331,34 +332,42 @@ class TrainWorker:
                 time.sleep(3600)
 
     def save_shard(self, staging_dir: str, background: bool = False) -> dict[str, Any]:
-        """Snapshot this rank's fragments to host memory, then write them durably into the staging folder.
+        """Write this rank's fragments durably into the staging folder.
 
-        With `background`, only the snapshot blocks: the write runs in a thread while training goes
-        on, and its outcome comes back in the next `train_step` results (or from `save_status`).
+        With `background`, training pauses only for a host-memory snapshot: the write runs in a thread
+        while training goes on, and its outcome comes back in the next `train_step` results (or from
+        `save_status`). A snapshot larger than the host memory checkpoints may use
+        (`checkpoint.max_host_memory_mb`), and every save without `background`, is streamed from the
+        live state group by group instead: no copy, training waits for the write.
         """
-        from elastictrain.checkpoint.writer import ShardWrite
-        from elastictrain.checkpoint.zero_state import rank_file, snapshot_local_state
+        from elastictrain.checkpoint.rank_save import prepare_rank_write
 
-        assert self.spec is not None and self.engine is not None, "save_shard before setup"
+        spec, engine = self.spec, self.engine
+        assert spec is not None and engine is not None, "save_shard before setup"
         self._join_writer()  # one snapshot in host memory at a time
         waited = time.time() - self._idle_since
         t0 = time.perf_counter()
-        self._set_mark("save", self.spec.start_step)
-        tensors, fragments, scalars = snapshot_local_state(self.engine)
-        snapshot_s = time.perf_counter() - t0
-        name, metadata = rank_file(self.spec.rank, self.spec.world_size, fragments)
-        write = ShardWrite(Path(staging_dir) / name, tensors, metadata, delay_s=self._write_delay_s)
-        del tensors
-        out: dict[str, Any] = {"name": name, "engine_state": scalars, "snapshot_s": snapshot_s}
-        if background:
+        self._set_mark("save", spec.start_step)
+        budget = snapshot_budget_bytes(spec.config.checkpoint.max_host_memory_mb, spec.ranks_on_node)
+        write, out = prepare_rank_write(
+            engine,
+            Path(staging_dir),
+            spec.rank,
+            spec.world_size,
+            snapshot=background,
+            max_snapshot_bytes=budget,
+            delay_s=self._write_delay_s,
+        )
+        if write.error:
+            raise RuntimeError(write.error)
+        out["snapshot_s"] = time.perf_counter() - t0
+        mode = out["mode"]
+        if mode == "snapshot" and background:
             self._writer = write
             write.start()
         else:
-            write.run()
-            if write.error:
-                raise RuntimeError(write.error)
             out["file"] = write.file
-        self._set_mark("saved", self.spec.start_step)
+        self._set_mark("saved", spec.start_step)
         out["save_s"] = time.perf_counter() - t0
         out["waited_s"] = waited
         self._idle_since = time.time()

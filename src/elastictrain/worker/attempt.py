@@ -21,3 +21,4 @@ class AttemptSpec:
     ds_config: dict[str, Any]
     checkpoint_dir: str | None  # a committed checkpoint to load, or None for a fresh start
     start_step: int
+    ranks_on_node: int = 1  # this attempt's ranks on the worker's node: they share its host memory

@@ -1,0 +1,333 @@
+"""How every cost grows with the model, 30M to 1B parameters (the `conf/llama-*.yaml` presets).
+
+For each size, in one process and side by side (all figures at world size 2 unless stated):
+  throughput     elastictrain's steady step against the deepspeed launcher's, same model and config;
+  cold start     command to first completed step: `elastictrain train` (a subprocess, as users run
+                 it), the deepspeed launcher and Ray Train's TorchTrainer;
+  checkpoint     elastictrain's pause (training stopped) and time to a committed checkpoint, against
+                 DeepSpeed's save_checkpoint, elastictrain's own durable synchronous save (streamed),
+                 and the disk's fsynced write bandwidth measured here;
+  resharding     loading the world-size-2 checkpoint at 3 and a 3-rank one at 2, page cache dropped
+                 first, against the disk's read bandwidth and `ds_to_universal` + universal load (2->3);
+  recovery       a worker killed (3 -> 2 workers) to the first completed step after it;
+  memory         peak resident memory per rank against core.memory's estimate (the ZeRO-3 bound plus
+                 the runtime's baseline) for no offload, CPU offload and NVMe offload.
+Sizes run in order and each is saved to scale.json as soon as it is done: `--sizes 30m,125m` runs
+part of them, and a later run skips the sizes already there (`--redo` measures them again).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import baselines
+from benchmarks.common import (
+    BIN,
+    CONFIG,
+    ROOT,
+    Result,
+    Target,
+    Workload,
+    config_overrides,
+    median,
+    peer_check,
+    peer_env,
+    ratio,
+    run_peer,
+)
+from benchmarks.scale_parts import (
+    cold_disk_bandwidth,
+    drop_from_page_cache,
+    elastictrain_recovery,
+    memory_modes,
+    steady_step_s,
+)
+
+SIZES = ("30m", "125m", "350m", "1b")
+# (warm-up steps skipped, measured steps): fewer at the sizes where a CPU step takes tens of seconds.
+STEPS = {"30m": (2, 4), "125m": (1, 3), "350m": (1, 2), "1b": (1, 2), "smoke": (1, 2)}
+PRESET_KEYS = ("model.hf_config", "data.seq_len", "training", "deepspeed", "failure")
+
+
+def preset_overrides(size: str) -> tuple[str, ...]:
+    """The preset's model, batch, DeepSpeed and timeout settings as overrides of the benchmarks' config."""
+    from omegaconf import OmegaConf
+
+    preset = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / f"llama-{size}.yaml"))
+    assert isinstance(preset, dict)
+    out = []
+    for key in PRESET_KEYS:
+        node: Any = preset
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            skip = ("max_steps", "warmup_steps")  # the benchmark's own step counts
+            out += [f"{key}.{k}={'null' if v is None else v}" for k, v in node.items() if k not in skip]
+        elif node is not None:
+            out.append(f"{key}={node}")
+    return (*out, "data.generated_chars=400000", "training.warmup_steps=1")
+
+
+def workload_for(size: str, smoke: bool) -> Workload:
+    warm, measured = STEPS["smoke" if smoke else size]
+    return Workload(
+        f"scale-{size}",
+        preset_overrides(size),
+        warmup_steps=warm,
+        measured_steps=measured,
+        peer_timeout_s=3600,
+    )
+
+
+def measure_size(size: str, tmp: Path, smoke: bool) -> dict[str, Any]:
+    w = workload_for(size, smoke)
+    tmp = tmp / size
+    nvme = tmp / "nvme"
+    nvme.mkdir(parents=True, exist_ok=True)
+    w = Workload(w.name, (*w.overrides, f"deepspeed.nvme_path={nvme}"), *_steps(w))
+    out: dict[str, Any] = {"size": size, "workload": list(w.overrides), "started": time.time()}
+    log = lambda msg: print(f"  scale {size}: {msg}", flush=True)  # noqa: E731
+
+    t0 = time.time()
+    ds = baselines.peer("deepspeed", 2, w, tmp, 0)
+    save = (ds.out or {})["save"]
+    out["parameters"] = (ds.out or {}).get("parameters")
+    out["deepspeed"] = {
+        "step_s": steady_step_s(ds.step_records(), w),
+        "cold_start_s": ds.step_records()[0]["time"] - t0,
+        "save_checkpoint_s": median(save["deepspeed_save_checkpoint_s"]),
+        "checkpoint_bytes": save["deepspeed_bytes"],
+        "peak_rss_bytes": max(m["peak_rss_bytes"] for m in ds.out["memory"]),  # type: ignore[index]
+    }
+    frag_bytes = save["fragment_bytes"]
+    out["elastictrain_save"] = {
+        "snapshot_s": median(save["elastictrain_snapshot_s"]),
+        "snapshot_and_write_s": median(save["elastictrain_save_s"]),
+        "streamed_sync_save_s": median(save["elastictrain_stream_s"]),
+        "bytes": frag_bytes,
+    }
+    log(f"{out['parameters'] / 1e6:.0f}M parameters; deepspeed step {out['deepspeed']['step_s']:.2f}s")
+    out["disk"] = cold_disk_bandwidth(tmp, frag_bytes // 2)
+    log(f"disk {out['disk']['write_fsync_bytes_per_s'] / 1e6:.0f} MB/s write, "
+        f"{out['disk']['read_bytes_per_s'] / 1e6:.0f} MB/s read")  # fmt: skip
+
+    every = max(1, w.steps // 2)  # a checkpoint mid-run, so steps follow it and its pause is seen
+    et = baselines.elastictrain(2, w, tmp, 0, f"checkpoint.every_steps={every}")
+    out["elastictrain"] = {
+        "step_s": steady_step_s(et["steps"], w),
+        "pause_s": [p["pause_s"] for p in et["pauses"]],
+        "commit_s": [c["seconds"] for c in et["checkpoints"]],
+        "checkpoint_bytes": [c.get("bytes") for c in et["checkpoints"]],
+        "peak_rss_bytes": max((m["peak_rss_bytes"] for m in et["memory"]), default=None),
+        "setup_s": et["setup_s"],
+    }
+    log(f"elastictrain step {out['elastictrain']['step_s']:.2f}s, pauses {out['elastictrain']['pause_s']}")
+
+    out["cold_start"] = {
+        "elastictrain_s": elastictrain_cli_cold_start(w, tmp / "cli"),
+        "deepspeed_s": out["deepspeed"]["cold_start_s"],
+        "ray_train_s": ray_train_cold_start(w, tmp / "ray-train"),
+    }
+    log(f"cold start {out['cold_start']}")
+    out["reshard"] = reshard_loads(w, tmp, save, frag_bytes)
+    log(f"reshard {out['reshard']}")
+    out["recovery"] = elastictrain_recovery(w, tmp / "recovery")
+    log(f"recovery {out['recovery']}")
+    out["memory"] = memory_modes(w, tmp / "memory", out["elastictrain"]["peak_rss_bytes"], smoke)
+    log(f"memory {out['memory']}")
+    out["seconds"] = time.time() - out["started"]
+    baselines.clear()
+    return out
+
+
+def _steps(w: Workload) -> tuple[int, int, float]:
+    return w.warmup_steps, w.measured_steps, w.peer_timeout_s
+
+
+def elastictrain_cli_cold_start(w: Workload, tmp: Path) -> float | None:
+    """`elastictrain train` from a fresh process to its first completed step (its `step 1/` line)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    overrides = config_overrides(w, tmp / "run", "training.max_steps=1", "checkpoint.every_steps=1000")
+    cmd = [str(BIN / "elastictrain"), "train", "-c", str(CONFIG), "--no-tracking", *overrides]
+    t0 = time.time()
+    first = None
+    with subprocess.Popen(
+        cmd, cwd=ROOT, env=peer_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if first is None and line.startswith("step 1/"):
+                first = time.time() - t0
+        proc.wait(timeout=w.peer_timeout_s)
+    return first
+
+
+def ray_train_cold_start(w: Workload, tmp: Path) -> float | None:
+    one = Workload(w.name, w.overrides, warmup_steps=0, measured_steps=1, peer_timeout_s=w.peer_timeout_s)
+    t0 = time.time()
+    run = run_peer("ray_train", 2, one, tmp)
+    steps = run.step_records()
+    return steps[0]["time"] - t0 if steps else None
+
+
+def reshard_loads(w: Workload, tmp: Path, save: dict[str, Any], frag_bytes: int) -> dict[str, Any]:
+    """2 -> 3 (fragments and the universal route) and 3 -> 2 (fragments), each load from a cold cache."""
+    from elastictrain.tools.reshard import reshard_checkpoint
+
+    fragments = Path(save["fragments_dir"])
+    ds_dir = fragments.parent / "deepspeed"
+    tag = save["deepspeed_tag"]
+    t0 = time.perf_counter()
+    conv = subprocess.run(
+        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+         "--input_folder", str(ds_dir / tag), "--output_folder", str(ds_dir / f"{tag}_universal")],
+        env=peer_env(), capture_output=True, text=True, timeout=3600,
+    )  # fmt: skip
+    convert_s = time.perf_counter() - t0 if conv.returncode == 0 else None
+    three = tmp / "fragments.ws3"
+    t0 = time.perf_counter()
+    reshard_checkpoint(fragments, 3, three)
+    offline_s = time.perf_counter() - t0
+    out: dict[str, Any] = {"ds_to_universal_s": convert_s, "offline_reshard_2_to_3_s": offline_s}
+    for src, ws, universal in ((fragments, 3, convert_s is not None), (three, 2, False)):
+        drop_from_page_cache([*src.rglob("*"), *(ds_dir.rglob("*") if universal else [])])
+        extra: dict[str, Any] = {"steps": 0, "load_fragments": str(src)}
+        if universal:
+            extra.update(load_universal=str(ds_dir), load_universal_tag=f"{tag}_universal")
+        load = run_peer("torchrun", ws, w, tmp / f"load-ws{ws}", spec_extra=extra)
+        peer_check(load, f"loading a checkpoint at world size {ws}")
+        loads = load.out["load"]  # type: ignore[index]
+        key = f"{'2_to_3' if ws == 3 else '3_to_2'}"
+        out[f"load_{key}_s"] = loads["fragments_load_s"]
+        if universal:
+            out["universal_load_2_to_3_s"] = loads["universal_load_s"]
+    out["bytes"] = frag_bytes
+    return out
+
+
+# ---------------------------------------------------------------- the run, the table, the plots
+def run(w: Workload, tmp: Path, reps: int, smoke: bool, sizes: str = "", redo: bool = False) -> Result:
+    wanted = [s.strip() for s in sizes.split(",") if s.strip()] or (["30m"] if smoke else list(SIZES))
+    unknown = [s for s in wanted if s not in SIZES]
+    if unknown:
+        raise ValueError(f"--sizes: unknown size(s) {unknown}; expected any of {', '.join(SIZES)}")
+    done = {} if smoke else previous_sizes()
+    for size in wanted:
+        if size in done and not redo:
+            print(f"  scale {size}: measured before ({done[size].get('time', '?')}); --redo to measure again")
+            continue
+        measured = measure_size(size, tmp, smoke)
+        measured["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        done[size] = measured
+        if not smoke:
+            save_partial(done)  # a later run resumes after the last size finished
+    return summarize(done, smoke)
+
+
+def previous_sizes() -> dict[str, Any]:
+    from benchmarks.common import RESULTS
+
+    path = RESULTS / "scale.json"
+    if not path.exists():
+        return {}
+    return {r["size"]: r for r in json.loads(path.read_text()).get("runs", [])}
+
+
+def save_partial(done: dict[str, Any]) -> None:
+    from benchmarks.common import RESULTS
+
+    summarize(done, False).write(RESULTS)
+
+
+def summarize(done: dict[str, Any], smoke: bool) -> Result:
+    rows = [done[s] for s in SIZES if s in done]
+    metrics: dict[str, Any] = {}
+    targets: list[Target] = []
+    for r in rows:
+        m = size_metrics(r)
+        metrics[r["size"]] = m
+        targets += size_targets(r["size"], m)
+    notes = [
+        "pause: training stopped for the checkpoint (slowest rank); durable synchronous save: elastictrain's "
+        "own streamed save (background_write: false); commit bandwidth: checkpoint bytes / time to commit.",
+        "reshard and recovery loads read from a cold page cache (POSIX_FADV_DONTNEED on every file first).",
+        "memory bound: core.memory.estimate_rank_memory (ZeRO-3 model states / world size + largest "
+        "layer + runtime baseline); 'refused' means elastictrain's preflight refused the configuration.",
+    ]
+    return Result("scale", smoke, 1, metrics, targets, rows, notes, {"sizes": [r["size"] for r in rows]})
+
+
+def size_metrics(r: dict[str, Any]) -> dict[str, Any]:
+    et, ds, disk, rs = r["elastictrain"], r["deepspeed"], r["disk"], r["reshard"]
+    sync_save = r["elastictrain_save"]["streamed_sync_save_s"]
+    commit = median(et["commit_s"])
+    ck_bytes = median([b for b in et["checkpoint_bytes"] if b])
+    return {
+        "parameters": r["parameters"],
+        "throughput_vs_deepspeed": ratio(ds["step_s"], et["step_s"]),
+        "cold_start_s": r["cold_start"],
+        "pause_s": median(et["pause_s"]),
+        "pause_vs_durable_sync_save": ratio(median(et["pause_s"]), sync_save),
+        "commit_s": commit,
+        "commit_vs_disk_write": ratio(ratio(ck_bytes, commit), disk["write_fsync_bytes_per_s"]),
+        "deepspeed_save_checkpoint_s": ds["save_checkpoint_s"],
+        "checkpoint_bytes": ck_bytes,
+        "reshard_2_to_3_vs_disk_read": ratio(
+            ratio(rs["bytes"], rs["load_2_to_3_s"]), disk["read_bytes_per_s"]
+        ),
+        "reshard_3_to_2_vs_disk_read": ratio(
+            ratio(rs["bytes"], rs["load_3_to_2_s"]), disk["read_bytes_per_s"]
+        ),
+        "reshard_2_to_3_s": rs["load_2_to_3_s"],
+        "reshard_3_to_2_s": rs["load_3_to_2_s"],
+        "universal_route_2_to_3_s": (rs["ds_to_universal_s"] or math.nan)
+        + (rs.get("universal_load_2_to_3_s") or math.nan),
+        "recovery_s": r["recovery"].get("death_to_first_step_s"),
+        "recovery_fixed_s": _fixed_part(r),
+        "memory": r["memory"],
+        "disk": disk,
+    }
+
+
+def _fixed_part(r: dict[str, Any]) -> float | None:
+    """Recovery minus the time its checkpoint's bytes take at the disk's read bandwidth."""
+    rec = r["recovery"].get("death_to_first_step_s")
+    if rec is None:
+        return None
+    return rec - r["recovery"].get("checkpoint_bytes", 0) / r["disk"]["read_bytes_per_s"]
+
+
+def size_targets(size: str, m: dict[str, Any]) -> list[Target]:
+    out = [
+        Target(f"{size}: throughput / deepspeed launcher", m["throughput_vs_deepspeed"], 0.97, ">="),
+        Target(
+            f"{size}: checkpoint pause / durable synchronous save",
+            m["pause_vs_durable_sync_save"],
+            0.05,
+            "<=",
+        ),
+        Target(f"{size}: commit bandwidth / disk write bandwidth", m["commit_vs_disk_write"], 0.5, ">="),
+        Target(
+            f"{size}: reshard 2->3 load / disk read bandwidth", m["reshard_2_to_3_vs_disk_read"], 0.5, ">="
+        ),
+        Target(
+            f"{size}: reshard 3->2 load / disk read bandwidth", m["reshard_3_to_2_vs_disk_read"], 0.5, ">="
+        ),
+        Target(f"{size}: recovery, fixed part", m["recovery_fixed_s"], 3.0, "<=", unit="s"),
+    ]
+    for mode, mem in (m.get("memory") or {}).items():
+        if isinstance(mem, dict) and mem.get("vs_bound") is not None:
+            out.append(Target(f"{size}: peak memory / bound ({mode} offload)", mem["vs_bound"], 1.10, "<="))
+    return out
+
+
+def plot(result: dict[str, Any], out: Path) -> None:
+    from benchmarks.scale_parts import plot_scale
+
+    plot_scale(result, out)

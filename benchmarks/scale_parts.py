@@ -1,0 +1,186 @@
+"""The scale benchmark's measurements that are not peer launches: the disk, recovery, memory, the plots."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import baselines
+from benchmarks.common import Workload, config_overrides, load, median, run_elastictrain
+from benchmarks.recovery import _elastictrain_outcome
+from benchmarks.throughput import step_times
+
+MODES = ("none", "cpu", "nvme")
+
+
+def drop_from_page_cache(paths: list[Path]) -> None:
+    """Make the next read of these files come from the disk (they must be written and synced)."""
+    for path in paths:
+        if not path.is_file():
+            continue
+        with contextlib.suppress(OSError):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def cold_disk_bandwidth(folder: Path, size: int) -> dict[str, float]:
+    """Sequential write + fsync, then a read from a dropped page cache, of `size` bytes (>= 256 MiB)."""
+    size = max(size, 256 << 20)
+    block = os.urandom(64 << 20)
+    path = folder / "disk-bandwidth.bin"
+    t0 = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        written = 0
+        while written < size:
+            written += f.write(block)
+        os.fsync(f.fileno())
+    write_s = time.perf_counter() - t0
+    drop_from_page_cache([path])
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.read(64 << 20):
+            pass
+    read_s = time.perf_counter() - t0
+    path.unlink()
+    return {
+        "bytes": written,
+        "write_fsync_bytes_per_s": written / write_s,
+        "read_bytes_per_s": written / read_s,
+    }
+
+
+def steady_step_s(records: list[dict[str, Any]], w: Workload) -> float:
+    return median(step_times(records)[max(0, w.warmup_steps - 1) :])
+
+
+def elastictrain_recovery(w: Workload, tmp: Path) -> dict[str, Any]:
+    """3 workers, a checkpoint at step 2, the last worker killed after step 3: kill to first step at 2."""
+    import ray
+
+    from elastictrain.chaos import at_step
+
+    baselines.ensure_local_ray()
+    t_fail: list[float] = []
+
+    def kill(controller: Any) -> None:
+        t_fail.append(time.time())
+        ray.kill(controller.active[-1].actor)
+
+    cfg = load(
+        config_overrides(
+            w,
+            tmp,
+            "scaling.min_workers=2",
+            "scaling.max_workers=3",
+            "checkpoint.every_steps=2",
+            "training.max_steps=5",
+        )
+    )
+    run_dir = run_elastictrain(cfg, at_step(3, kill))
+    out = _elastictrain_outcome(run_dir, t_fail[0])
+    checkpoints = [e for e in run_dir.read_events() if e["event"] == "checkpoint"]
+    out["checkpoint_bytes"] = checkpoints[0]["bytes"] if checkpoints else 0
+    return out
+
+
+def memory_modes(w: Workload, tmp: Path, preset_peak: int | None, smoke: bool) -> dict[str, Any]:
+    """Peak resident memory per rank for each offload, against core.memory's estimate.
+
+    Checkpoints are streamed (`checkpoint.max_host_memory_mb=0`), so the peak is training's own; a
+    configuration elastictrain's preflight refuses is recorded with its message, not run.
+    """
+    from elastictrain.preflight import PreflightError, check_memory_on_nodes
+
+    baselines.ensure_local_ray()
+    short = Workload(f"{w.name}-memory", w.overrides, warmup_steps=0, measured_steps=2, peer_timeout_s=3600)
+    out: dict[str, Any] = {}
+    for mode in ("none",) if smoke else MODES:
+        extra = (
+            f"deepspeed.offload_optimizer={mode}",
+            "deepspeed.offload_param=none",
+            "checkpoint.max_host_memory_mb=0",
+            "scaling.min_workers=2",
+            "scaling.max_workers=2",
+        )
+        cfg = load(config_overrides(short, tmp / mode, *extra))
+        try:
+            estimate = check_memory_on_nodes(cfg)
+        except PreflightError as e:
+            out[mode] = {"refused": str(e)}
+            continue
+        run = baselines.elastictrain(2, short, tmp, 0, *extra)
+        peak = max((m["peak_rss_bytes"] for m in run["memory"]), default=None)
+        bound = estimate.host_bytes if estimate is not None else None
+        out[mode] = {
+            "peak_rss_bytes": peak,
+            "bound_bytes": bound,
+            "vs_bound": peak / bound if peak and bound else None,
+        }
+        gib = lambda b: f"{b / 2**30:.2f} GiB" if b else "?"  # noqa: E731
+        print(f"    memory {mode}: peak {gib(peak)}, bound {gib(bound)}", flush=True)
+    return out
+
+
+# ---------------------------------------------------------------- plots
+def plot_scale(result: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [s for s, m in result["metrics"].items() if m.get("parameters")]
+    if not sizes:
+        return
+    ms = [result["metrics"][s] for s in sizes]
+    p = [m["parameters"] for m in ms]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+
+    def line(ax: Any, values: list[Any], label: str, style: str = "o-") -> None:
+        pts = [(x, v) for x, v in zip(p, values, strict=True) if v]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), style, label=label)
+
+    ax = axes[0][0]
+    line(ax, [m["pause_s"] for m in ms], "elastictrain pause")
+    line(ax, [m["commit_s"] for m in ms], "elastictrain commit")
+    line(ax, [m["deepspeed_save_checkpoint_s"] for m in ms], "DeepSpeed save_checkpoint")
+    line(
+        ax,
+        [m["checkpoint_bytes"] / m["disk"]["write_fsync_bytes_per_s"] for m in ms],
+        "bytes / disk write bw",
+        "k--",
+    )
+    ax.set_title("checkpoint (s)")
+    ax = axes[0][1]
+    line(ax, [m["reshard_2_to_3_s"] for m in ms], "elastictrain load 2->3")
+    line(ax, [m["reshard_3_to_2_s"] for m in ms], "elastictrain load 3->2")
+    line(ax, [m["universal_route_2_to_3_s"] for m in ms], "ds_to_universal + load 2->3")
+    line(ax, [m["recovery_s"] for m in ms], "recovery (kill to step)")
+    line(
+        ax, [m["checkpoint_bytes"] / m["disk"]["read_bytes_per_s"] for m in ms], "bytes / disk read bw", "k--"
+    )
+    ax.set_title("resharding and recovery (s)")
+    ax = axes[1][0]
+    for system in ("elastictrain", "deepspeed", "ray_train"):
+        line(ax, [m["cold_start_s"].get(f"{system}_s") for m in ms], f"cold start {system}")
+    ax.set_title("command to first step (s)")
+    ax = axes[1][1]
+    for mode in MODES:
+        line(ax, [(m["memory"].get(mode) or {}).get("peak_rss_bytes") for m in ms], f"peak, {mode} offload")
+        line(ax, [(m["memory"].get(mode) or {}).get("bound_bytes") for m in ms], f"bound, {mode}", "x:")
+    ax.set_title("host memory per rank (bytes)")
+    for ax in axes.flat:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("parameters")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)

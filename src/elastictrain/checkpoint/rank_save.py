@@ -1,0 +1,47 @@
+"""One rank's part of a checkpoint: a host snapshot to write later, or the file streamed now.
+
+Shared by the worker actor (worker/actor.py) and the benchmarks, so both run the same save.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from elastictrain.checkpoint.rank_snapshot import RankFilePlan, Walked, stream_chunks, take_snapshot
+from elastictrain.checkpoint.writer import ShardWrite
+from elastictrain.checkpoint.zero_state import fragments_of, rank_file
+
+
+def prepare_rank_write(
+    engine: Any,
+    folder: Path,
+    rank: int,
+    world_size: int,
+    *,
+    snapshot: bool,
+    max_snapshot_bytes: float = float("inf"),
+    delay_s: float = 0.0,
+) -> tuple[ShardWrite, dict[str, Any]]:
+    """With `snapshot`, copy the state to host memory (when it fits `max_snapshot_bytes`) and return
+    a write not yet started: the caller runs it now or in a thread. Otherwise, or when it does not fit,
+    stream the file from the live state before returning (the write is done, or holds its error).
+
+    Returns the write and {"name", "engine_state" (the scalars), "mode": "snapshot" | "streamed"}.
+    """
+    path = Path(folder) / rank_file(rank, world_size, {})[0]
+
+    def metadata_for(plan: RankFilePlan) -> dict[str, str]:
+        return rank_file(rank, world_size, fragments_of(plan.pieces))[1]
+
+    snap = take_snapshot(engine, max_bytes=max_snapshot_bytes) if snapshot else None
+    if snap is not None:
+        metadata = metadata_for(snap.plan)
+        chunks = snap.chunks  # the write holds the buffer until it has written it, then drops it
+        total = len(snap.plan.header(metadata)) + snap.plan.data_bytes
+        write = ShardWrite(path, lambda: chunks(metadata), total, delay_s=delay_s)
+        return write, {"name": path.name, "engine_state": snap.scalars, "mode": "snapshot"}
+    walked = Walked()
+    write = ShardWrite(path, lambda: stream_chunks(engine, metadata_for, walked), delay_s=delay_s)
+    write.run()
+    return write, {"name": path.name, "engine_state": walked.scalars, "mode": "streamed"}

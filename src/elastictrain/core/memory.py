@@ -1,0 +1,114 @@
+"""How much memory a rank needs for a model, ZeRO stage, precision and offload: decided before any worker.
+
+The model states follow DeepSpeed's own accounting (`estimate_zero3_model_states_mem_needs` and the
+ZeRO paper), per parameter, divided between the ranks by ZeRO:
+
+- the training copy of the weights: 4 bytes in fp32, 2 in bf16/fp16;
+- gradients: ZeRO keeps its partitioned gradients in fp32 for the optimizer (4 bytes), whatever the
+  training precision;
+- the optimizer's fp32 master weights (4 bytes), except in ZeRO-3 fp32 with the optimizer on the
+  device, where DeepSpeed (0.19) updates the training copy in place and keeps no second one;
+- Adam's two moments (8 bytes).
+
+So Adam costs 16 bytes per parameter in ZeRO-3 fp32, 20 in fp32 with the optimizer offloaded, and
+18 in mixed precision (the ZeRO paper's 16 plus the fp32 gradient partition), all of it divided by
+the world size under ZeRO-3. Stage 1 divides only the optimizer's bytes, stage 2 the gradients too,
+stage 0 nothing. Offloading the optimizer moves its bytes (and the fp32 gradients) from the device to
+the host, or to NVMe; offloading the parameters moves the training copy too. On a CPU-only machine
+device and host are the same memory.
+
+On top: the largest layer gathered whole for its forward and backward (fp32-sized, as DeepSpeed
+counts it; the caller passes ZeRO-3's live-parameter bound where larger), the host buffers an NVMe
+swap stages through (`swap_buffer_bytes`), and the runtime's own baseline per process (Python, torch,
+DeepSpeed, the Ray actor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1 << 30
+# Resident memory of one idle worker process (interpreter, torch, DeepSpeed, Ray's worker): measured
+# with the scale benchmark on CPU (`make bench ARGS="--only scale"`); GPU processes add their CUDA context.
+RUNTIME_BASELINE_BYTES = int(0.9 * GIB)
+MOMENT_BYTES = 8  # Adam's two fp32 moments
+MASTER_BYTES = 4  # the optimizer's fp32 copy of the weights, where it keeps one
+GRAD_BYTES = 4  # ZeRO's partitioned gradients are fp32
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per rank, in bytes: where the model states live, and the total the host must give each rank."""
+
+    params: int
+    world_size: int
+    device_bytes: int  # on the accelerator (0 on CPU: everything is host memory)
+    host_bytes: int  # model states on the host + largest layer + runtime baseline
+    nvme_bytes: int  # swapped to deepspeed.nvme_path
+    bytes_per_param: int  # model states per parameter before dividing by the world size
+
+    def describe(self) -> str:
+        where = f"{self.host_bytes / GIB:.2f} GiB host"
+        if self.device_bytes:
+            where = f"{self.device_bytes / GIB:.2f} GiB accelerator + " + where
+        if self.nvme_bytes:
+            where += f" + {self.nvme_bytes / GIB:.2f} GiB NVMe"
+        return (
+            f"memory per rank (estimate, {self.params / 1e6:.1f}M parameters at world size "
+            f"{self.world_size}, {self.bytes_per_param} bytes of model state per parameter): {where}"
+        )
+
+
+def estimate_rank_memory(
+    params: int,
+    largest_layer_params: int,
+    world_size: int,
+    *,
+    zero_stage: int,
+    precision: str,
+    offload_optimizer: str = "none",
+    offload_param: str = "none",
+    use_gpu: bool = False,
+    baseline_bytes: int = RUNTIME_BASELINE_BYTES,
+    swap_buffer_bytes: int = 0,
+) -> MemoryEstimate:
+    """Per-rank memory at `world_size` (see the module's docstring for the accounting)."""
+    if world_size < 1:
+        raise ValueError(f"world_size: got {world_size}; expected >= 1")
+    weight_bytes = 4 if precision == "fp32" else 2
+    in_place = zero_stage >= 3 and precision == "fp32" and offload_optimizer == "none"
+    optimizer_bytes = MOMENT_BYTES + (0 if in_place else MASTER_BYTES)
+    share = 1.0 / world_size
+    weights = params * weight_bytes * (share if zero_stage >= 3 else 1.0)
+    grads = params * GRAD_BYTES * (share if zero_stage >= 2 else 1.0)
+    optimizer = params * optimizer_bytes * (share if zero_stage >= 1 else 1.0)
+    places = {"device": 0.0, "host": 0.0, "nvme": 0.0}
+    places["host" if offload_param == "cpu" else "nvme" if offload_param == "nvme" else "device"] += weights
+    opt_place = {"cpu": "host", "nvme": "nvme"}.get(offload_optimizer, "device")
+    places[opt_place] += optimizer
+    # Offloaded optimizers step on the host, so the fp32 gradient partitions live there too.
+    places["device" if opt_place == "device" else "host"] += grads
+    layer = largest_layer_params * 4
+    if use_gpu:
+        device = places["device"] + layer
+        host = places["host"] + baseline_bytes + swap_buffer_bytes
+    else:
+        device = 0.0
+        host = places["device"] + places["host"] + layer + baseline_bytes + swap_buffer_bytes
+    return MemoryEstimate(
+        params=params,
+        world_size=world_size,
+        device_bytes=int(device),
+        host_bytes=int(host),
+        nvme_bytes=int(places["nvme"]),
+        bytes_per_param=weight_bytes + GRAD_BYTES + optimizer_bytes,
+    )
+
+
+def ranks_that_fit(node_memory_bytes: list[int], node_slots: list[int], per_rank_bytes: int) -> int:
+    """How many ranks the nodes can host by memory, each node capped by its CPU/GPU slots."""
+    if per_rank_bytes <= 0:
+        return sum(node_slots)
+    return sum(
+        min(slots, mem // per_rank_bytes) for mem, slots in zip(node_memory_bytes, node_slots, strict=True)
+    )

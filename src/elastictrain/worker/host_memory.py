@@ -1,0 +1,27 @@
+"""How much host memory this node has, and how much of it one rank's checkpoint snapshot may take."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+AUTO_SHARE = 0.5  # of the memory available at save time, split between the node's ranks
+
+
+def meminfo_bytes(field: str) -> int | None:
+    """A /proc/meminfo field (MemTotal, MemAvailable) in bytes; None where there is no such file."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        line = next(ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith(field + ":"))
+        return int(line.split()[1]) * 1024
+    return None
+
+
+def snapshot_budget_bytes(max_host_memory_mb: float | None, ranks_on_node: int) -> float:
+    """The largest snapshot a rank may hold: the setting, or half the available memory split between
+    the node's ranks (they snapshot at the same moment). Above it the checkpoint is streamed instead."""
+    if max_host_memory_mb is not None:
+        return float(max_host_memory_mb) * (1 << 20)
+    available = meminfo_bytes("MemAvailable")
+    if available is None:
+        return float("inf")  # no /proc: keep the background snapshot, as before the bound existed
+    return AUTO_SHARE * available / max(1, ranks_on_node)

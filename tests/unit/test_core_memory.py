@@ -1,0 +1,60 @@
+"""core.memory: the per-rank memory estimate printed at start and the refusal it backs."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastictrain.core.memory import GIB, estimate_rank_memory, ranks_that_fit
+
+B = 1_000_000_000  # parameters
+
+
+def _est(**kw):  # noqa: ANN003, ANN202
+    args = dict(zero_stage=3, precision="fp32", baseline_bytes=0)
+    args.update(kw)
+    return estimate_rank_memory(B, 0, 2, **args)
+
+
+def test_zero3_fp32_adam_is_16_bytes_per_parameter_divided_by_the_world_size() -> None:
+    e = _est()
+    assert e.bytes_per_param == 16  # weights updated in place: no separate fp32 master copy
+    assert e.host_bytes == 16 * B // 2 and e.device_bytes == 0 and e.nvme_bytes == 0
+
+
+def test_an_offloaded_optimizer_keeps_its_own_fp32_copy_20_bytes_per_parameter() -> None:
+    assert _est(offload_optimizer="cpu").host_bytes == 20 * B // 2
+
+
+def test_mixed_precision_is_18_bytes_per_parameter() -> None:
+    assert _est(precision="bf16").host_bytes == 18 * B // 2
+
+
+def test_nvme_optimizer_offload_moves_the_12_optimizer_bytes_out_of_host_memory() -> None:
+    e = _est(offload_optimizer="nvme")
+    assert e.nvme_bytes == 12 * B // 2
+    assert e.host_bytes == (4 + 4) * B // 2  # weights and the fp32 gradients stay
+
+
+def test_on_a_gpu_the_offloaded_optimizer_and_its_gradients_live_on_the_host() -> None:
+    e = _est(precision="bf16", offload_optimizer="cpu", use_gpu=True)
+    assert e.device_bytes == 2 * B // 2
+    assert e.host_bytes == (12 + 4) * B // 2
+
+
+def test_lower_stages_divide_less_and_the_largest_layer_and_baseline_add_on_top() -> None:
+    stage1 = _est(zero_stage=1)
+    assert stage1.host_bytes == (4 + 4) * B + 12 * B // 2
+    e = estimate_rank_memory(B, 1000, 4, zero_stage=3, precision="fp32", baseline_bytes=GIB)
+    assert e.host_bytes == 16 * B // 4 + 4000 + GIB
+    assert "1000.0M parameters at world size 4" in e.describe()
+
+
+def test_bad_world_size_is_refused() -> None:
+    with pytest.raises(ValueError, match="world_size: got 0"):
+        estimate_rank_memory(B, 0, 0, zero_stage=3, precision="fp32")
+
+
+def test_ranks_that_fit_caps_each_node_by_its_slots_and_its_memory() -> None:
+    assert ranks_that_fit([24 * GIB, 24 * GIB], [2, 8], 10 * GIB) == 4
+    assert ranks_that_fit([24 * GIB], [1], 1 * GIB) == 1
+    assert ranks_that_fit([8 * GIB], [4], 10 * GIB) == 0
