@@ -44,6 +44,19 @@ WHY = {
     "little cost; the benchmark keeps the intervals equal to compare recovery itself.",
     "reshard": "the universal route pays a conversion subprocess; elastictrain reads each rank's slices "
     "directly. A miss would mean reading the fragment files is slower than the disk allows.",
+    "checkpoint pause / durable": "the pause is the snapshot: one contiguous copy per (sub-group, field) of "
+    "the rank's state into host memory, at memory speed, against a durable save bounded by the disk's "
+    "fsync bandwidth; on a shared 2-core machine the copy also waits for the cores. Closing it: copy while "
+    "the next step's forward runs (a CUDA stream into pinned memory on GPUs, a thread on a free core).",
+    "commit bandwidth": "commit counts from the queued snapshot to the committed manifest: the writes, then "
+    "the next step's report that carries their outcome, then the manifest and its read-back. Closing it: "
+    "report a finished write out of band instead of with the next step.",
+    "recovery, fixed part": "the fixed part is detection, the new attempt's engine build (the model under "
+    "zero.Init, DeepSpeed's optimizer set-up) and a step: the engine build grows with the model too.",
+    "peak memory / bound": "the bound counts ZeRO-3's model states, its live-parameter bound and the "
+    "runtime's baseline; DeepSpeed's other buffers (reduce and prefetch buckets, the /dev/shm all-reduce "
+    "buffers) and the allocator's caching are not in it. The deepspeed launcher's ranks show the same "
+    "excess at the same size (scale.json: deepspeed.peak_rss_bytes).",
     "controller iteration": "most of an iteration is building one frozen WorkerObservation per worker in "
     "Python. Closing it: keep the observations in arrays (or update them incrementally) and scan only "
     "the workers whose state changed.",
