@@ -233,6 +233,8 @@ def free_port() -> int:
 
 def peer_env() -> dict[str, str]:
     env = dict(os.environ)
+    # The environment's ninja first, as elastictrain's own processes have it (worker/ops.py).
+    env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
     env.update(
         DS_ACCELERATOR="cpu",
         OMP_NUM_THREADS="1",  # as elastictrain's one-CPU actors and Ray Train's workers get

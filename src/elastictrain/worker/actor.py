@@ -30,6 +30,7 @@ from elastictrain.worker.dist import (
     zero_stage,
 )
 from elastictrain.worker.host_memory import snapshot_budget_bytes
+from elastictrain.worker.ops import prefer_environment_tools
 
 # Frames from these files mean "waiting for the other ranks".
 _COLLECTIVE_MODULES = (
@@ -49,6 +50,7 @@ class StepFailed(RuntimeError):
 
 class TrainWorker:
     def __init__(self, worker_id: str, use_gpu: bool) -> None:
+        prefer_environment_tools()  # the ninja that built DeepSpeed's ops, before any op loads
         if not use_gpu:
             # Must be set before deepspeed is first imported in this process.
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
