@@ -89,7 +89,9 @@ def _fresh_copy(dest: Path) -> Path:
 def _user_env(home: Path) -> dict[str, str]:
     """A user's shell on a fresh machine: the venv active, no Ray cluster or token chosen yet."""
     env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "PYTEST", "ELASTICTRAIN_", "MLFLOW_"))
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RAY_", "PYTEST", "ELASTICTRAIN_", "MLFLOW_"))
     }
     env.update(
         PATH=f"{VENV / 'bin'}{os.pathsep}{env.get('PATH', '')}",
@@ -143,6 +145,8 @@ def test_every_shell_block_runs_in_order_or_says_why_not(readme: Path, user, tmp
         f"{readme.name} no longer has what these stand for: {session.unused_substitutions()}"
     )
     shell_blocks = [s for s in plan if s.block and s.block.kind == "shell"]
-    print(f"{readme.relative_to(REPO)}: ran blocks at lines {ran}; marked not run: "
-          f"{[(s.line, s.not_run_because) for s in plan if s.not_run_because]}")
+    print(
+        f"{readme.relative_to(REPO)}: ran blocks at lines {ran}; marked not run: "
+        f"{[(s.line, s.not_run_because) for s in plan if s.not_run_because]}"
+    )
     assert shell_blocks, f"{readme} has no shell block"
