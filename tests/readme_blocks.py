@@ -12,6 +12,7 @@ after a command says that the command fails, printing MESSAGE: that is what is c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -225,10 +226,8 @@ class ShellSession:
         found = list(_processes_carrying("ELASTICTRAIN_DOCS_SESSION", self.marker))
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in found:
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
             deadline = time.monotonic() + 15
             while sig == signal.SIGTERM and time.monotonic() < deadline:
                 if not any(_alive(pid) for pid in found):
