@@ -17,6 +17,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -234,6 +235,18 @@ class ShellSession:
                     break
                 time.sleep(0.3)
         return found
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (all bound at once, so none is handed out twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _alive(pid: int) -> bool:

@@ -19,8 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import free_port
-from readme_blocks import REPO, ShellSession, Substitution, readmes, steps
+from readme_blocks import REPO, ShellSession, Substitution, free_ports, readmes, steps
 
 pytestmark = pytest.mark.integration
 
@@ -29,9 +28,8 @@ VENV = Path(sys.prefix)
 SHORT = "training.warmup_steps=1 checkpoint.every_steps=2 data.generated_chars=40000"
 
 
-def _ray_start_ports(temp_dir: Path) -> str:
+def _ray_start_ports(temp_dir: Path, p: list[int]) -> str:
     """What a user leaves at Ray's defaults; free ones here, so no other cluster on this machine is met."""
-    p = [free_port() for _ in range(8)]
     return (
         f"--port={p[0]} --ray-client-server-port={p[1]} --node-manager-port={p[2]} "
         f"--object-manager-port={p[3]} --dashboard-agent-listen-port={p[4]} "
@@ -43,7 +41,7 @@ def _ray_start_ports(temp_dir: Path) -> str:
 def substitutions(readme: Path, ray_temp: Path) -> list[Substitution]:
     name = readme.relative_to(REPO).as_posix()
     if name == "README.md":
-        dashboard = free_port()
+        *ports, dashboard = free_ports(9)
         make = f"make -o {VENV}/bin/elastictrain VENV={VENV}"
         return [
             Substitution(
@@ -62,7 +60,7 @@ def substitutions(readme: Path, ray_temp: Path) -> list[Substitution]:
             Substitution("training.max_steps=40", f"training.max_steps=2 {SHORT}", "a shorter run"),
             Substitution(
                 "--num-cpus=2",
-                f"--num-cpus=2 {_ray_start_ports(ray_temp)} --dashboard-port={dashboard}",
+                f"--num-cpus=2 {_ray_start_ports(ray_temp, ports)} --dashboard-port={dashboard}",
                 "Ray's default ports and /tmp/ray may be another cluster's on this machine",
             ),
             Substitution("127.0.0.1:8265", f"127.0.0.1:{dashboard}", "the dashboard port chosen above"),
