@@ -165,6 +165,7 @@ class ShellSession:
     substitutions: Sequence[Substitution] = ()
     block_timeout_s: float = 300
     marker: str = field(default_factory=lambda: f"docs-{os.getpid()}-{time.monotonic_ns()}")
+    seconds: dict[int, float] = field(default_factory=dict)  # README line -> how long its block ran
 
     def __post_init__(self) -> None:
         self.state.mkdir(parents=True, exist_ok=True)
@@ -200,12 +201,14 @@ class ShellSession:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+            started = time.monotonic()
             try:
                 code = proc.wait(timeout=self.block_timeout_s)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 code = None
+        self.seconds[block.first_line] = round(time.monotonic() - started, 1)
         text = log.read_text(errors="replace")
         if code == 0:
             return text
@@ -214,8 +217,9 @@ class ShellSession:
         line = block.first_line + offset
         shown = script.split("\n")[offset] if offset < script.count("\n") + 1 else ""
         what = f"did not end within {self.block_timeout_s:.0f}s" if code is None else f"exited {code}"
+        name = self.readme.relative_to(REPO) if self.readme.is_relative_to(REPO) else self.readme
         raise AssertionError(
-            f"{self.readme.relative_to(REPO)}:{line}: `{shown.strip()}` {what}\n"
+            f"{name}:{line}: `{shown.strip()}` {what}\n"
             f"--- the block as run ---\n{script}\n--- its output (last 6000 characters) ---\n{text[-6000:]}"
         )
 
