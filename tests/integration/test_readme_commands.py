@@ -95,10 +95,8 @@ def _user_env(home: Path) -> dict[str, str]:
         PATH=f"{VENV / 'bin'}{os.pathsep}{env.get('PATH', '')}",
         VIRTUAL_ENV=str(VENV),
         HOME=str(home),  # no ~/.ray/auth_token of an earlier cluster: the README must make its own
-        # DeepSpeed's compiled ops stay where `make install` built them (minutes to build again).
-        TORCH_EXTENSIONS_DIR=os.environ.get(
-            "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions")
-        ),
+        # Caches stay the user's: DeepSpeed's ops compiled by `make install` (minutes to build again).
+        XDG_CACHE_HOME=os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache")),
     )
     if "PYTHONPATH" in os.environ:  # a checkout run without installing it: its code, as in the copy
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
@@ -125,7 +123,6 @@ def test_every_shell_block_runs_in_order_or_says_why_not(readme: Path, user, tmp
     session = ShellSession(
         readme, repo, tmp_path / "shell", env, substitutions(readme, ray_temp), block_timeout_s=420
     )
-    ran: list[int] = []
     try:
         for step in plan:
             assert step.block is not None
@@ -136,7 +133,6 @@ def test_every_shell_block_runs_in_order_or_says_why_not(readme: Path, user, tmp
                 session.write_file(step.block)
             else:
                 session.run(step.block)
-            ran.append(step.line)
     finally:
         session.stop()
     assert not session.unused_substitutions(), (
