@@ -183,7 +183,7 @@ class ShellSession:
 
     def write_file(self, block: Block) -> None:
         folder = Path((self.state / "cwd").read_text().strip())
-        body = FILE_HEADER.sub("", block.source, count=1)
+        body = self.substitute(FILE_HEADER.sub("", block.source, count=1))
         (folder / block.name).write_text(f"# {block.name}\n{body}")
 
     def run(self, block: Block) -> str:
