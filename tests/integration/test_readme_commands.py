@@ -84,6 +84,21 @@ def _fresh_copy(dest: Path) -> Path:
     return dest
 
 
+def _same_ninja(home: Path) -> str:
+    """A PATH entry holding only the `ninja` the rest of the suite uses, if any, to put before the venv.
+
+    pip puts another ninja version in the venv's bin, and two ninja versions each rebuild every
+    DeepSpeed op the other built (minutes each): the ops `make install` built must stay valid.
+    """
+    ninja = shutil.which("ninja")
+    if ninja is None:
+        return ""
+    shim = home.parent / "ninja-bin"
+    shim.mkdir(exist_ok=True)
+    (shim / "ninja").symlink_to(ninja)
+    return f"{shim}{os.pathsep}"
+
+
 def _user_env(home: Path) -> dict[str, str]:
     """A user's shell on a fresh machine: the venv active, no Ray cluster or token chosen yet."""
     env = {
@@ -92,7 +107,7 @@ def _user_env(home: Path) -> dict[str, str]:
         if not k.startswith(("RAY_", "PYTEST", "ELASTICTRAIN_", "MLFLOW_"))
     }
     env.update(
-        PATH=f"{VENV / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+        PATH=f"{_same_ninja(home)}{VENV / 'bin'}{os.pathsep}{env.get('PATH', '')}",
         VIRTUAL_ENV=str(VENV),
         HOME=str(home),  # no ~/.ray/auth_token of an earlier cluster: the README must make its own
         # Caches stay the user's: DeepSpeed's ops compiled by `make install` (minutes to build again).
