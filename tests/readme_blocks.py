@@ -205,8 +205,13 @@ class ShellSession:
             try:
                 code = proc.wait(timeout=self.block_timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                # SIGINT first, as Ctrl-C: a DeepSpeed op build then releases its lock file, which a
+                # SIGKILLed one leaves behind for every later build to wait on.
+                for sig, grace in ((signal.SIGINT, 15), (signal.SIGKILL, 10)):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, sig)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=grace)
                 code = None
         self.seconds[block.first_line] = round(time.monotonic() - started, 1)
         text = log.read_text(errors="replace")
@@ -229,14 +234,13 @@ class ShellSession:
     def stop(self) -> list[int]:
         """End every process this session started (and only those), however deep it went."""
         found = list(_processes_carrying("ELASTICTRAIN_DOCS_SESSION", self.marker))
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        # As at a timeout: SIGINT lets an op build release its lock; Ray's daemons stop on SIGTERM.
+        for sig, grace in ((signal.SIGINT, 10), (signal.SIGTERM, 15), (signal.SIGKILL, 0)):
             for pid in found:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, sig)
-            deadline = time.monotonic() + 15
-            while sig == signal.SIGTERM and time.monotonic() < deadline:
-                if not any(_alive(pid) for pid in found):
-                    break
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and any(_alive(pid) for pid in found):
                 time.sleep(0.3)
         return found
 
