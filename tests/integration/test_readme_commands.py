@@ -119,25 +119,25 @@ def _user_env(home: Path) -> dict[str, str]:
 
 
 @pytest.fixture
-def user(tmp_path: Path) -> Iterator[tuple[Path, Path, dict[str, str]]]:
-    home = tmp_path / "home"
-    home.mkdir()
-    # Short: Ray's socket paths live under its temp dir and must fit in 107 characters.
-    ray_temp = Path(tempfile.mkdtemp(prefix="etdoc-", dir="/tmp"))
+def user() -> Iterator[tuple[Path, Path, dict[str, str], Path]]:
+    # Its own folder, not tmp_path: pytest prunes old tmp_path folders when other runs of this user
+    # start, which a shared machine sees during this long test. Short: Ray's socket paths live under
+    # its temp dir and must fit in 107 characters.
+    root = Path(tempfile.mkdtemp(prefix="etdoc-", dir="/tmp"))
     try:
-        yield _fresh_copy(tmp_path / "repo"), ray_temp, _user_env(home)
+        (root / "home").mkdir()
+        (root / "ray").mkdir()
+        yield _fresh_copy(root / "repo"), root / "ray", _user_env(root / "home"), root / "shell"
     finally:
-        shutil.rmtree(ray_temp, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("readme", readmes(), ids=lambda p: p.relative_to(REPO).as_posix())
-def test_every_shell_block_runs_in_order_or_says_why_not(readme: Path, user, tmp_path: Path):
-    repo, ray_temp, env = user
+def test_every_shell_block_runs_in_order_or_says_why_not(readme: Path, user):
+    repo, ray_temp, env, state = user
     plan = steps(readme)
-    session = ShellSession(
-        readme, repo, tmp_path / "shell", env, substitutions(readme, ray_temp), block_timeout_s=420
-    )
+    session = ShellSession(readme, repo, state, env, substitutions(readme, ray_temp), block_timeout_s=420)
     try:
         for step in plan:
             assert step.block is not None
