@@ -1,0 +1,165 @@
+"""Every shell block of the READMEs runs, in order, in a fresh copy of the repository, as a user types it.
+
+Blocks are found by Sybil (tests/readme_blocks.py). A block the README marks "Not run by the README
+test" is only checked for its reason. The rest run in one shell per README (exported variables and
+the current folder carry over from block to block), each bounded in time; a failure names the README
+line. The commands are the README's; the substitutions below only fill in what a user would choose
+(free ports, a folder of their own) or shorten a run (fewer steps), and each must still match the
+README, so none goes stale silently.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from readme_blocks import REPO, ShellSession, Substitution, free_ports, readmes, steps
+
+pytestmark = pytest.mark.integration
+
+VENV = Path(sys.prefix)
+# A run as short as the commands allow: startup, a few steps, a checkpoint, the end.
+SHORT = "training.warmup_steps=1 checkpoint.every_steps=2 data.generated_chars=40000"
+
+
+def _ray_start_ports(temp_dir: Path, p: list[int]) -> str:
+    """What a user leaves at Ray's defaults; free ones here, so no other cluster on this machine is met."""
+    return (
+        f"--port={p[0]} --ray-client-server-port={p[1]} --node-manager-port={p[2]} "
+        f"--object-manager-port={p[3]} --dashboard-agent-listen-port={p[4]} "
+        f"--dashboard-agent-grpc-port={p[5]} --metrics-export-port={p[6]} --runtime-env-agent-port={p[7]} "
+        f"--temp-dir={temp_dir} --object-store-memory=100000000"
+    )
+
+
+def substitutions(readme: Path, ray_temp: Path) -> list[Substitution]:
+    name = readme.relative_to(REPO).as_posix()
+    if name == "README.md":
+        *ports, dashboard = free_ports(9)
+        make = f"make -o {VENV}/bin/elastictrain VENV={VENV}"
+        return [
+            Substitution(
+                "make install run ",
+                f'{make} install run ARGS="training.max_steps=2 {SHORT}" ',
+                "the venv the test runs in stands for the one `make install` makes (9 minutes)",
+            ),
+            Substitution(
+                "make test ",
+                f"{make} test PYTEST_ARGS=tests/unit/test_core_policy.py ",
+                "the whole suite is what runs this test: one file of it",
+            ),
+            Substitution("training.max_steps=100", f"training.max_steps=2 {SHORT}", "a shorter run"),
+            Substitution(
+                "training.max_steps=200",
+                "training.max_steps=2",
+                "no steps to add, so no second cold start (extending is tested in test_resume.py)",
+            ),
+            Substitution('"training.max_steps=50"', '"training.max_steps=4"', "a shorter run"),
+            Substitution("training.max_steps=40", f"training.max_steps=2 {SHORT}", "a shorter run"),
+            Substitution(
+                "--num-cpus=2",
+                f"--num-cpus=2 {_ray_start_ports(ray_temp, ports)} --dashboard-port={dashboard}",
+                "Ray's default ports and /tmp/ray may be another cluster's on this machine",
+            ),
+            Substitution("127.0.0.1:8265", f"127.0.0.1:{dashboard}", "the dashboard port chosen above"),
+        ]
+    return []
+
+
+def _fresh_copy(dest: Path) -> Path:
+    """The repository's files as a fresh clone has them (tracked and new, none that git ignores)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    for rel in filter(None, (p.decode() for p in listed)):
+        src = REPO / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    return dest
+
+
+def _same_ninja(home: Path) -> str:
+    """A PATH entry holding only the `ninja` the rest of the suite uses, if any, to put before the venv.
+
+    pip puts another ninja version in the venv's bin, and two ninja versions each rebuild every
+    DeepSpeed op the other built (minutes each): the ops `make install` built must stay valid.
+    """
+    ninja = shutil.which("ninja")
+    if ninja is None:
+        return ""
+    shim = home.parent / "ninja-bin"
+    shim.mkdir(exist_ok=True)
+    (shim / "ninja").symlink_to(ninja)
+    return f"{shim}{os.pathsep}"
+
+
+def _user_env(home: Path) -> dict[str, str]:
+    """A user's shell on a fresh machine: the venv active, no Ray cluster or token chosen yet."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RAY_", "PYTEST", "ELASTICTRAIN_", "MLFLOW_"))
+    }
+    env.update(
+        PATH=f"{_same_ninja(home)}{VENV / 'bin'}{os.pathsep}{env.get('PATH', '')}",
+        VIRTUAL_ENV=str(VENV),
+        HOME=str(home),  # no ~/.ray/auth_token of an earlier cluster: the README must make its own
+        # Caches stay the user's: DeepSpeed's ops compiled by `make install` (minutes to build again).
+        XDG_CACHE_HOME=os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache")),
+    )
+    if "PYTHONPATH" in os.environ:  # a checkout run without installing it: its code, as in the copy
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    return env
+
+
+@pytest.fixture
+def user() -> Iterator[tuple[Path, Path, dict[str, str], Path]]:
+    # Its own folder, not tmp_path: pytest prunes old tmp_path folders when other runs of this user
+    # start, which a shared machine sees during this long test. Short: Ray's socket paths live under
+    # its temp dir and must fit in 107 characters.
+    root = Path(tempfile.mkdtemp(prefix="etdoc-", dir="/tmp"))
+    try:
+        (root / "home").mkdir()
+        (root / "ray").mkdir()
+        yield _fresh_copy(root / "repo"), root / "ray", _user_env(root / "home"), root / "shell"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("readme", readmes(), ids=lambda p: p.relative_to(REPO).as_posix())
+def test_every_shell_block_runs_in_order_or_says_why_not(readme: Path, user):
+    repo, ray_temp, env, state = user
+    plan = steps(readme)
+    session = ShellSession(readme, repo, state, env, substitutions(readme, ray_temp), block_timeout_s=420)
+    try:
+        for step in plan:
+            assert step.block is not None
+            if step.not_run_because is not None:
+                assert len(step.not_run_because) > 10, f"{readme}:{step.line}: say why it is not run"
+                continue
+            if step.block.kind == "file":
+                session.write_file(step.block)
+            else:
+                session.run(step.block)
+    finally:
+        session.stop()
+    assert not session.unused_substitutions(), (
+        f"{readme.name} no longer has what these stand for: {session.unused_substitutions()}"
+    )
+    shell_blocks = [s for s in plan if s.block and s.block.kind == "shell"]
+    assert shell_blocks, f"{readme} has no shell block"
+    marked = [(s.line, s.not_run_because) for s in plan if s.not_run_because]
+    print(
+        f"\n{readme.relative_to(REPO)}: seconds per block run (by line) {session.seconds}; not run: {marked}"
+    )
