@@ -17,11 +17,21 @@ $(BIN)/elastictrain: pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]" "$(TORCH)"
 	touch $@
 
-# libaio headers let DeepSpeed build its async_io op (NVMe offload). Installed only when we are root.
+# Installed with apt-get only when we are root; otherwise a warning says what is missing.
+# libaio headers let DeepSpeed build its async_io op (NVMe offload). kubectl renders k8s/ with its
+# built-in kustomize (tests/unit/test_k8s_manifests.py), which must be v5: Debian bookworm's own
+# kubernetes-client is kubectl 1.20 with kustomize v2, so the `kubectl` package is taken where an
+# apt source offers it, Debian's kubernetes-client otherwise (newer Debian releases carry 1.32).
 system-deps:
 	@if [ -e /usr/include/libaio.h ]; then echo "libaio-dev present"; \
 	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq libaio-dev; \
 	else echo "warning: libaio-dev missing and not root: NVMe offload will not work (apt-get install libaio-dev)"; fi
+	@if kubectl version --client 2>/dev/null | grep -q 'Kustomize Version: v[5-9]'; then echo "kubectl with kustomize v5+ present"; \
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq; \
+	  if apt-cache policy kubectl | grep -q 'Candidate: [0-9]'; then apt-get install -y -qq kubectl; \
+	  else apt-get install -y -qq kubernetes-client; fi; \
+	  kubectl version --client | grep Kustomize; \
+	else echo "warning: no kubectl with kustomize v5 and not root: the k8s manifest tests will skip"; fi
 
 run: $(BIN)/elastictrain
 	$(BIN)/elastictrain train -c conf/tiny-cpu.yaml $(ARGS)
