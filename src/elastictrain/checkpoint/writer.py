@@ -10,13 +10,14 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import Any
+
+from elastictrain.storage import AnyPath
 
 
 class ShardWrite:
     def __init__(
-        self, path: Path, tensors: dict[str, Any], metadata: dict[str, str], *, delay_s: float = 0.0
+        self, path: AnyPath, tensors: dict[str, Any], metadata: dict[str, str], *, delay_s: float = 0.0
     ) -> None:
         self.path = path
         self._delay_s = delay_s  # tests: a slow disk
@@ -36,7 +37,7 @@ class ShardWrite:
         """Serialize and write durably in the calling thread; the result or the error is kept."""
         from safetensors.torch import save as save_safetensors
 
-        from elastictrain.rundir.durable import write_bytes_durably
+        from elastictrain.storage import storage_of
 
         t0 = time.perf_counter()
         try:
@@ -45,8 +46,11 @@ class ShardWrite:
             assert self._tensors is not None, "a shard is written once"
             data = save_safetensors(self._tensors, metadata=self._metadata)
             self._tensors = None  # the snapshot's memory goes as soon as it is serialized
-            digest = write_bytes_durably(self.path, data)
-            self.file = {"name": self.path.name, "bytes": len(data), "sha256": digest}
+            # The storage gives a stream that is durable and whole once closed (fsynced on a local
+            # disk, one completed upload on an object store) and hashes what goes through it.
+            with storage_of(self.path).create(self.path) as out:
+                out.write(data)
+            self.file = {"name": self.path.name, "bytes": out.size, "sha256": out.sha256}
         except Exception as e:  # noqa: BLE001 - reported to the controller, which decides
             self.error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
         finally:

@@ -13,7 +13,9 @@ import re
 import signal
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO, Any
 
 from elastictrain.rundir.liveness import pid_exists
 
@@ -38,7 +40,7 @@ def crash_point(phase: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _phase_of(path: Path) -> str | None:
+def phase_of(path: Any) -> str | None:
     # The crash points of the files a checkpoint is made of: rank shards and the manifest.
     if path.suffix == ".safetensors":
         return "shard"
@@ -55,34 +57,68 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_bytes_durably(path: Path, data: bytes | memoryview) -> str:
-    """Write, fsync, and return the sha256 of what was written.
+class HashingStream:
+    """Bytes written to `raw`, counted and hashed on the way; the first write of a checkpoint file
+    may stop half-way at its `_partial` crash point (killed mid-write: a torn file)."""
 
-    A failed write (ENOSPC, EIO) removes the torn file before re-raising, so a full disk never
-    leaves a half-written file behind that could be mistaken for a whole one.
+    def __init__(self, raw: IO[bytes], phase: str | None, sync: Callable[[], None]) -> None:
+        self._raw = raw
+        self._phase = phase if os.environ.get(CRASH_ENV) else None
+        self._sync = sync
+        self._hash = hashlib.sha256()
+        self.size = 0
+        self.sha256 = ""
+
+    def write(self, data: bytes | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        if self._phase is not None and self.size == 0:
+            half = len(view) // 2
+            self._raw.write(view[:half])
+            self._sync()
+            crash_point(f"{self._phase}_partial")
+            self._raw.write(view[half:])
+        else:
+            self._raw.write(view)
+        self._hash.update(view)
+        self.size += len(view)
+        return len(view)
+
+    def finish(self) -> None:
+        self.sha256 = self._hash.hexdigest()
+
+
+@contextlib.contextmanager
+def create_durably(path: Path) -> Iterator[HashingStream]:
+    """A file written through the yielded stream, then fsynced; its size and sha256 on the stream.
+
+    A failed write (ENOSPC, EIO, or any error of the writer) removes the torn file before re-raising,
+    so a full disk never leaves a half-written file behind that could be mistaken for a whole one.
     """
-    digest = hashlib.sha256(data).hexdigest()
-    phase = _phase_of(Path(path))
+    phase = phase_of(Path(path))
     try:
         with open(path, "wb") as f:
-            if phase is not None and os.environ.get(CRASH_ENV):
-                half = len(data) // 2
-                f.write(data[:half])
+
+            def sync() -> None:
                 f.flush()
                 os.fsync(f.fileno())
-                crash_point(f"{phase}_partial")  # killed mid-write: a torn file on disk
-                f.write(data[half:])
-            else:
-                f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError:
+
+            stream = HashingStream(f, phase, sync)
+            yield stream
+            sync()
+    except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(path)
         raise
+    stream.finish()
     if phase is not None:
         crash_point(f"{phase}_written")
-    return digest
+
+
+def write_bytes_durably(path: Path, data: bytes | memoryview) -> str:
+    """Write, fsync, and return the sha256 of what was written (no torn file on failure)."""
+    with create_durably(path) as stream:
+        stream.write(data)
+    return stream.sha256
 
 
 def replace_text_atomically(path: Path, text: str) -> None:
@@ -122,9 +158,10 @@ def remove_stale_temporaries(folder: Path, max_age_s: float = 3600.0) -> list[st
 _TMP = re.compile(r"\..+\.tmp-(\d+)")
 
 
-def sha256_of_file(path: Path, chunk: int = 8 << 20) -> str:
+def sha256_of_file(path: Any, chunk: int = 8 << 20) -> str:
+    """The sha256 of a local file or an object (anything with `open("rb")`)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with path.open("rb") if hasattr(path, "open") else open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()

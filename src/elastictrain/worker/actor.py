@@ -16,12 +16,12 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from elastictrain.config.deepspeed_config import nvme_paths
 from elastictrain.core.data_order import derive_seed, micro_batch_positions, sample_at
 from elastictrain.core.schedule import learning_rate
+from elastictrain.storage import AnyPath, as_path
 from elastictrain.worker.attempt import AttemptSpec
 from elastictrain.worker.dist import (
     destroy_process_group,
@@ -193,7 +193,7 @@ class TrainWorker:
 
         t2 = time.perf_counter()
         if spec.checkpoint_dir is not None:
-            self._load(Path(spec.checkpoint_dir))
+            self._load(as_path(spec.checkpoint_dir))
         timings["load_s"] = time.perf_counter() - t2
         self.engine.global_steps = spec.start_step
         self._set_mark("ready", spec.start_step)
@@ -212,7 +212,7 @@ class TrainWorker:
             self._dataset_key = key
         self.collate = user_callable(cfg, "data.collate")
 
-    def _load(self, checkpoint_dir: Path) -> None:
+    def _load(self, checkpoint_dir: AnyPath) -> None:
         import json
 
         from elastictrain.checkpoint.zero_state import FragmentReader, load_local_state
@@ -335,7 +335,7 @@ class TrainWorker:
         tensors, fragments, scalars = snapshot_local_state(self.engine)
         snapshot_s = time.perf_counter() - t0
         name, metadata = rank_file(self.spec.rank, self.spec.world_size, fragments)
-        write = ShardWrite(Path(staging_dir) / name, tensors, metadata, delay_s=self._write_delay_s)
+        write = ShardWrite(as_path(staging_dir) / name, tensors, metadata, delay_s=self._write_delay_s)
         del tensors
         out: dict[str, Any] = {"name": name, "engine_state": scalars, "snapshot_s": snapshot_s}
         if background:
