@@ -130,13 +130,15 @@ def replace_text_atomically(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def remove_stale_temporaries(folder: Path, max_age_s: float = 3600.0) -> list[str]:
+def remove_stale_temporaries(folder: Any, max_age_s: float = 3600.0) -> list[str]:
     """Remove the `.NAME.tmp-PID` files of replace_text_atomically that a crash left in `folder`.
 
     Not this process's, and only when that pid is gone on this host or the file is old (a pid seen
     from another node means nothing here).
     """
-    removed = []
+    removed: list[str] = []
+    if not isinstance(folder, Path):
+        return removed  # an object store: replacing an object takes no temporary name
     try:
         entries = list(folder.iterdir())
     except OSError:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from elastictrain.core.state import RunStatus
@@ -41,6 +43,14 @@ def _iso(t: datetime) -> str:
     if t.tzinfo is None:
         t = t.replace(tzinfo=timezone.utc)
     return t.astimezone(timezone.utc).isoformat()
+
+
+def local_state_dir(path: AnyPath) -> Path:
+    if isinstance(path, Path):
+        return path
+    # One folder per URL on this machine, so a driver started here again finds its spool.
+    cache = Path(os.environ.get("ELASTICTRAIN_CACHE", "~/.cache/elastictrain")).expanduser()
+    return cache / "object-runs" / path.protocol / path.key
 
 
 class RunDirError(Exception):
@@ -117,6 +127,12 @@ class RunDir:
     @property
     def events_path(self) -> AnyPath:
         return self._path / EVENTS_JSONL
+
+    @property
+    def local_dir(self) -> Path:
+        """Where this driver keeps what cannot live on an object store (the MLflow spool; without
+        tracking.uri, the embedded MLflow store): the run folder itself when it is local."""
+        return local_state_dir(self._path)
 
     @property
     def checkpoints_dir(self) -> AnyPath:

@@ -19,11 +19,20 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.storage.interface import DurableStream, Storage
-from elastictrain.storage.objects import ObjectPath, is_url
+from elastictrain.storage.objects import ObjectPath, is_url, url_problems
 
 AnyPath = Path | ObjectPath
 
-__all__ = ["AnyPath", "DurableStream", "ObjectPath", "Storage", "as_path", "is_url", "storage_of"]
+__all__ = [
+    "AnyPath",
+    "DurableStream",
+    "ObjectPath",
+    "Storage",
+    "as_path",
+    "is_url",
+    "storage_of",
+    "url_problems",
+]
 
 
 def as_path(location: Any) -> AnyPath:

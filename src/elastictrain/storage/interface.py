@@ -38,6 +38,10 @@ class Storage(Protocol):
         """Make the names of new entries in `path` survive a power loss."""
         ...
 
+    def move_tree(self, source: Any, target: Any) -> None:
+        """Move a folder and all it holds to `target` (on the same storage)."""
+        ...
+
     def remove_tree(self, path: Any) -> None:
         """Remove a folder and all it holds; missing is fine."""
         ...

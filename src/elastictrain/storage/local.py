@@ -50,6 +50,9 @@ class LocalStorage:
     def sync_folder(self, path: Path) -> None:
         fsync_dir(path)
 
+    def move_tree(self, source: Path, target: Path) -> None:
+        shutil.move(str(source), target)
+
     def remove_tree(self, path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 

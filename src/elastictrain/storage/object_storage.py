@@ -59,6 +59,10 @@ class ObjectStorage:
     def sync_folder(self, path: ObjectPath) -> None:
         """Object names are durable once their upload completes."""
 
+    def move_tree(self, source: ObjectPath, target: ObjectPath) -> None:
+        # No rename: every object is copied, then deleted (not atomic; only `train --fresh` uses it).
+        source.fs.mv(source.key, target.key, recursive=True)
+
     def remove_tree(self, path: ObjectPath) -> None:
         with contextlib.suppress(FileNotFoundError):
             path.fs.rm(path.key, recursive=True)

@@ -38,6 +38,17 @@ def filesystem(protocol: str) -> Any:
         ) from e
 
 
+def url_problems(field: str, location: str) -> list[str]:
+    """A URL whose store this process cannot reach for lack of its fsspec package (empty: fine)."""
+    if not is_url(location):
+        return []
+    try:
+        filesystem(ObjectPath(location).protocol)
+    except ValueError as e:
+        return [f"{field}: got {location!r}; {e}"]
+    return []
+
+
 @dataclass(frozen=True)
 class Stat:
     st_size: int
