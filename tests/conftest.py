@@ -180,10 +180,11 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
 def s3_bucket(s3_server: dict[str, str], request: pytest.FixtureRequest) -> str:
     """A new, empty bucket on the S3 server: `s3://NAME`."""
     import re
+    import uuid
 
     import s3fs
 
-    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:50].strip("-") + f"-{os.getpid()}"
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:8]
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
     fs.mkdir(name)
     return f"s3://{name}"
