@@ -34,8 +34,11 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
-OVERLAYS = ["cpu-demo", "gpu", "cpu-demo-cluster", "gpu-cluster"]
-JOB_OVERLAYS = ["cpu-demo", "gpu"]
+OVERLAYS = ["cpu-demo", "gpu", "cpu-demo-cluster", "gpu-cluster", "gpu-s3"]
+JOB_OVERLAYS = ["cpu-demo", "gpu"]  # each with a standalone-cluster twin, OVERLAY-cluster
+S3_OVERLAYS = ["gpu-s3"]  # run folders on an object store: no run volume
+# What the driver and every worker need to reach a run folder on S3, each from a Secret.
+S3_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 K8S_VERSIONS = ["1.30.0", "1.37.0"]  # oldest and newest Kubernetes the manifests are checked against
 
 Obj = dict[str, Any]
@@ -476,10 +479,16 @@ def check_config_fits_cluster(cfg: Any, spec: Obj, objs: list[Obj]) -> list[str]
         problems.append("worker pods ask for GPUs but scaling.use_gpu is false")
     if _quantity(limits["cpu"]) < s.cpus_per_worker:
         problems.append(f"worker CPU limit {limits['cpu']} below scaling.cpus_per_worker {s.cpus_per_worker}")
-    # run.dir on the shared volume, at the same path in the driver (head) and every worker.
+    # run.dir on the shared volume, at the same path in the driver (head) and every worker; or on an
+    # object store that the driver and every worker reach with credentials from a Secret.
     for where, tpl in [("head", head["template"]), ("workers", g["template"])]:
         pvcs = mount_of(tpl, lambda v: "persistentVolumeClaim" in v)
-        if not any(cfg.run.dir.startswith(p.rstrip("/") + "/") for p, _ in pvcs):
+        if cfg.run.dir.startswith("s3://"):
+            env = {e["name"]: e for e in tpl["spec"]["containers"][0].get("env", [])}
+            for name in S3_CREDENTIALS:
+                if "secretKeyRef" not in env.get(name, {}).get("valueFrom", {}):
+                    problems.append(f"{where}: run.dir {cfg.run.dir} needs {name} from a Secret")
+        elif not any(cfg.run.dir.startswith(p.rstrip("/") + "/") for p, _ in pvcs):
             problems.append(f"{where}: run.dir {cfg.run.dir} is on no PersistentVolumeClaim mount")
         for _, vol in pvcs:
             claim = vol["persistentVolumeClaim"]["claimName"]
@@ -517,9 +526,11 @@ def test_renders_what_each_layout_needs(overlay: str) -> None:
     objs = objects(overlay)
     kinds = sorted(o["kind"] for o in objs)
     ray = "RayCluster" if overlay.endswith("-cluster") else "RayJob"
+    claims = 1 if overlay in S3_OVERLAYS else 2  # MLflow's, and the run folders' unless on S3
     assert kinds == sorted(
         [ray, "ConfigMap", "ConfigMap", "Deployment", "NetworkPolicy", "NetworkPolicy"]
-        + ["PersistentVolumeClaim", "PersistentVolumeClaim", "Service"]
+        + ["PersistentVolumeClaim"] * claims
+        + ["Service"]
     )
     assert {o["metadata"].get("namespace") for o in objs} == {"elastictrain"}
 
@@ -546,7 +557,7 @@ def test_references_volumes_services_and_security(overlay: str) -> None:
     assert check_security(objs) == []
 
 
-@pytest.mark.parametrize("overlay", JOB_OVERLAYS)
+@pytest.mark.parametrize("overlay", JOB_OVERLAYS + S3_OVERLAYS)
 def test_job_runs_the_cli_with_the_embedded_config(overlay: str, tmp_path: Path) -> None:
     objs = objects(overlay)
     (job,) = by_kind(objs, "RayJob")
@@ -598,6 +609,32 @@ def test_layouts_differ_where_they_should() -> None:
     )
 
 
+def test_the_s3_layout_has_no_run_volume_and_gives_every_pod_the_bucket_credentials() -> None:
+    objs = objects("gpu-s3")
+    assert "elastictrain-runs" not in {p["metadata"]["name"] for p in by_kind(objs, "PersistentVolumeClaim")}
+    cfg = yaml.safe_load(
+        [c for c in by_kind(objs, "ConfigMap") if c["metadata"]["name"] == "elastictrain-config"][0]["data"][
+            "config.yaml"
+        ]
+    )
+    assert cfg["run"]["dir"].startswith("s3://")
+    # The JSON patches remove volumes by index: they must have removed `runs` and nothing else.
+    (gpu,) = by_kind(objects("gpu"), "RayJob")
+    (s3,) = by_kind(objs, "RayJob")
+    for where, tpl in pod_templates([s3]):
+        (before,) = [t for w, t in pod_templates([gpu]) if w.split(" ", 1)[1:] == where.split(" ", 1)[1:]]
+        names = [v["name"] for v in tpl["spec"].get("volumes", [])]
+        assert names == [v["name"] for v in before["spec"].get("volumes", []) if v["name"] != "runs"], where
+        if "submitter" in where:
+            continue  # it only submits the job: no run folder, no credentials
+        env = {e["name"]: e for e in tpl["spec"]["containers"][0]["env"]}
+        for name in (*S3_CREDENTIALS, "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL"):
+            assert env[name]["valueFrom"]["secretKeyRef"]["name"] == "elastictrain-s3", (where, name)
+    # The base config with only run.dir changed: the layouts train the same model the same way.
+    gpu_cfg = yaml.safe_load((K8S / "overlays" / "gpu" / "elastictrain.yaml").read_text())
+    assert {**cfg, "run": {**cfg["run"], "dir": gpu_cfg["run"]["dir"]}} == gpu_cfg
+
+
 def test_dockerfile_matches_the_manifests() -> None:
     text = (ROOT / "Dockerfile").read_text()
     (job,) = by_kind(objects("gpu"), "RayJob")
@@ -621,7 +658,11 @@ def test_readme_covers_every_layout_and_the_token_flow() -> None:
         assert f"k8s/overlays/{overlay}" in text
     for needle in ("helm install", "kubectl apply -k", "RAY_AUTH_TOKEN", "ray job submit", "port-forward"):
         assert needle in text
-    assert set(documented_secrets()) == {"elastictrain-ray-auth", "elastictrain-mlflow-auth"}
+    assert set(documented_secrets()) == {
+        "elastictrain-ray-auth",
+        "elastictrain-mlflow-auth",
+        "elastictrain-s3",
+    }
 
 
 # ---------------------------------------------------------------- the checks can fail ----------
@@ -706,6 +747,14 @@ def test_faults_are_caught(tmp_path: Path) -> None:
     objs = copy.deepcopy(base)
     _worker(objs)["template"]["spec"]["containers"][0]["volumeMounts"][0]["mountPat"] = "/x"
     assert any("mountPat" in p for p in check_schemas(objs, K8S_VERSIONS[-1]))
+
+    s3 = objects("gpu-s3")
+    s3_cfg = _with_pod_paths(embedded_config(s3, tmp_path)[0], raw)
+    assert check_config_fits_cluster(s3_cfg, _job(s3)["spec"]["rayClusterSpec"], s3) == []
+    env = _worker(s3)["template"]["spec"]["containers"][0]["env"]
+    env[:] = [e for e in env if e["name"] != "AWS_SECRET_ACCESS_KEY"]
+    problems = check_config_fits_cluster(s3_cfg, _job(s3)["spec"]["rayClusterSpec"], s3)
+    assert problems == [f"workers: run.dir {s3_cfg.run.dir} needs AWS_SECRET_ACCESS_KEY from a Secret"]
 
 
 # ---------------------------------------------------------------- the MLflow server, for real --
