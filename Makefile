@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # The CPU build of torch lies on these machines' disk; an unpinned torch would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install system-deps run test test-unit lint bench clean
+.PHONY: install system-deps run test test-unit lint bench clean image image-test
 
 install: system-deps $(BIN)/elastictrain
 	$(BIN)/elastictrain build-ops
@@ -48,6 +48,15 @@ lint: $(BIN)/elastictrain
 
 bench: $(BIN)/elastictrain
 	$(BIN)/python -m benchmarks.run $(ARGS)
+
+# The container image, built where no registry is reachable (a debootstrap base; see docker/build-image.sh),
+# and run as users will: a Ray head and 2 workers in containers, elastic under docker kill / docker run.
+IMAGE ?= elastictrain:0.1.0-cpu
+image:
+	bash docker/build-image.sh $(IMAGE)
+
+image-test:
+	bash docker/image-test.sh $(IMAGE)
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache
