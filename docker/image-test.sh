@@ -27,6 +27,7 @@ cleanup() {
   docker volume rm "$VOL" >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
+trap 'exit 130' INT TERM # so that the EXIT trap removes the containers
 export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$TOKEN # the host's ray CLI authenticates with the token
 
 docker image inspect "$IMAGE" >/dev/null 2>&1 || fail "no image $IMAGE: run make image first"
@@ -34,8 +35,10 @@ cleanup
 docker network create "$NET" >/dev/null
 docker volume create "$VOL" >/dev/null
 docker run --rm --user 0 -v "$VOL:/mnt/runs" "$IMAGE" chown 1000:1000 /mnt/runs
+# Each container JIT-builds DeepSpeed's CPU ops on first use, as a pod does (a shared build folder
+# would let one container load a half-built op of another).
 COMMON=(--network "$NET" --shm-size=1g -v "$VOL:/mnt/runs" -e RAY_AUTH_MODE=token -e "RAY_AUTH_TOKEN=$TOKEN"
-        -e DS_ACCELERATOR=cpu -e TORCH_EXTENSIONS_DIR=/mnt/runs/.torch_extensions)
+        -e DS_ACCELERATOR=cpu)
 worker() {
   docker run -d --name "$1" --hostname "$1" "${COMMON[@]}" "$IMAGE" \
     ray start --address="$P-head:6379" --num-cpus=1 --block >/dev/null
