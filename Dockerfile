@@ -27,9 +27,12 @@ ENV DEBIAN_FRONTEND=noninteractive \
 # the node that runs them (they are built with -march=native, so not baked into the image).
 # libaio-dev: DeepSpeed's async_io op, needed for NVMe offload (deepspeed.offload_*: nvme).
 # wget: KubeRay's readiness and liveness probes of Ray pods call it.
-# python3-venv: the python image has it; a bare Debian base (make image) installs it here.
+# A bare Debian base (make image) also needs python3-venv, and python3-dev for the headers the
+# JIT-built ops compile against; the python image has both for its own Python.
 RUN apt-get update \
+    && headers=$(python3 -c 'import os, sysconfig; print(os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))') \
     && apt-get install -y --no-install-recommends build-essential libaio-dev wget python3-venv \
+        $([ "$headers" = True ] || echo python3-dev) \
     && rm -rf /var/lib/apt/lists/*
 
 # What `make image` adds from the building machine (docker/extra/): its CA bundle, for a network whose
