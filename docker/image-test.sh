@@ -38,15 +38,16 @@ docker run --rm --user 0 -v "$VOL:/mnt/runs" "$IMAGE" chown 1000:1000 /mnt/runs
 # Each container JIT-builds DeepSpeed's CPU ops on first use, as a pod does (a shared build folder
 # would let one container load a half-built op of another).
 COMMON=(--network "$NET" --shm-size=1g -v "$VOL:/mnt/runs" -e RAY_AUTH_MODE=token -e "RAY_AUTH_TOKEN=$TOKEN"
-        -e DS_ACCELERATOR=cpu)
-# Memory limits, as pods have: Ray's memory monitor then watches the container's cgroup, not the
-# whole machine (on a shared machine it otherwise kills the job's driver when others use memory).
+        -e DS_ACCELERATOR=cpu -e RAY_memory_monitor_refresh_ms=0)
+# Memory limits, as pods have; the kernel enforces them. Ray's own memory monitor is off: here
+# (cgroup v1) it counted the page cache and killed actors at "95% of the container's memory" while
+# they used 0.3 GiB, and without limits it watched the whole shared machine.
 worker() {
-  docker run -d --name "$1" --hostname "$1" --memory=3g "${COMMON[@]}" "$IMAGE" \
+  docker run -d --name "$1" --hostname "$1" --memory=4g "${COMMON[@]}" "$IMAGE" \
     ray start --address="$P-head:6379" --num-cpus=1 --block >/dev/null
 }
 say "starting the head (no CPUs: workers train in the worker containers) and 2 workers on network $NET"
-docker run -d --name "$P-head" --hostname "$P-head" --memory=3g -p "127.0.0.1:$PORT:8265" "${COMMON[@]}" "$IMAGE" \
+docker run -d --name "$P-head" --hostname "$P-head" --memory=4g -p "127.0.0.1:$PORT:8265" "${COMMON[@]}" "$IMAGE" \
   ray start --head --num-cpus=0 --port=6379 --dashboard-host=0.0.0.0 --block >/dev/null
 worker "$P-w1"
 worker "$P-w2"
