@@ -91,11 +91,15 @@ say "ray job submit $JOB (from the host, with the token)"
   >/dev/null
 
 logs() { "$RAY" job logs --address "http://127.0.0.1:$PORT" "$JOB" 2>/dev/null || true; }
+status() { # PENDING, RUNNING, SUCCEEDED, FAILED or STOPPED (the CLI prints it in words)
+  "$PY" -c 'import sys; from ray.job_submission import JobSubmissionClient as C
+print(C(sys.argv[1]).get_job_status(sys.argv[2]).value)' "http://127.0.0.1:$PORT" "$JOB" 2>/dev/null || true
+}
 wait_log() { # pattern, what, seconds
   for _ in $(seq 1 "$3"); do
     if logs | grep -qE "$1"; then return 0; fi
-    st=$("$RAY" job status --address "http://127.0.0.1:$PORT" "$JOB" 2>/dev/null | grep -oE 'FAILED|STOPPED' || true)
-    [ -z "$st" ] || { logs | tail -40; fail "the job ended $st before $2"; }
+    st=$(status)
+    case "$st" in SUCCEEDED|FAILED|STOPPED) logs | tail -40; fail "the job ended $st before $2" ;; esac
     sleep 1
   done
   logs | tail -40
@@ -112,8 +116,8 @@ worker "$P-w3"
 wait_log "attempt [0-9]+: world size 2 .*from step" "grow back to world size 2" 600
 say "grew back: $(logs | grep -E 'attempt [0-9]+: world size 2 .*from step' | tail -1 | cut -c1-150)"
 for _ in $(seq 1 900); do
-  st=$("$RAY" job status --address "http://127.0.0.1:$PORT" "$JOB" 2>/dev/null | grep -oE 'SUCCEEDED|FAILED|STOPPED' | head -1 || true)
-  [ -n "$st" ] && break
+  st=$(status)
+  case "$st" in SUCCEEDED|FAILED|STOPPED) break ;; esac
   sleep 1
 done
 logs | grep -E "^(attempt|checkpoint|worker_died|node_lost|finished|run ended)|world size|failure" | cut -c1-160 | tail -25 || true
