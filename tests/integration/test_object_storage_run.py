@@ -1,9 +1,9 @@
 """A run whose run.dir is on S3 (a real S3 server on 127.0.0.1, no shared POSIX folder for checkpoints).
 
 One run, several checks: 2 Ray workers train and write their rank objects straight to the store; the
-driver is SIGKILLed in the middle of committing its second checkpoint; `status` and `runs` read the
-run from s3://; `resume s3://...` continues at 3 workers (reshard 2 -> 3) from the previous checkpoint;
-a corrupted object is named by `verify` and rejected by the next resume, which falls back a checkpoint.
+driver is SIGKILLed in the middle of committing its third checkpoint; `status` and `runs` read the
+run from s3://; a corrupted object of the latest checkpoint is named by `verify`; `resume s3://...`
+rejects that checkpoint and continues at 3 workers from the one before (reshard 2 -> 3).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _train_args(run: str) -> list[str]:
         "-c",
         str(TINY),
         f"run.dir={run}",
-        "training.max_steps=6",
+        "training.max_steps=8",
         "training.global_batch_size=6",  # splits at 2 and at 3 workers
         "training.micro_batch_size=3",
         "training.warmup_steps=1",
@@ -84,18 +84,18 @@ def _events(run: str, name: str) -> list[dict]:
     return [e for e in RunDir.open(run).read_events() if e["event"] == name]
 
 
-def test_a_run_on_s3_survives_its_driver_reshards_on_resume_and_rejects_a_corrupted_object(
+def test_a_run_on_s3_survives_its_driver_and_resumes_resharded_past_a_corrupted_object(
     env: dict[str, str], s3_bucket: str
 ) -> None:
     run = f"{s3_bucket}/runs/tiny"
     ckpts = CheckpointStore(f"{run}/checkpoints")
 
-    # 1. Two workers; the driver is killed while it writes the second checkpoint's manifest.
-    first = _cli(env, "train", *_train_args(run), crash_at="manifest_partial@2")
+    # 1. Two workers; the driver is killed while it writes the third checkpoint's manifest.
+    first = _cli(env, "train", *_train_args(run), crash_at="manifest_partial@3")
     assert first.returncode == -signal.SIGKILL, first.stdout[-3000:]
-    assert ckpts.listing().committed == ("step-000002",)
-    assert ckpts.listing().latest == "step-000002"
-    unfinished = ckpts.root / "step-000004"
+    assert ckpts.listing().committed == ("step-000002", "step-000004")
+    assert ckpts.listing().latest == "step-000004"
+    unfinished = ckpts.root / "step-000006"
     assert sorted(p.name for p in unfinished.iterdir()) == [
         "rank-00000-of-00002.safetensors",
         "rank-00001-of-00002.safetensors",
@@ -106,38 +106,34 @@ def test_a_run_on_s3_survives_its_driver_reshards_on_resume_and_rejects_a_corrup
     status = _cli(env, "status", run)
     assert status.returncode == 0, status.stdout
     assert "status    RUNNING" in status.stdout and "NOT RUNNING" in status.stdout
-    assert "checkpoints: step-000002 (latest: step-000002)" in status.stdout
-    assert "not used: step-000004: not a committed checkpoint: it has no manifest.json" in status.stdout
+    assert "checkpoints: step-000002, step-000004 (latest: step-000004)" in status.stdout
+    assert "not used: step-000006: not a committed checkpoint: it has no manifest.json" in status.stdout
     runs = _cli(env, "runs", f"{s3_bucket}/runs")
     assert runs.returncode == 0, runs.stdout
     (line,) = [ln for ln in runs.stdout.splitlines() if run in ln]
     assert line.startswith("RUNNING") and "resume it" in line
 
-    # 3. Resumed at 3 workers from the checkpoint saved by 2; the unfinished save is removed.
-    resumed = _cli(env, "resume", run, "scaling.min_workers=3", "scaling.max_workers=3")
-    assert resumed.returncode == 0, resumed.stdout[-3000:]
-    info = RunDir.open(run).read_info()
-    assert (info.status, info.last_step) == ("FINISHED", 6)
-    (removed,) = _events(run, "partial_checkpoints_removed")
-    assert "step-000004" in removed["removed"]
-    started = _events(run, "attempt_started")[-1]
-    assert (started["world_size"], started["checkpoint"]) == (3, "step-000002")
-    assert ckpts.listing().committed == ("step-000004", "step-000006")  # keep_last=2 pruned step 2
-    manifest = ckpts.manifest("step-000006")
-    assert manifest["world_size"] == 3 and len(manifest["files"]) == 3
-    assert verify(ckpts.root / "step-000006").ok
-
-    # 4. A corrupted object: `verify` names it; the next resume rejects the checkpoint, loads the one before.
-    obj = ckpts.root / "step-000006" / "rank-00002-of-00003.safetensors"
+    # 3. A byte of the latest checkpoint's object flipped: `verify` names the object.
+    obj = ckpts.root / "step-000004" / "rank-00001-of-00002.safetensors"
     data = bytearray(obj.read_bytes())
     data[-10] ^= 0xFF
     obj.write_bytes(bytes(data))
     checked = _cli(env, "verify", run)
     assert checked.returncode == 1 and f"{obj}: sha256 differs from the manifest" in checked.stdout
-    extended = _cli(env, "resume", "--local", run, "training.max_steps=8")
-    assert extended.returncode == 0, extended.stdout[-3000:]
+
+    # 4. Resumed at 3 workers: step 4 is rejected, step 2 (saved by 2 workers) is loaded, resharded.
+    resumed = _cli(env, "resume", run, "scaling.min_workers=3", "scaling.max_workers=3")
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    info = RunDir.open(run).read_info()
+    assert (info.status, info.last_step) == ("FINISHED", 8)
     (rejected,) = _events(run, "checkpoint_rejected")
-    assert rejected["tag"] == "step-000006" and "rank-00002-of-00003" in json.dumps(rejected["problems"])
-    assert _events(run, "attempt_started")[-1]["checkpoint"] == "step-000004"
-    assert RunDir.open(run).read_info().last_step == 8
-    assert verify(ckpts.root / ckpts.listing().latest).ok
+    assert rejected["tag"] == "step-000004" and "rank-00001-of-00002" in json.dumps(rejected["problems"])
+    (removed,) = _events(run, "partial_checkpoints_removed")
+    assert "step-000006" in removed["removed"]
+    started = _events(run, "attempt_started")[-1]
+    assert (started["world_size"], started["checkpoint"]) == (3, "step-000002")
+    assert ckpts.listing().committed == ("step-000006", "step-000008")  # keep_last=2
+    for tag in ckpts.listing().committed:
+        manifest = ckpts.manifest(tag)
+        assert manifest["world_size"] == 3 and len(manifest["files"]) == 3
+        assert verify(ckpts.root / tag).ok
