@@ -6,6 +6,9 @@
 #     docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu \
 #       -t REGISTRY/elastictrain:0.1.0-cpu .
 #
+#   Where no registry is reachable: `make image` builds it on a Debian base made with debootstrap
+#   (docker/build-image.sh passes --build-arg PYTHON_IMAGE=elastictrain-base:bookworm).
+#
 # Runs as the non-root user elastictrain (uid/gid 1000), as the manifests in k8s/ expect.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE}
@@ -24,14 +27,25 @@ ENV DEBIAN_FRONTEND=noninteractive \
 # the node that runs them (they are built with -march=native, so not baked into the image).
 # libaio-dev: DeepSpeed's async_io op, needed for NVMe offload (deepspeed.offload_*: nvme).
 # wget: KubeRay's readiness and liveness probes of Ray pods call it.
+# A bare Debian base (make image) also needs python3-venv, and python3-dev for the headers the
+# JIT-built ops compile against; the python image has both for its own Python.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends build-essential libaio-dev wget \
+    && headers=$(python3 -c 'import os, sysconfig; print(os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))') \
+    && apt-get install -y --no-install-recommends build-essential libaio-dev wget python3-venv \
+        $([ "$headers" = True ] || echo python3-dev) \
     && rm -rf /var/lib/apt/lists/*
+
+# What `make image` adds from the building machine (docker/extra/): its CA bundle, for a network whose
+# TLS proxy has its own CA, and a torch CPU wheel folder pip also looks in. Elsewhere: only a README.
+COPY docker/extra/ /opt/build-extra/
+RUN if [ -s /opt/build-extra/ca-certificates.crt ]; then \
+        printf '[global]\ncert = /opt/build-extra/ca-certificates.crt\n' > /etc/pip.conf; fi
+ENV PIP_FIND_LINKS=/opt/build-extra/wheels
 
 RUN groupadd --gid 1000 elastictrain \
     && useradd --uid 1000 --gid 1000 --create-home --shell /bin/bash elastictrain
 
-RUN python -m venv /opt/venv && pip install --upgrade pip
+RUN python3 -m venv /opt/venv && pip install --upgrade pip
 
 # torch pinned first and on its own: a plain `torch` requirement would pull whatever build is newest.
 RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0

@@ -8,7 +8,7 @@ IN_VENV = PATH="$(abspath $(BIN)):$$PATH"
 # The CPU build of torch lies on these machines' disk; an unpinned torch would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install system-deps run test test-unit lint bench clean
+.PHONY: install system-deps run test test-unit lint bench clean image image-test
 
 install: system-deps $(BIN)/elastictrain
 	$(IN_VENV) $(BIN)/elastictrain build-ops
@@ -20,11 +20,21 @@ $(BIN)/elastictrain: pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]" "$(TORCH)"
 	touch $@
 
-# libaio headers let DeepSpeed build its async_io op (NVMe offload). Installed only when we are root.
+# Installed with apt-get only when we are root; otherwise a warning says what is missing.
+# libaio headers let DeepSpeed build its async_io op (NVMe offload). kubectl renders k8s/ with its
+# built-in kustomize (tests/unit/test_k8s_manifests.py), which must be v5: Debian bookworm's own
+# kubernetes-client is kubectl 1.20 with kustomize v2, so the `kubectl` package is taken where an
+# apt source offers it, Debian's kubernetes-client otherwise (newer Debian releases carry 1.32).
 system-deps:
 	@if [ -e /usr/include/libaio.h ]; then echo "libaio-dev present"; \
 	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq libaio-dev; \
 	else echo "warning: libaio-dev missing and not root: NVMe offload will not work (apt-get install libaio-dev)"; fi
+	@if kubectl version --client 2>/dev/null | grep -q 'Kustomize Version: v[5-9]'; then echo "kubectl with kustomize v5+ present"; \
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq; \
+	  if apt-cache policy kubectl | grep -q 'Candidate: [0-9]'; then apt-get install -y -qq kubectl; \
+	  else apt-get install -y -qq kubernetes-client; fi; \
+	  kubectl version --client | grep Kustomize; \
+	else echo "warning: no kubectl with kustomize v5 and not root: the k8s manifest tests will skip"; fi
 
 run: $(BIN)/elastictrain
 	$(IN_VENV) $(BIN)/elastictrain train -c conf/tiny-cpu.yaml $(ARGS)
@@ -41,6 +51,15 @@ lint: $(BIN)/elastictrain
 
 bench: $(BIN)/elastictrain
 	$(IN_VENV) $(BIN)/python -m benchmarks.run $(ARGS)
+
+# The container image, built where no registry is reachable (a debootstrap base; see docker/build-image.sh),
+# and run as users will: a Ray head and 2 workers in containers, elastic under docker kill / docker run.
+IMAGE ?= elastictrain:0.1.0-cpu
+image:
+	bash docker/build-image.sh $(IMAGE)
+
+image-test:
+	bash docker/image-test.sh $(IMAGE)
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

@@ -151,7 +151,7 @@ def _check_user_code(cfg) -> None:  # noqa: ANN001
 
 @app.command()
 def resume(
-    run_dir: Annotated[Path, typer.Argument(help="the run folder (run.dir) of a stopped or crashed run")],
+    run_dir: Annotated[str, typer.Argument(help="the run folder (run.dir) of a stopped or crashed run")],
     overrides: Annotated[
         list[str] | None,
         typer.Argument(help="changes safe mid-run, e.g. training.max_steps=200 scaling.max_workers=4"),
@@ -190,7 +190,7 @@ def resume(
 
 
 @app.command()
-def status(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> None:
+def status(run_dir: Annotated[str, typer.Argument(help="a run folder (a path or an s3:// URL)")]) -> None:
     """Show a run's state, world-size history, checkpoints, last metrics and MLflow run."""
     from elastictrain.rundir.run_dir import RunDir, RunDirError
 
@@ -212,7 +212,7 @@ def status(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> Non
     from elastictrain.tracking.tracker import resolve_tracking_uri
 
     stored_uri = info.mlflow_tracking_uri
-    shown_uri = resolve_tracking_uri(stored_uri, Path(run_dir)) if stored_uri else None
+    shown_uri = resolve_tracking_uri(stored_uri, rd.local_dir) if stored_uri else None
     out.print(f"mlflow    run {info.mlflow_run_id} at {shown_uri}")
     out.print(
         "world size history: "
@@ -233,10 +233,14 @@ def status(run_dir: Annotated[Path, typer.Argument(help="a run folder")]) -> Non
 
 
 @app.command()
-def runs(root: Annotated[Path, typer.Argument(help="folder holding run folders")] = Path("runs")) -> None:
-    """List the runs under a folder."""
+def runs(
+    root_arg: Annotated[str, typer.Argument(metavar="ROOT", help="folder holding run folders")] = "runs",
+) -> None:
+    """List the runs under a folder (a path or an s3:// URL)."""
     from elastictrain.rundir.run_dir import list_runs
+    from elastictrain.storage import as_path
 
+    root = as_path(root_arg)
     if not root.is_dir():
         what = "is not a folder" if root.exists() else "does not exist"
         _fail(f"{root} {what}; give the folder holding run folders (e.g. runs)")
@@ -254,9 +258,7 @@ def runs(root: Annotated[Path, typer.Argument(help="folder holding run folders")
 
 @app.command()
 def verify(
-    checkpoint: Annotated[
-        Path, typer.Argument(help="a checkpoint folder, checkpoints/ folder or run folder")
-    ],
+    checkpoint: Annotated[str, typer.Argument(help="a checkpoint folder, checkpoints/ folder or run folder")],
 ) -> None:
     """Check every file of a checkpoint against the sizes and sha256 in its manifest."""
     from elastictrain.checkpoint.store import verify_checkpoint
@@ -270,7 +272,7 @@ def verify(
 
 @app.command()
 def sync(
-    run_dir: Annotated[Path, typer.Argument(help="a run folder (run.dir)")],
+    run_dir: Annotated[str, typer.Argument(help="a run folder (run.dir)")],
     timeout: Annotated[float, typer.Option(help="seconds to wait for the tracking server")] = 60.0,
 ) -> None:
     """Send to MLflow what a run spooled while its tracking server was unreachable (in order, once)."""
@@ -286,13 +288,13 @@ def sync(
         cfg = load_config(rd.config_yaml)
     except (RunDirError, ConfigError) as e:
         _fail(str(e))
-    if not (rd.path / SPOOL_DIR).is_dir():
+    if not (rd.local_dir / SPOOL_DIR).is_dir():
         out.print(f"{run_dir}: nothing spooled; MLflow has everything this run logged")
         return
     info = rd.read_info()
     # The URI the run used (run.json's) first: config.yaml's has its password masked.
     stored = info.mlflow_tracking_uri
-    uri = resolve_tracking_uri(stored, rd.path) if stored else tracking_uri_of(rd, cfg.tracking.uri)
+    uri = resolve_tracking_uri(stored, rd.local_dir) if stored else tracking_uri_of(rd, cfg.tracking.uri)
     tracker = run_tracker(
         rd, uri, cfg.tracking.experiment, start_wait_s=0.0, max_spool_mb=cfg.tracking.max_spool_mb
     )
@@ -312,7 +314,8 @@ def sync(
     if not sent or left:
         _fail(
             f"MLflow at {redact_text(uri)} did not take everything within {timeout:.0f}s; {left} record(s) "
-            f"stay spooled in {rd.path / SPOOL_DIR}; run `elastictrain sync {run_dir}` again when it answers",
+            f"stay spooled in {rd.local_dir / SPOOL_DIR}; run `elastictrain sync {run_dir}` again when it "
+            "answers",
             code=1,
         )
     out.print(
@@ -322,9 +325,7 @@ def sync(
 
 @app.command()
 def export(
-    checkpoint: Annotated[
-        Path, typer.Argument(help="a checkpoint folder, checkpoints/ folder or run folder")
-    ],
+    checkpoint: Annotated[str, typer.Argument(help="a checkpoint folder, checkpoints/ folder or run folder")],
     out_dir: Annotated[Path, typer.Option("--out", help="output folder for safetensors + config.json")],
     log_to_mlflow: Annotated[
         bool, typer.Option("--log-to-mlflow", help="also log the exported model to the run's MLflow run")
@@ -349,9 +350,7 @@ def export(
 
 @app.command()
 def reshard(
-    checkpoint: Annotated[
-        Path, typer.Argument(help="a checkpoint folder, checkpoints/ folder or run folder")
-    ],
+    checkpoint: Annotated[str, typer.Argument(help="a checkpoint folder, checkpoints/ folder or run folder")],
     world_size: Annotated[
         int, typer.Option("--world-size", help="the world size to lay the checkpoint out for")
     ],

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -21,7 +21,7 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
-def choose(checkpoint: Path) -> Path:
+def choose(checkpoint: str | Path) -> Any:
     """The checkpoint a command uses; says which and why, when a newer folder is not one."""
     from elastictrain.checkpoint.choice import choose_checkpoint
     from elastictrain.checkpoint.store import CheckpointError

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from elastictrain.config import Config, config_digest, to_flat_dict, to_yaml
 from elastictrain.progress import Reporter
 from elastictrain.redact import install_log_redaction
 from elastictrain.rundir.run_dir import RunDir
+from elastictrain.storage import as_path, storage_of
 from elastictrain.tracking.artifacts import SystemMetrics
 from elastictrain.tracking.run_tracker import run_tracker, tracking_uri_of
 from elastictrain.tracking.tracker import NullTracker, Tracker, stored_tracking_uri
@@ -121,12 +121,12 @@ def _reenter(path: str | None, watch_s: float = 60.0) -> None:
 
 def prepare_run_dir(config: Config, *, fresh: bool) -> tuple[RunDir, bool]:
     """The run folder for `train`: new, or the existing run of the same config (resumed), or moved aside."""
-    path = Path(config.run.dir)
+    path = as_path(config.run.dir)
     digest = config_digest(config)
     if RunDir.exists(path):
         if fresh:
             aside = path.with_name(f"{path.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-            shutil.move(str(path), aside)
+            storage_of(path).move_tree(path, aside)
             log.warning("moved the previous run folder to %s", aside)
         else:
             run_dir = RunDir.open(path)
@@ -177,9 +177,7 @@ def apply_resume_changes(run_dir: RunDir, config: Config) -> list[str]:
         raise ConfigError(problems)
     if not changes.allowed:
         return []
-    from elastictrain.rundir.durable import replace_text_atomically
-
-    replace_text_atomically(run_dir.config_yaml, to_yaml(config))
+    storage_of(run_dir.config_yaml).replace_text(run_dir.config_yaml, to_yaml(config))
     run_dir.update(config_digest=config_digest(config))
     described = {k: {"from": a, "to": b} for k, (a, b) in changes.allowed.items()}
     run_dir.append_event("config_changed", step=info.last_step, changes=described)
@@ -195,7 +193,9 @@ def make_tracker(config: Config, run_dir: RunDir, enabled: bool = True) -> Track
     run_id = tracker.start()  # "" while the server does not answer: the run is created when it does
     if info.mlflow_run_id is None:
         if run_id:  # the URI without its password, if it held one (redact.py)
-            run_dir.update(mlflow_run_id=run_id, mlflow_tracking_uri=stored_tracking_uri(uri, run_dir.path))
+            run_dir.update(
+                mlflow_run_id=run_id, mlflow_tracking_uri=stored_tracking_uri(uri, run_dir.local_dir)
+            )
         tracker.log_params(to_flat_dict(config))
         tracker.log_artifact_text(to_yaml(config), "config.yaml")
     return tracker

@@ -156,12 +156,12 @@ def test_a_full_disk_while_committing_keeps_the_previous_checkpoint_and_leaves_n
     """ENOSPC injected at the manifest write (the integration test fills a real tmpfs instead)."""
     store = make_checkpoints(tmp_path, (4,))
     staging = store.begin(8)
-    import elastictrain.checkpoint.store as cs
+    import elastictrain.storage.local as local_storage  # the writes of a checkpoint on a local disk
 
     def full(path: Path, data: bytes) -> str:
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(cs, "write_bytes_durably", full)
+    monkeypatch.setattr(local_storage, "write_bytes_durably", full)
     with pytest.raises(OSError) as e:
         store.commit(8, staging, [], {})
     assert e.value.errno == errno.ENOSPC

@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 from loop_harness import make_run
 
-import elastictrain.checkpoint.store as store_module
-import elastictrain.rundir.run_dir as run_dir_module
+import elastictrain.storage.local as local_storage
 from elastictrain.checkpoint.store import CheckpointStore
 from elastictrain.rundir.run_dir import RunDir
 
@@ -21,14 +20,13 @@ from elastictrain.rundir.run_dir import RunDir
 def fsynced(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """The folders fsynced, in order."""
     seen: list[Path] = []
-    real = run_dir_module.fsync_dir
+    real = local_storage.fsync_dir
 
     def record(path: Path) -> None:
         seen.append(Path(path))
         real(path)
 
-    monkeypatch.setattr(run_dir_module, "fsync_dir", record)
-    monkeypatch.setattr(store_module, "fsync_dir", record)
+    monkeypatch.setattr(local_storage, "fsync_dir", record)
     return seen
 
 

@@ -1,17 +1,17 @@
 """A rank's checkpoint file as planned by checkpoint/rank_snapshot.py: a valid safetensors file whose
-fragments read back exactly, written in few large runs, from a stream whose size is not known ahead."""
+fragments read back exactly, written in few large runs; a short or failing stream leaves no file."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors import safe_open
 
 from elastictrain.checkpoint.rank_snapshot import plan_rank_file
+from elastictrain.checkpoint.writer import ShardWrite
 from elastictrain.checkpoint.zero_layouts import LocalSlice
-from elastictrain.rundir.durable import sha256_of_file, write_chunks_durably
+from elastictrain.rundir.durable import sha256_of_file
 
 
 def _group(names_lengths: list[tuple[str, int]], gap: int = 0) -> list[LocalSlice]:
@@ -57,9 +57,11 @@ def test_planned_file_reads_back_every_fragment_with_safetensors(tmp_path: Path)
             ]
     header = plan.header({"who": "test"})
     path = tmp_path / "rank-00000-of-00001.safetensors"
-    size, digest = write_chunks_durably(path, iter([header, data.numpy()]), block=16)
-    assert size == path.stat().st_size == len(header) + 4 * plan.numel
-    assert digest == sha256_of_file(path)
+    write = ShardWrite(path, lambda: iter([header, data.numpy()]), len(header) + 4 * plan.numel)
+    write.run()
+    assert write.error is None and write.file is not None, write.error
+    assert write.file["bytes"] == path.stat().st_size == len(header) + 4 * plan.numel
+    assert write.file["sha256"] == sha256_of_file(path)
     with safe_open(str(path), framework="pt") as f:
         assert f.metadata() == {"who": "test"}
         assert set(f.keys()) == {f"{p}::{fld}" for p in ("layer.w", "layer.b", "head.w") for fld in fields}
@@ -72,8 +74,9 @@ def test_planned_file_reads_back_every_fragment_with_safetensors(tmp_path: Path)
 
 def test_a_stream_shorter_than_announced_leaves_no_file(tmp_path: Path) -> None:
     path = tmp_path / "x.safetensors"
-    with pytest.raises(RuntimeError, match="expected 10"):
-        write_chunks_durably(path, [b"12345"], total=10)
+    write = ShardWrite(path, lambda: [b"12345"], 10)
+    write.run()
+    assert write.error is not None and "expected 10" in write.error
     assert not path.exists()
 
 
@@ -84,6 +87,7 @@ def test_a_failing_stream_leaves_no_torn_file(tmp_path: Path) -> None:
         yield b"header"
         raise OSError(5, "Input/output error")
 
-    with pytest.raises(OSError):
-        write_chunks_durably(path, chunks())
+    write = ShardWrite(path, chunks)
+    write.run()
+    assert write.error is not None and "Input/output error" in write.error
     assert not path.exists()

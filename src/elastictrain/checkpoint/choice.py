@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from elastictrain.checkpoint.store import MANIFEST, CheckpointError, CheckpointStore
 from elastictrain.core.checkpoints import choose_resume_tag, step_of_tag
+from elastictrain.storage import AnyPath, as_path
 
 
 @dataclass(frozen=True)
 class Choice:
     """The checkpoint folder used, and one line per newer folder passed over (with the reason)."""
 
-    path: Path
+    path: AnyPath
     passed_over: tuple[str, ...] = ()
 
     def describe(self) -> str:
@@ -31,7 +31,7 @@ class Choice:
         )
 
 
-def _unreadable_manifest(folder: Path) -> str | None:
+def _unreadable_manifest(folder: AnyPath) -> str | None:
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError) as e:
@@ -41,7 +41,7 @@ def _unreadable_manifest(folder: Path) -> str | None:
     return None
 
 
-def passed_over(root: Path, chosen: str | None) -> tuple[list[str], list[str]]:
+def passed_over(root: AnyPath, chosen: str | None) -> tuple[list[str], list[str]]:
     """Folders newer than `chosen` that are not used, as (tags, reasons); also a stray `latest`."""
     store = CheckpointStore(root)
     chosen_step = step_of_tag(chosen) if chosen else None
@@ -80,7 +80,7 @@ class Usable:
     passed_over: tuple[str, ...]  # why each newer step folder is not used
 
 
-def newest_usable(root: Path) -> Usable:
+def newest_usable(root: AnyPath) -> Usable:
     listing = CheckpointStore(root).listing()
     unreadable = tuple(t for t in listing.committed if _unreadable_manifest(root / t) is not None)
     tag = choose_resume_tag(listing, unreadable)
@@ -88,9 +88,9 @@ def newest_usable(root: Path) -> Usable:
     return Usable(committed, tag, tuple(passed_over(root, tag)[1]))
 
 
-def choose_checkpoint(path: str | Path) -> Choice:
+def choose_checkpoint(path: str | AnyPath) -> Choice:
     """A checkpoint folder as given, or the one a resume would load from a checkpoints/ or run folder."""
-    p = Path(path)
+    p = as_path(path)
     if (p / MANIFEST).is_file():
         return Choice(p)
     for root in (p, p / "checkpoints"):

@@ -5,17 +5,17 @@ Shared by the worker actor (worker/actor.py) and the benchmarks, so both run the
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from elastictrain.checkpoint.rank_snapshot import RankFilePlan, Walked, stream_chunks, take_snapshot
 from elastictrain.checkpoint.writer import ShardWrite
 from elastictrain.checkpoint.zero_state import fragments_of, rank_file
+from elastictrain.storage import AnyPath, as_path
 
 
 def prepare_rank_write(
     engine: Any,
-    folder: Path,
+    folder: AnyPath,
     rank: int,
     world_size: int,
     *,
@@ -29,7 +29,7 @@ def prepare_rank_write(
 
     Returns the write and {"name", "engine_state" (the scalars), "mode": "snapshot" | "streamed"}.
     """
-    path = Path(folder) / rank_file(rank, world_size, {})[0]
+    path = as_path(folder) / rank_file(rank, world_size, {})[0]
 
     def metadata_for(plan: RankFilePlan) -> dict[str, str]:
         return rank_file(rank, world_size, fragments_of(plan.pieces))[1]

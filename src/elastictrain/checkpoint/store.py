@@ -9,15 +9,21 @@ first renaming them to a hidden `.trash-` name, so a crash mid-delete never leav
 folder that still holds its manifest. Every file's sha256 is checked again before a checkpoint is
 loaded (`verify_checkpoint`); one that fails is rejected and the previous one is used.
 
+On an object store (`run.dir: s3://...`) there is no rename: ranks write their objects straight
+into `step-NNNNNN/`, and writing `manifest.json` after all of them is the commit (an upload appears
+whole or not at all); `latest` is replaced last, by one PUT. A `step-NNNNNN/` without its manifest is
+an unfinished save, never loaded, removed at the next start; deleting a checkpoint deletes its
+manifest first, so a crash mid-delete leaves an uncommitted folder, not a damaged checkpoint.
+
 Crash points (see durable.crash_point), in the order a save passes them: shard_partial,
-shard_written, manifest_partial, manifest_written, renamed, latest_tmp_written, committed.
+shard_written, manifest_partial, manifest_written, renamed, latest_tmp_written, committed (on an
+object store: shard_partial, shard_written, manifest_partial, manifest_written, committed).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,13 +38,8 @@ from elastictrain.core.checkpoints import (
     tag_for_step,
     tags_to_delete,
 )
-from elastictrain.rundir.durable import (
-    crash_point,
-    fsync_dir,
-    replace_text_atomically,
-    sha256_of_file,
-    write_bytes_durably,
-)
+from elastictrain.rundir.durable import crash_point, sha256_of_file
+from elastictrain.storage import AnyPath, as_path, storage_of
 
 MANIFEST = "manifest.json"
 FORMAT = "elastictrain.zero3-fragments/1"
@@ -53,30 +54,41 @@ class CheckpointError(RuntimeError):
 @dataclass(frozen=True)
 class Committed:
     tag: str
-    path: Path
+    path: AnyPath
     manifest: dict[str, Any]
 
 
 class CheckpointStore:
-    def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
+    def __init__(self, root: str | AnyPath) -> None:
+        self.root = as_path(root)
+        self._io = storage_of(self.root)
 
-    def begin(self, step: int) -> Path:
-        """A fresh, empty staging folder for the checkpoint after `step` optimizer steps."""
+    def begin(self, step: int) -> AnyPath:
+        """A fresh, empty folder for the ranks' files of the checkpoint after `step` optimizer steps:
+        a hidden staging folder on a local disk, the checkpoint's own (uncommitted) folder on an
+        object store."""
+        tag = tag_for_step(step)
+        if not self._io.renames_atomically:
+            folder = self.root / tag
+            if folder.exists():  # an earlier save of this step (e.g. one rejected on load): out first
+                self._discard(folder)
+            return folder
         if not self.root.is_dir():
             self.root.mkdir(parents=True, exist_ok=True)
-            fsync_dir(self.root.parent)  # the new checkpoints/ folder survives a power loss
-        staging = self.root / f"{STAGING_PREFIX}{tag_for_step(step)}"
+            self._io.sync_folder(self.root.parent)  # the new checkpoints/ folder survives a power loss
+        staging = self.root / f"{STAGING_PREFIX}{tag}"
         if staging.exists():
-            shutil.rmtree(staging)
+            self._io.remove_tree(staging)
         staging.mkdir()
         return staging
 
     def commit(
-        self, step: int, staging: Path, files: list[dict[str, Any]], fields: dict[str, Any]
+        self, step: int, staging: AnyPath, files: list[dict[str, Any]], fields: dict[str, Any]
     ) -> Committed:
-        """Make a staged checkpoint count: manifest, rename, then `latest`. Files must all be present."""
+        """Make a staged checkpoint count: manifest, rename (local disks), then `latest`.
+        Files must all be present."""
         tag = tag_for_step(step)
+        staging = as_path(staging)
         for f in files:
             path = staging / f["name"]
             if not path.is_file() or path.stat().st_size != f["bytes"]:
@@ -91,28 +103,34 @@ class CheckpointStore:
             **fields,
             "files": sorted(files, key=lambda f: f["name"]),
         }
-        write_bytes_durably(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
-        fsync_dir(staging)
+        self._io.write(staging / MANIFEST, json.dumps(manifest, indent=1).encode())
         final = self.root / tag
-        if final.exists():  # an older commit of the same step (e.g. re-run after a crash): replace it
-            self._discard(final)
-        os.rename(staging, final)
-        fsync_dir(self.root)
-        crash_point("renamed")
-        replace_text_atomically(self.root / "latest", tag + "\n")
+        if self._io.renames_atomically:
+            self._io.sync_folder(staging)
+            if final.exists():  # an older commit of the same step (e.g. re-run after a crash): replace it
+                self._discard(final)
+            os.rename(staging, final)
+            self._io.sync_folder(self.root)
+            crash_point("renamed")
+        # On an object store the manifest's upload was the commit; `latest` follows.
+        self._io.replace_text(self.root / "latest", tag + "\n")
         crash_point("committed")
         return Committed(tag, final, manifest)
 
-    def abandon(self, staging: Path) -> None:
+    def abandon(self, staging: AnyPath) -> None:
         """Drop a save that cannot complete (e.g. the disk is full); committed checkpoints stay."""
-        shutil.rmtree(staging, ignore_errors=True)
+        self._io.remove_tree(as_path(staging))
 
-    def _discard(self, folder: Path) -> None:
-        # Atomically out of sight first: a crash mid-delete must not leave a half-deleted checkpoint.
+    def _discard(self, folder: AnyPath) -> None:
+        # A crash mid-delete must not leave a half-deleted checkpoint that still looks committed.
+        if not self._io.renames_atomically:
+            (folder / MANIFEST).unlink(missing_ok=True)  # uncommitted first
+            self._io.remove_tree(folder)
+            return
         trash = self.root / f"{TRASH_PREFIX}{folder.name}-{os.getpid()}-{time.monotonic_ns()}"
-        os.rename(folder, trash)
-        fsync_dir(self.root)
-        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(folder, trash)  # atomically out of sight first
+        self._io.sync_folder(self.root)
+        self._io.remove_tree(trash)
 
     def listing(self) -> CheckpointListing:
         if not self.root.is_dir():
@@ -149,15 +167,23 @@ class CheckpointStore:
         return doomed
 
     def clean_partials(self) -> list[str]:
-        """Remove what a crash mid-save or mid-delete left (staging, trash, temporary `latest`)."""
+        """Remove what a crash mid-save or mid-delete left (staging, trash, temporary `latest`; on an
+        object store, step folders without a manifest)."""
         if not self.root.is_dir():
             return []
         prefixes = (STAGING_PREFIX, TRASH_PREFIX, ".latest.tmp-")
-        removed = sorted(p.name for p in self.root.iterdir() if p.name.startswith(prefixes))
-        for name in removed:
-            path = self.root / name
+        removed = []
+        for path in sorted(self.root.iterdir(), key=lambda p: p.name):
+            unfinished = (
+                not self._io.renames_atomically
+                and step_of_tag(path.name) is not None
+                and not (path / MANIFEST).is_file()
+            )
+            if not (path.name.startswith(prefixes) or unfinished):
+                continue
+            removed.append(path.name)
             if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
+                self._io.remove_tree(path)
             else:
                 path.unlink(missing_ok=True)
         return removed
@@ -165,7 +191,7 @@ class CheckpointStore:
 
 @dataclass(frozen=True)
 class Verification:
-    path: Path
+    path: AnyPath
     problems: list[str]
     files: int
     bytes: int
@@ -176,7 +202,7 @@ class Verification:
         return not self.problems
 
 
-def _check_file(path: Path, entry: Any) -> str | None:
+def _check_file(path: AnyPath, entry: Any) -> str | None:
     if not isinstance(entry, dict) or not {"name", "bytes", "sha256"} <= set(entry):
         return f"{path / MANIFEST}: a file entry lacks name, bytes or sha256 ({entry!r})"
     name = str(entry["name"])
@@ -197,13 +223,14 @@ def _check_file(path: Path, entry: Any) -> str | None:
     return None
 
 
-def verify(path: Path, threads: int = 8) -> Verification:
+def verify(path: AnyPath, threads: int = 8) -> Verification:
     """Check every file of a checkpoint folder against its manifest's sizes and sha256.
 
     Files are hashed in parallel threads (hashlib releases the GIL), so this costs about one read of
     the checkpoint at disk speed.
     """
     t0 = time.perf_counter()
+    path = as_path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         entries = manifest["files"]
@@ -218,7 +245,7 @@ def verify(path: Path, threads: int = 8) -> Verification:
     return Verification(path, problems, len(entries), total, time.perf_counter() - t0)
 
 
-def verify_checkpoint(path: Path) -> list[str]:
+def verify_checkpoint(path: AnyPath) -> list[str]:
     """Problems found in a committed checkpoint folder: missing, truncated or altered files."""
     return verify(path).problems
 

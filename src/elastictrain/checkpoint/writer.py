@@ -14,8 +14,9 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
+
+from elastictrain.storage import AnyPath
 
 WRITER_NICE = 10  # the background writer's nice value (training threads keep 0)
 
@@ -23,7 +24,7 @@ WRITER_NICE = 10  # the background writer's nice value (training threads keep 0)
 class ShardWrite:
     def __init__(
         self,
-        path: Path,
+        path: AnyPath,
         chunks: Callable[[], Iterable[Any]],
         total: int | None = None,
         *,
@@ -45,15 +46,22 @@ class ShardWrite:
 
     def run(self) -> None:
         """Write durably in the calling thread; the result or the error is kept."""
-        from elastictrain.rundir.durable import write_chunks_durably
+        from elastictrain.storage import storage_of
 
         t0 = time.perf_counter()
         try:
             if self._delay_s > 0:
                 time.sleep(self._delay_s)
             assert self._chunks is not None, "a shard is written once"
-            size, digest = write_chunks_durably(self.path, self._chunks(), self._total)
-            self.file = {"name": self.path.name, "bytes": size, "sha256": digest}
+            # The storage gives a stream that is durable and whole once closed (fsynced on a local
+            # disk, one completed upload on an object store) and hashes what goes through it; a
+            # failure inside leaves no file behind.
+            with storage_of(self.path).create(self.path) as out:
+                for chunk in self._chunks():
+                    out.write(chunk)
+                if self._total is not None and out.size != self._total:
+                    raise RuntimeError(f"{self.path}: wrote {out.size} bytes, expected {self._total}")
+            self.file = {"name": self.path.name, "bytes": out.size, "sha256": out.sha256}
         except Exception as e:  # noqa: BLE001 - reported to the controller, which decides
             self.error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
         finally:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import bisect
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -86,10 +85,11 @@ def parse_fragments_metadata(text: str) -> dict[str, Fragment]:
 class FragmentReader:
     """Reads any element range of any saved parameter from the fragment files of one checkpoint."""
 
-    def __init__(self, files: list[Path]) -> None:
-        from safetensors import safe_open
+    def __init__(self, files: list[Any]) -> None:
+        from elastictrain.storage.ranges import open_safetensors
 
-        self._handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+        # Local files or objects (run.dir on an object store): either way only the bytes read are fetched.
+        self._handles = [open_safetensors(f) for f in files]
         # name -> sorted starts, and the (start, length, handle) behind each
         self._index: dict[str, list[tuple[int, int, Any]]] = {}
         self.params: dict[str, Fragment] = {}

@@ -27,6 +27,7 @@ from elastictrain.config.schema import Config, DataConfig
 from elastictrain.core.batch import workable_world_sizes
 from elastictrain.core.zero import stage_problems
 from elastictrain.redact import install_log_redaction, redact
+from elastictrain.storage import as_path, is_url, url_problems
 from elastictrain.worker.token_index import index_problems
 
 log = logging.getLogger("elastictrain.config")
@@ -98,13 +99,14 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     problems: list[str] = []
     raw_file: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
+        p = as_path(path)  # a run folder's config.yaml may be on an object store
         if p.is_dir():
             raise ConfigError(
                 [f"config file {p}: is a directory; expected a YAML file such as conf/tiny-cpu.yaml"]
             )
         try:
-            loaded = OmegaConf.to_container(OmegaConf.load(p), resolve=False)
+            source = OmegaConf.load(p) if isinstance(p, Path) else OmegaConf.create(p.read_text())
+            loaded = OmegaConf.to_container(source, resolve=False)
         except FileNotFoundError:
             raise ConfigError([f"config file {p}: does not exist"]) from None
         except Exception as e:  # noqa: BLE001 - YAML syntax errors come in many types
@@ -183,6 +185,7 @@ def validate(config: Config) -> Config:
         p.append(f"run.name: got {config.run.name!r}; expected a non-empty name without '/'")
     if not config.run.dir:
         p.append("run.dir: got ''; expected a folder path")
+    p.extend(url_problems("run.dir", config.run.dir))
     p.extend(_model_problems(config))
     # The model's own config describes it only when neither a factory nor a pretrained folder is used.
     from_hf_config = not (config.model.factory or config.model.pretrained)
@@ -309,6 +312,8 @@ def _model_problems(config: Config) -> list[str]:
             p.append("model.lora.target_modules: got []; expected module names such as [q_proj, v_proj]")
         if not lora.export_dir:
             p.append("model.lora.export_dir: got ''; expected a folder path")
+        elif is_url(lora.export_dir):  # peft writes a local folder
+            p.append(f"model.lora.export_dir: got {lora.export_dir!r}; expected a local folder path")
     return p
 
 

@@ -13,9 +13,9 @@ import re
 import signal
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from elastictrain.rundir.liveness import pid_exists
 
@@ -40,7 +40,7 @@ def crash_point(phase: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _phase_of(path: Path) -> str | None:
+def phase_of(path: Any) -> str | None:
     # The crash points of the files a checkpoint is made of: rank shards and the manifest.
     if path.suffix == ".safetensors":
         return "shard"
@@ -57,63 +57,68 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_bytes_durably(path: Path, data: bytes | memoryview) -> str:
-    """Write, fsync, and return the sha256 of what was written (see `write_chunks_durably`)."""
-    return write_chunks_durably(path, [data], len(data))[1]
+class HashingStream:
+    """Bytes written to `raw`, counted and hashed on the way; the first write of a checkpoint file
+    may stop half-way at its `_partial` crash point (killed mid-write: a torn file)."""
+
+    def __init__(self, raw: IO[bytes], phase: str | None, sync: Callable[[], None]) -> None:
+        self._raw = raw
+        self._phase = phase if os.environ.get(CRASH_ENV) else None
+        self._sync = sync
+        self._hash = hashlib.sha256()
+        self.size = 0
+        self.sha256 = ""
+
+    def write(self, data: bytes | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        if self._phase is not None and self.size == 0:
+            half = len(view) // 2
+            self._raw.write(view[:half])
+            self._sync()
+            crash_point(f"{self._phase}_partial")
+            self._raw.write(view[half:])
+        else:
+            self._raw.write(view)
+        self._hash.update(view)
+        self.size += len(view)
+        return len(view)
+
+    def finish(self) -> None:
+        self.sha256 = self._hash.hexdigest()
 
 
-def write_chunks_durably(
-    path: Path, chunks: Iterable[Any], total: int | None = None, block: int = 64 << 20
-) -> tuple[int, str]:
-    """Write `chunks` (buffers: bytes, arrays; `total` bytes in all where known) in order, fsync, and
-    return (bytes written, sha256).
+@contextlib.contextmanager
+def create_durably(path: Path) -> Iterator[HashingStream]:
+    """A file written through the yielded stream, then fsynced; its size and sha256 on the stream.
 
-    Chunks are written as they come, in pieces of at most `block` bytes, so a caller may stream a
-    file far larger than the memory it holds at once. A failed write (ENOSPC, EIO) removes the torn
-    file before re-raising, so a full disk never leaves a half-written file behind that could be
-    mistaken for a whole one.
+    A failed write (ENOSPC, EIO, or any error of the writer) removes the torn file before re-raising,
+    so a full disk never leaves a half-written file behind that could be mistaken for a whole one.
     """
-    h = hashlib.sha256()
-    phase = _phase_of(Path(path))
-    # Where a crash test tears the file: half way, or after the first chunk when the size is not known.
-    torn_at = -1
-    if phase is not None and os.environ.get(CRASH_ENV):
-        torn_at = total // 2 if total else 1
-    written = 0
+    phase = phase_of(Path(path))
     try:
-        with open(path, "wb", buffering=0) as f:
-            for chunk in chunks:
-                view = memoryview(chunk).cast("B")
-                for lo in range(0, len(view), block):
-                    piece = view[lo : lo + block]
-                    if written <= torn_at < written + len(piece):
-                        cut = torn_at - written
-                        _write_all(f, piece[:cut])
-                        os.fsync(f.fileno())
-                        crash_point(f"{phase}_partial")  # killed mid-write: a torn file on disk
-                        _write_all(f, piece[cut:])
-                    else:
-                        _write_all(f, piece)
-                    h.update(piece)
-                    written += len(piece)
-            os.fsync(f.fileno())
-    except OSError:
+        with open(path, "wb") as f:
+
+            def sync() -> None:
+                f.flush()
+                os.fsync(f.fileno())
+
+            stream = HashingStream(f, phase, sync)
+            yield stream
+            sync()
+    except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(path)
         raise
-    if total is not None and written != total:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        raise RuntimeError(f"{path}: wrote {written} bytes, expected {total}")
+    stream.finish()
     if phase is not None:
         crash_point(f"{phase}_written")
-    return written, h.hexdigest()
 
 
-def _write_all(f: Any, view: memoryview) -> None:
-    while len(view):
-        n = f.write(view)
-        view = view[n:]
+def write_bytes_durably(path: Path, data: bytes | memoryview) -> str:
+    """Write, fsync, and return the sha256 of what was written (no torn file on failure)."""
+    with create_durably(path) as stream:
+        stream.write(data)
+    return stream.sha256
 
 
 def replace_text_atomically(path: Path, text: str) -> None:
@@ -125,13 +130,15 @@ def replace_text_atomically(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def remove_stale_temporaries(folder: Path, max_age_s: float = 3600.0) -> list[str]:
+def remove_stale_temporaries(folder: Any, max_age_s: float = 3600.0) -> list[str]:
     """Remove the `.NAME.tmp-PID` files of replace_text_atomically that a crash left in `folder`.
 
     Not this process's, and only when that pid is gone on this host or the file is old (a pid seen
     from another node means nothing here).
     """
-    removed = []
+    removed: list[str] = []
+    if not isinstance(folder, Path):
+        return removed  # an object store: replacing an object takes no temporary name
     try:
         entries = list(folder.iterdir())
     except OSError:
@@ -153,9 +160,10 @@ def remove_stale_temporaries(folder: Path, max_age_s: float = 3600.0) -> list[st
 _TMP = re.compile(r"\..+\.tmp-(\d+)")
 
 
-def sha256_of_file(path: Path, chunk: int = 8 << 20) -> str:
+def sha256_of_file(path: Any, chunk: int = 8 << 20) -> str:
+    """The sha256 of a local file or an object (anything with `open("rb")`)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with path.open("rb") if hasattr(path, "open") else open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()

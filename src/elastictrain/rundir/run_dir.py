@@ -22,7 +22,7 @@ from typing import Any
 
 from elastictrain.core.state import RunStatus
 from elastictrain.redact import redact
-from elastictrain.rundir.durable import fsync_dir, replace_text_atomically, write_bytes_durably
+from elastictrain.storage import AnyPath, as_path, storage_of
 
 log = logging.getLogger("elastictrain.rundir.run_dir")
 
@@ -43,6 +43,14 @@ def _iso(t: datetime) -> str:
     if t.tzinfo is None:
         t = t.replace(tzinfo=timezone.utc)
     return t.astimezone(timezone.utc).isoformat()
+
+
+def local_state_dir(path: AnyPath) -> Path:
+    if isinstance(path, Path):
+        return path
+    # One folder per URL on this machine, so a driver started here again finds its spool.
+    cache = Path(os.environ.get("ELASTICTRAIN_CACHE", "~/.cache/elastictrain")).expanduser()
+    return cache / "object-runs" / path.protocol / path.key
 
 
 class RunDirError(Exception):
@@ -92,8 +100,9 @@ _STATUSES = {s.value for s in RunStatus}
 
 
 class RunDir:
-    def __init__(self, path: str | Path, clock: Clock = utc_now) -> None:
-        self._path = Path(path)
+    def __init__(self, path: str | AnyPath, clock: Clock = utc_now) -> None:
+        self._path = as_path(path)  # a local folder, or a URL on an object store (storage/)
+        self._io = storage_of(self._path)
         self._clock = clock
         # Serialises read-modify-write of run.json and appends between threads of this process;
         # only one driver process owns a run folder.
@@ -104,34 +113,40 @@ class RunDir:
 
     # ------------------------------------------------------------------ paths
     @property
-    def path(self) -> Path:
+    def path(self) -> AnyPath:
         return self._path
 
     @property
-    def run_json(self) -> Path:
+    def run_json(self) -> AnyPath:
         return self._path / RUN_JSON
 
     @property
-    def config_yaml(self) -> Path:
+    def config_yaml(self) -> AnyPath:
         return self._path / CONFIG_YAML
 
     @property
-    def events_path(self) -> Path:
+    def events_path(self) -> AnyPath:
         return self._path / EVENTS_JSONL
 
     @property
-    def checkpoints_dir(self) -> Path:
+    def local_dir(self) -> Path:
+        """Where this driver keeps what cannot live on an object store (the MLflow spool; without
+        tracking.uri, the embedded MLflow store): the run folder itself when it is local."""
+        return local_state_dir(self._path)
+
+    @property
+    def checkpoints_dir(self) -> AnyPath:
         return self._path / CHECKPOINTS
 
     # ------------------------------------------------------------------ lifecycle
     @staticmethod
-    def exists(path: str | Path) -> bool:
-        return (Path(path) / RUN_JSON).is_file()
+    def exists(path: str | AnyPath) -> bool:
+        return (as_path(path) / RUN_JSON).is_file()
 
     @classmethod
     def create(
         cls,
-        path: str | Path,
+        path: str | AnyPath,
         *,
         name: str,
         config_yaml: str,
@@ -146,7 +161,7 @@ class RunDir:
         if rd.path.exists() and not rd.path.is_dir():
             raise RunDirError(f"{rd.path} exists and is not a folder; a run folder was expected there")
         rd.path.mkdir(parents=True, exist_ok=True)
-        write_bytes_durably(rd.config_yaml, config_yaml.encode("utf-8"))
+        rd._io.write(rd.config_yaml, config_yaml.encode("utf-8"))
         now = _iso(rd._clock())
         info = RunInfo(
             run_id=uuid.uuid4().hex,
@@ -158,11 +173,11 @@ class RunDir:
         )
         # run.json goes last: its presence is what marks the folder as a complete run folder.
         rd._write_info(info)
-        fsync_dir(rd.path.parent)
+        rd._io.sync_folder(rd.path.parent)
         return rd
 
     @classmethod
-    def open(cls, path: str | Path, clock: Clock = utc_now) -> RunDir:
+    def open(cls, path: str | AnyPath, clock: Clock = utc_now) -> RunDir:
         rd = cls(path, clock)
         if not rd.path.is_dir():
             raise RunDirError(
@@ -197,7 +212,7 @@ class RunDir:
 
     def _write_info(self, info: RunInfo) -> None:
         # Masked here, whatever wrote it: a worker's error message may quote a token.
-        replace_text_atomically(
+        self._io.replace_text(
             self.run_json, json.dumps(redact(info.to_dict(), by_key=False), indent=2) + "\n"
         )
 
@@ -248,21 +263,8 @@ class RunDir:
             raise ValueError("append_event: 'time' is set by the run folder's clock")
         # Masked before it is written; the caller passes the returned record on (MLflow, terminal).
         record: dict[str, Any] = redact({"time": _iso(self._clock()), "event": event, **fields}, by_key=False)
-        line = json.dumps(record, default=str)
-        with self._lock, open(self.events_path, "a+b") as f:
-            created = f.seek(0, os.SEEK_END) == 0
-            f.seek(0, os.SEEK_END)
-            if f.tell() > 0:
-                f.seek(-1, os.SEEK_END)
-                # A crash mid-write leaves a line without its newline: end it so this record
-                # stays readable on a line of its own.
-                if f.read(1) != b"\n":
-                    line = "\n" + line
-            f.write((line + "\n").encode("utf-8"))
-            f.flush()
-            os.fsync(f.fileno())
-            if created:  # the new file's name must survive a power loss too
-                fsync_dir(self.path)
+        with self._lock:
+            self._io.append_line(self.events_path, json.dumps(record, default=str))
         return record
 
     def read_events(self) -> list[dict[str, Any]]:
@@ -296,7 +298,7 @@ class RunDir:
             ) from None
 
 
-def _created_key(item: tuple[Path, RunInfo]) -> tuple[datetime, str]:
+def _created_key(item: tuple[AnyPath, RunInfo]) -> tuple[datetime, str]:
     path, info = item
     try:
         t = datetime.fromisoformat(info.created_at)
@@ -307,13 +309,13 @@ def _created_key(item: tuple[Path, RunInfo]) -> tuple[datetime, str]:
     return t, str(path)
 
 
-def list_runs(root: str | Path) -> list[tuple[Path, RunInfo]]:
+def list_runs(root: str | AnyPath) -> list[tuple[AnyPath, RunInfo]]:
     """Run folders at root or up to two levels below it, oldest first; unreadable ones are skipped."""
-    root = Path(root)
+    root = as_path(root)
     if not root.is_dir():
         return []
     candidates = [root / RUN_JSON, *root.glob(f"*/{RUN_JSON}"), *root.glob(f"*/*/{RUN_JSON}")]
-    found: list[tuple[Path, RunInfo]] = []
+    found: list[tuple[AnyPath, RunInfo]] = []
     for run_json in candidates:
         if not run_json.is_file():
             continue

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from elastictrain.checkpoint.store import MANIFEST
 
 
-def export_checkpoint(checkpoint: Path, out_dir: Path, dtype: str = "float32") -> list[Path]:
+def export_checkpoint(checkpoint: Any, out_dir: Path, dtype: str = "float32") -> list[Path]:
     import torch
     from safetensors.torch import save_file
 

@@ -17,13 +17,15 @@ from elastictrain.checkpoint.store import FORMAT, MANIFEST
 from elastictrain.rundir.durable import fsync_dir, write_bytes_durably
 
 
-def _replaceable(out: Path, source: Path) -> str | None:
+def _replaceable(out: Path, source: Any) -> str | None:
     """Why `out` must not be replaced by a resharded checkpoint (None: it may be)."""
     if out.is_file() or (out.exists() and not out.is_dir()):
         return f"--out: {out} is a file; expected a folder (new, empty, or an earlier output of reshard)"
     if not out.is_dir() or not any(out.iterdir()):
         return None
-    if out.resolve() == source.resolve() or source.resolve().is_relative_to(out.resolve()):
+    if isinstance(source, Path) and (
+        out.resolve() == source.resolve() or source.resolve().is_relative_to(out.resolve())
+    ):
         return f"--out: {out} holds the checkpoint being resharded; give another folder"
     try:
         manifest = json.loads((out / MANIFEST).read_text())
@@ -47,7 +49,7 @@ def _check_world_size(world_size: int, params: dict[str, Any]) -> None:
         )
 
 
-def reshard_checkpoint(checkpoint: Path, world_size: int, out: Path | None = None) -> Path:
+def reshard_checkpoint(checkpoint: Any, world_size: int, out: Path | None = None) -> Path:
     from safetensors.torch import save as save_safetensors
 
     from elastictrain.checkpoint.zero_state import Fragment, FragmentReader, rank_file
@@ -55,6 +57,10 @@ def reshard_checkpoint(checkpoint: Path, world_size: int, out: Path | None = Non
     if world_size < 1:
         raise ValueError(f"--world-size: got {world_size}; expected an integer >= 1")
     out = out or checkpoint.with_name(f"{checkpoint.name}.ws{world_size}")
+    if not isinstance(out, Path):
+        raise ValueError(
+            f"--out: {out} is on an object store; reshard writes a local folder: give --out PATH"
+        )
     refusal = _replaceable(out, checkpoint)
     if refusal:
         raise ValueError(refusal)

@@ -23,7 +23,8 @@ def tracking_uri_of(run_dir: RunDir, configured: str | None) -> str:
     stored = run_dir.read_info().mlflow_tracking_uri
     if configured:
         return configured
-    return resolve_tracking_uri(stored, run_dir.path) if stored else default_tracking_uri(run_dir.path)
+    local = run_dir.local_dir
+    return resolve_tracking_uri(stored, local) if stored else default_tracking_uri(local)
 
 
 def follow_moved_store(run_path: Path) -> None:
@@ -67,11 +68,13 @@ def run_tracker(
     max_spool_mb: float | None = None,
 ) -> MlflowTracker:
     info = run_dir.read_info()
-    if uri == default_tracking_uri(run_dir.path):
-        follow_moved_store(run_dir.path)
+    local = run_dir.local_dir  # the run folder, or this machine's folder for a run on an object store
+    local.mkdir(parents=True, exist_ok=True)
+    if uri == default_tracking_uri(local):
+        follow_moved_store(local)
 
     def record_run_id(run_id: str) -> None:
-        run_dir.update(mlflow_run_id=run_id, mlflow_tracking_uri=stored_tracking_uri(uri, run_dir.path))
+        run_dir.update(mlflow_run_id=run_id, mlflow_tracking_uri=stored_tracking_uri(uri, local))
 
     return MlflowTracker(
         uri,
@@ -80,7 +83,7 @@ def run_tracker(
         run_id=info.mlflow_run_id,
         tags={"elastictrain.run_id": info.run_id},
         # Everything is spooled in the run folder first: an MLflow outage loses nothing (mlflow_tracker.py).
-        spool_dir=run_dir.path,
+        spool_dir=local,
         on_run_id=record_run_id,
         start_wait_s=start_wait_s,
         max_spool_mb=max_spool_mb,

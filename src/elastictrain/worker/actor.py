@@ -16,12 +16,12 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from elastictrain.config.deepspeed_config import nvme_paths
 from elastictrain.core.data_order import derive_seed, micro_batch_positions, sample_at
 from elastictrain.core.schedule import learning_rate
+from elastictrain.storage import AnyPath, as_path
 from elastictrain.worker.attempt import AttemptSpec
 from elastictrain.worker.dist import (
     destroy_process_group,
@@ -197,7 +197,7 @@ class TrainWorker:
 
         t2 = time.perf_counter()
         if spec.checkpoint_dir is not None:
-            self._load(Path(spec.checkpoint_dir))
+            self._load(as_path(spec.checkpoint_dir))
         timings["load_s"] = time.perf_counter() - t2
         self.engine.global_steps = spec.start_step
         self._set_mark("ready", spec.start_step)
@@ -216,7 +216,7 @@ class TrainWorker:
             self._dataset_key = key
         self.collate = user_callable(cfg, "data.collate")
 
-    def _load(self, checkpoint_dir: Path) -> None:
+    def _load(self, checkpoint_dir: AnyPath) -> None:
         import json
 
         from elastictrain.checkpoint.zero_state import FragmentReader, load_local_state
@@ -353,7 +353,7 @@ class TrainWorker:
         budget = snapshot_budget_bytes(spec.config.checkpoint.max_host_memory_mb, spec.ranks_on_node)
         write, out = prepare_rank_write(
             engine,
-            Path(staging_dir),
+            as_path(staging_dir),
             spec.rank,
             spec.world_size,
             snapshot=background,
