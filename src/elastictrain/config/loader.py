@@ -246,6 +246,7 @@ def validate(config: Config) -> Config:
         _at_least(p, "scaling.gpus_per_worker", s.gpus_per_worker, 0, strict=True)
     _at_least(p, "checkpoint.every_steps", ck.every_steps, 1)
     _at_least(p, "checkpoint.keep_last", ck.keep_last, 1)
+    _at_least(p, "checkpoint.memory_every_steps", ck.memory_every_steps, 0)
     _at_least(p, "failure.max_failures", f.max_failures, 0)
     _at_least(p, "failure.hang_timeout_s", f.hang_timeout_s, 0, strict=True)
     _at_least(p, "failure.collective_timeout_s", f.collective_timeout_s, 0, strict=True)

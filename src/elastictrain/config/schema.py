@@ -119,6 +119,10 @@ class CheckpointConfig:
     # Training pauses only for a host-memory snapshot; each rank writes its file in a background thread
     # (one more copy of the rank's state in host memory while it writes). false: write before going on.
     background_write: bool = True
+    # Each rank copies its slice of the state to host memory after every this many steps (0: never),
+    # and a buddy worker on another node holds a replica: a failure then restarts from memory, losing
+    # at most the step in flight, and disk checkpoints stay for resuming after the driver is lost.
+    memory_every_steps: int = 1
 
 
 @dataclass

@@ -29,6 +29,7 @@ from elastictrain.worker.dist import (
     reset_zero_counters,
     zero_stage,
 )
+from elastictrain.worker.memory import SnapshotPeer, WorkerMemory
 
 # Frames from these files mean "waiting for the other ranks".
 _COLLECTIVE_MODULES = (
@@ -46,7 +47,7 @@ class StepFailed(RuntimeError):
     """A training step raised on this rank; the message holds the original error and traceback."""
 
 
-class TrainWorker:
+class TrainWorker(SnapshotPeer):
     def __init__(self, worker_id: str, use_gpu: bool) -> None:
         if not use_gpu:
             # Must be set before deepspeed is first imported in this process.
@@ -67,6 +68,7 @@ class TrainWorker:
         self._writer: Any = None  # the last checkpoint's ShardWrite (checkpoint/writer.py)
         self._write_delay_s = 0.0  # tests and chaos runs: a slow disk
         self._idle_since = time.time()  # when this actor's last step or save ended
+        self.memory = WorkerMemory(worker_id)  # in-memory snapshots: own, and the buddy's replicas
 
     # -- identity and health (answered from a separate concurrency group, even mid-step) --
     def info(self) -> dict[str, Any]:
@@ -192,9 +194,13 @@ class TrainWorker:
         timings["engine_s"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()
-        if spec.checkpoint_dir is not None:
+        if spec.memory is not None:
+            self.memory.load(self.engine, spec.memory)
+        elif spec.checkpoint_dir is not None:
             self._load(Path(spec.checkpoint_dir))
         timings["load_s"] = time.perf_counter() - t2
+        every, swapped = cfg.checkpoint.memory_every_steps, bool(nvme_paths(spec.ds_config))
+        self.memory.attach(spec.attempt, spec.world_size, spec.rank, every, spec.buddy, inline=swapped)
         self.engine.global_steps = spec.start_step
         self._set_mark("ready", spec.start_step)
         timings["total_s"] = time.perf_counter() - t0
@@ -237,6 +243,8 @@ class TrainWorker:
         try:
             result = self._train_step(step)
             result["waited_s"] = waited  # idle before this step: after a save, part of its pause
+            result["memory"] = self.memory.report()
+            self.memory.after_step(self.engine, step + 1)
             self._idle_since = time.time()
             return result
         except Exception as e:  # noqa: BLE001 - re-raised below, after the attempt is released
@@ -285,6 +293,7 @@ class TrainWorker:
             torch.manual_seed(derive_seed(cfg.training.seed, positions.start))
             loss = self.loss_fn(engine, batch)  # the engine forwards to the module, as the module would
             engine.backward(loss)
+            self.memory.before_update()  # the last step's in-memory copy must be done before the update
             engine.step()
             losses.append(float(loss.detach().float().item()))
             self._set_mark("micro", step)
@@ -370,6 +379,7 @@ class TrainWorker:
         t0 = time.perf_counter()
         # A background write may still fill a staging folder the controller is about to drop or reuse.
         self._join_writer()
+        self.memory.wait()  # the snapshot being copied is complete before the engine goes
         self._writer = None
         addr_port, swap = None, []
         if self.spec is not None:

@@ -21,3 +21,15 @@ class AttemptSpec:
     ds_config: dict[str, Any]
     checkpoint_dir: str | None  # a committed checkpoint to load, or None for a fresh start
     start_step: int
+    buddy: Any = None  # the actor that holds this rank's in-memory snapshots too (None: nobody)
+    memory: MemorySource | None = None  # load from the old ranks' in-memory snapshots instead of disk
+
+
+@dataclass(frozen=True)
+class MemorySource:
+    """Where a new attempt's ranks find the state after `step` steps: the holder of each old rank."""
+
+    attempt: int
+    world_size: int
+    step: int
+    holders: dict[int, tuple[str, Any]]  # old rank -> (worker id, actor handle)
