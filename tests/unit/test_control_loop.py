@@ -87,7 +87,11 @@ def test_a_hung_background_write_is_a_hang_and_its_checkpoint_is_dropped(tmp_pat
 
 def test_growth_while_a_save_is_in_flight_commits_it_before_the_larger_world_loads_it(tmp_path: Path):
     r = make_run(
-        tmp_path, "scaling.min_workers=2", "scaling.max_workers=4", "checkpoint.memory_every_steps=0", capacity=2
+        tmp_path,
+        "scaling.min_workers=2",
+        "scaling.max_workers=4",
+        "checkpoint.memory_every_steps=0",
+        capacity=2,
     )
     r.controller.callbacks.after_step.append(at_step(6, lambda c: r.group.add_capacity(2)))
     r.controller.callbacks.after_step.append(at_step(7, wait_until_replacements_are_warm))

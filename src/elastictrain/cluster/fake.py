@@ -311,7 +311,8 @@ class FakeGroup:
         fault = self._take("raise", rank, step)
         if fault:
             raise RuntimeError(fault.detail)
-        if getattr(w.spec, "attempt", None) in self._broken_attempts:
+        peer_dies = any(f.kind == "die" and f.step == step and f.rank != rank for f in self._faults)
+        if peer_dies or getattr(w.spec, "attempt", None) in self._broken_attempts:
             raise RuntimeError("gloo: Connection closed by peer")  # its collective with the dead one fails
         if w.writer is not None:
             w.writer.finish()  # a background write ends while the next step runs
