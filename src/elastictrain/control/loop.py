@@ -236,7 +236,7 @@ class Controller:
             master=(master_addr, port),
             start_step=self.step,
             checkpoint_dir=str(resume.path) if resume else None,
-            buddies=buddies,
+            buddies=[None if b is None else active[b].actor for b in buddies],
             memory=memory,
         )
         calls = self.group.call_each(active, "setup", [(spec,) for spec in specs])
@@ -261,6 +261,7 @@ class Controller:
             world_size=size,
             checkpoint=resume.tag if resume else None,
             source="memory" if memory else "disk" if resume else "none",
+            buddies=buddies,
             buddies_off_node=off_node,
             setup_s=max(t["total_s"] for t in timings.values()),
             # The sha256 check of the checkpoint, next to what loading it cost the slowest rank.

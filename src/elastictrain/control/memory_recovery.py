@@ -33,14 +33,13 @@ class MemoryRecovery:
         self.group = group
         self.choice: MemoryChoice | None = None  # the last decision, until an attempt uses it
 
-    def buddies(self, active: Sequence[Any]) -> tuple[list[Any], bool]:
-        """Each rank's buddy (its actor handle, None alone or with snapshots off) and whether all are
-        on another node."""
+    def buddies(self, active: Sequence[Any]) -> tuple[list[int | None], bool]:
+        """Each rank's buddy rank (None alone or with snapshots off), and whether all are on another node."""
         if self.every <= 0:
             return [None] * len(active), False
         nodes = [w.node_id for w in active]
         ranks = assign_buddies(nodes)
-        return [None if b is None else active[b].actor for b in ranks], off_node(nodes, ranks)
+        return ranks, off_node(nodes, ranks)
 
     def choose(self, *, max_step: int, disk_step: int) -> MemoryChoice:
         """Ask the live workers what they hold; decide (core) which snapshot, if any, the restart loads."""
