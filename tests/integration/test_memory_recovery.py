@@ -129,11 +129,13 @@ def test_killed_worker_and_lost_node_recover_from_memory_losing_at_most_one_step
         ray_cluster.add_node(num_cpus=1)  # leave the module's cluster as it was
     assert summary.status.value == "FINISHED", out
     starts = events(run_dir, "attempt_started")
-    assert [(s["world_size"], s["source"], s["step"]) for s in starts][1:] == [
+    assert [(s["world_size"], s["source"], s["step"]) for s in starts][1:3] == [
         (2, "memory", 5),  # killed: shrink, from memory, nothing redone
         (3, "memory", 8),  # grown from memory
-        (2, "memory", 10),  # node lost
     ], out
+    # The node went right after step 10 was reported: its rank's copy of step 10 may still have been on
+    # its way to the buddy, and then step 9 (complete everywhere) is loaded; one step lost at most.
+    assert (starts[3]["world_size"], starts[3]["source"]) == (2, "memory") and starts[3]["step"] in (9, 10)
     assert starts[0]["buddies_off_node"] is True
     recovered = [e for e in events(run_dir, "recovered")]
     assert all(r["recovered_from"] == "memory" and r["steps_lost"] <= 1 for r in recovered), recovered
