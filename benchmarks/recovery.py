@@ -35,6 +35,9 @@ from benchmarks.common import (
 )
 
 
+LAST_RAY_TRAIN: dict[str, Any] = {}  # this invocation's Ray Train figures, for memory_recovery's table
+
+
 def schedule(w: Workload) -> dict[str, int]:
     """(checkpoint every, failure after step): a few steps after a checkpoint, for every system alike."""
     if w.steps <= 6:
@@ -56,10 +59,11 @@ def _elastictrain_outcome(run_dir: Any, t_fail: float) -> dict[str, Any]:
         "grow_restart_s": grow[0]["recovery_seconds"] if grow else None,
         "world_sizes": [h["world_size"] for h in run_dir.read_info().world_size_history],
         "failure_kind": next(e["kind"] for e in events if e["event"] == "failure"),
+        "recovered_from": first.get("recovered_from"),
     }
 
 
-def elastictrain_worker_killed(w: Workload, tmp: Path) -> dict[str, Any]:
+def elastictrain_worker_killed(w: Workload, tmp: Path, *extra: str) -> dict[str, Any]:
     import ray
 
     from elastictrain.chaos import at_step, chain, wait_until_replacements_are_warm
@@ -74,7 +78,12 @@ def elastictrain_worker_killed(w: Workload, tmp: Path) -> dict[str, Any]:
 
     cfg = load(
         config_overrides(
-            w, tmp, "scaling.min_workers=1", "scaling.max_workers=2", f"checkpoint.every_steps={s['every']}"
+            w,
+            tmp,
+            "scaling.min_workers=1",
+            "scaling.max_workers=2",
+            f"checkpoint.every_steps={s['every']}",
+            *extra,
         )
     )
     hooks = [at_step(s["at"], kill)]
@@ -253,6 +262,7 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
             }
     wk = metrics["worker_killed"]
     et, ray_t = wk["elastictrain"], wk["ray_train"]
+    LAST_RAY_TRAIN.update(ray_t)
     targets = [
         Target(
             "worker killed: recovery time elastictrain / Ray Train",

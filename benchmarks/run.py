@@ -2,7 +2,8 @@
 
     python -m benchmarks.run [--only NAME[,NAME]] [--smoke] [--reps N] [--results DIR] [--markdown FILE]
 
-Benchmarks: throughput, checkpoint_stall, memory, reshard, recovery, controller_scale, zero_stages. Runs that
+Benchmarks: throughput, checkpoint_stall, memory, reshard, recovery, memory_recovery, controller_scale,
+zero_stages. Runs that
 several benchmarks read (the plain training runs of each system) happen once per repetition.
 `--smoke` runs every benchmark at its smallest size, for the harness's own test: not a measurement.
 """
@@ -21,6 +22,7 @@ from benchmarks import (
     checkpoint_stall,
     controller_scale,
     memory,
+    memory_recovery,
     recovery,
     report,
     reshard,
@@ -35,6 +37,7 @@ MODULES = {
     "memory": memory,
     "reshard": reshard,
     "recovery": recovery,
+    "memory_recovery": memory_recovery,  # after recovery: it reads Ray Train's figures from that run
     "controller_scale": controller_scale,
     "zero_stages": zero_stages,
 }
