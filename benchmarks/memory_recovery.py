@@ -145,8 +145,11 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
         sizes = (64 << 20,) if not smoke else (4 << 20,)
         moved = [transport(n) for n in sizes]
         runs.append({"rep": rep, "on": on, "off": off, "memory": memory, "disk": disk, "transport": moved})
-        print(f"  memory_recovery rep {rep}: step {on['step_s']:.3f}s vs {off['step_s']:.3f}s; recovery "
-              f"{memory['death_to_first_step_s']:.2f}s vs {disk['death_to_first_step_s']:.2f}s", flush=True)  # fmt: skip
+        print(
+            f"  memory_recovery rep {rep}: step {on['step_s']:.3f}s vs {off['step_s']:.3f}s; recovery "
+            f"{memory['death_to_first_step_s']:.2f}s vs {disk['death_to_first_step_s']:.2f}s",
+            flush=True,
+        )
     ray_train, ray_source = _ray_train_recovery(recovery.LAST_RAY_TRAIN)
     step_on, step_off = median([r["on"]["step_s"] for r in runs]), median([r["off"]["step_s"] for r in runs])
     held = median([r["on"]["held_bytes_per_rank"] for r in runs if r["on"]["held_bytes_per_rank"]])
@@ -177,13 +180,29 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
     lost = metrics["steps_lost"]
     seconds = metrics["death_to_first_step_s"]
     targets = [
-        Target("memory recovery: steps lost per failure", lost["elastictrain_memory"], 1, "<=", unit="steps",
-               note=f"from disk: {lost['elastictrain_disk']}; Ray Train: {lost['ray_train']} ({ray_source})"),
-        Target("memory recovery: kill to first step, memory / disk",
-               ratio(seconds["elastictrain_memory"], seconds["elastictrain_disk"]), 1.0, "<="),
-        Target("memory recovery: per-step cost of snapshots and replication", metrics["step_cost"], 0.03, "<=",
-               unit="fraction", note="step time with snapshots every step / without, minus 1"),
-    ]  # fmt: skip
+        Target(
+            "memory recovery: steps lost per failure",
+            lost["elastictrain_memory"],
+            1,
+            "<=",
+            unit="steps",
+            note=f"from disk: {lost['elastictrain_disk']}; Ray Train: {lost['ray_train']} ({ray_source})",
+        ),
+        Target(
+            "memory recovery: kill to first step, memory / disk",
+            ratio(seconds["elastictrain_memory"], seconds["elastictrain_disk"]),
+            1.0,
+            "<=",
+        ),
+        Target(
+            "memory recovery: per-step cost of snapshots and replication",
+            metrics["step_cost"],
+            0.03,
+            "<=",
+            unit="fraction",
+            note="step time with snapshots every step / without, minus 1",
+        ),
+    ]
     notes = [
         "steps_lost: steps completed before the failure that were trained again after it.",
         "held_bytes_per_rank: two own snapshots and two replicas of the buddy's (4x one rank's slice).",

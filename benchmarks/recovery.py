@@ -34,7 +34,6 @@ from benchmarks.common import (
     workload_info,
 )
 
-
 LAST_RAY_TRAIN: dict[str, Any] = {}  # this invocation's Ray Train figures, for memory_recovery's table
 
 
