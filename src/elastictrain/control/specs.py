@@ -43,6 +43,7 @@ def attempt_specs(
             ds_config=for_rank(ds_config, run_id, rank),
             checkpoint_dir=None if source is not None else checkpoint_dir,
             start_step=start_step,
+            snapshot_every=int(cfg.checkpoint.memory_every_steps),
             buddy=buddies[rank],
             memory=source,
         )

@@ -199,8 +199,10 @@ class TrainWorker(SnapshotPeer):
         elif spec.checkpoint_dir is not None:
             self._load(Path(spec.checkpoint_dir))
         timings["load_s"] = time.perf_counter() - t2
-        every, swapped = cfg.checkpoint.memory_every_steps, bool(nvme_paths(spec.ds_config))
-        self.memory.attach(spec.attempt, spec.world_size, spec.rank, every, spec.buddy, inline=swapped)
+        swapped = bool(nvme_paths(spec.ds_config))  # NVMe-swapped state: copied inline (worker/memory.py)
+        self.memory.attach(
+            spec.attempt, spec.world_size, spec.rank, spec.snapshot_every, spec.buddy, inline=swapped
+        )
         self.engine.global_steps = spec.start_step
         self._set_mark("ready", spec.start_step)
         timings["total_s"] = time.perf_counter() - t0

@@ -21,6 +21,7 @@ class AttemptSpec:
     ds_config: dict[str, Any]
     checkpoint_dir: str | None  # a committed checkpoint to load, or None for a fresh start
     start_step: int
+    snapshot_every: int = 0  # copy the state to host memory after every this many steps (0: never)
     buddy: Any = None  # the actor that holds this rank's in-memory snapshots too (None: nobody)
     memory: MemorySource | None = None  # load from the old ranks' in-memory snapshots instead of disk
 
