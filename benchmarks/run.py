@@ -3,7 +3,7 @@
     python -m benchmarks.run [--only NAME[,NAME]] [--smoke] [--reps N] [--results DIR] [--markdown FILE]
 
 Benchmarks: throughput, checkpoint_stall, memory, reshard, recovery, memory_recovery, controller_scale,
-zero_stages. Runs that
+zero_stages; and, only when named with --only, goodput (a long run with failures injected). Runs that
 several benchmarks read (the plain training runs of each system) happen once per repetition.
 `--smoke` runs every benchmark at its smallest size, for the harness's own test: not a measurement.
 """
@@ -21,6 +21,7 @@ from benchmarks import (
     baselines,
     checkpoint_stall,
     controller_scale,
+    goodput,
     memory,
     memory_recovery,
     recovery,
@@ -40,7 +41,9 @@ MODULES = {
     "memory_recovery": memory_recovery,  # after recovery: it reads Ray Train's figures from that run
     "controller_scale": controller_scale,
     "zero_stages": zero_stages,
+    "goodput": goodput,
 }
+OPT_IN = {"goodput"}  # 30 minutes and more: run with --only goodput (GOODPUT_MINUTES sets its length)
 DEFAULT_REPS = 1  # the full run stays under 25 minutes on 2 cores; more with --reps
 
 
@@ -58,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
 
-    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(MODULES)
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or [n for n in MODULES if n not in OPT_IN]
     unknown = [n for n in names if n not in MODULES]
     if unknown:
         parser.error(f"--only: unknown benchmark(s) {unknown}; expected any of {', '.join(MODULES)}")
