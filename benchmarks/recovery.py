@@ -50,6 +50,10 @@ def _elastictrain_outcome(run_dir: Any, t_fail: float) -> dict[str, Any]:
     recovered = [e for e in events if e["event"] == "recovered"]
     first = recovered[0]
     grow = recovered[1:]
+    failure = next(e for e in events if e["event"] == "failure")
+    restart = next(
+        e for e in events if e["event"] == "attempt_started" and event_time(e) >= event_time(failure)
+    )
     return {
         "outcome": "recovered",
         "death_to_first_step_s": event_time(first) - t_fail,
@@ -59,6 +63,11 @@ def _elastictrain_outcome(run_dir: Any, t_fail: float) -> dict[str, Any]:
         "world_sizes": [h["world_size"] for h in run_dir.read_info().world_size_history],
         "failure_kind": next(e["kind"] for e in events if e["event"] == "failure"),
         "recovered_from": first.get("recovered_from"),
+        # Where the recovery's time went: failure event -> restart's attempt_started -> first step.
+        "failure_to_restart_s": event_time(restart) - event_time(failure),
+        "restart_setup_s": restart.get("setup_s"),
+        "restart_load_s": restart.get("load_s"),
+        "restart_verify_s": restart.get("verify_s"),
     }
 
 
