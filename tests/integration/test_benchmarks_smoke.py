@@ -58,6 +58,7 @@ EXPECTED: dict[str, list[str]] = {
         "death_to_first_step_s.elastictrain_memory",
         "death_to_first_step_s.elastictrain_disk",
         "step_cost",
+        "copy_cpu_cost",
         "held_bytes_per_rank",
         "transport.actor_call_s",
     ],
