@@ -245,7 +245,7 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
             0.03,
             "<=",
             unit="fraction",
-            note="2 ranks, step time with snapshots every step / without, minus 1: moves with the machine's load",
+            note="2 ranks, step time with snapshots every step / without, minus 1 (moves with load)",
         ),
         Target(
             "memory recovery: per-step CPU cost of the copy",
