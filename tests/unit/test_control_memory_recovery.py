@@ -99,3 +99,18 @@ def _warm(controller) -> None:  # noqa: ANN001
     from elastictrain.chaos import wait_until_replacements_are_warm
 
     wait_until_replacements_are_warm(controller)
+
+
+def test_a_survivor_replaced_for_being_stuck_hands_its_snapshots_on_first(tmp_path: Path):
+    # Rank 1 dies; rank 2, which holds rank 1's replica, is stuck (as a gloo survivor waiting on another
+    # survivor can be) and is replaced: what it held goes to rank 0 before it goes.
+    r = make_run(tmp_path, "scaling.min_workers=1", "scaling.max_workers=3", capacity=3)
+    r.group.die_at_step(rank=1, step=6)
+    r.group.hang_at_step(rank=2, step=6)
+    summary = r.run()
+    assert summary.status.value == "FINISHED"
+    (replaced,) = r.events("worker_replaced")
+    assert "in-memory snapshots handed to fw0" in replaced["message"]
+    (decision,) = r.events("decision")
+    assert decision["recovered_from"] == "memory" and "rank 1: fw0" in decision["memory"]
+    assert r.events("attempt_started")[1]["step"] == 6

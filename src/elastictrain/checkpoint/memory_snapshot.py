@@ -68,30 +68,37 @@ class SnapshotStore:
 
     own: deque[Snapshot] = field(default_factory=lambda: deque(maxlen=KEEP))
     replicas: deque[Snapshot] = field(default_factory=lambda: deque(maxlen=KEEP))
+    handed: list[Snapshot] = field(default_factory=list)  # from a peer replaced while it held them
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add_own(self, snapshot: Snapshot) -> None:
         with self._lock:
             self.own.append(snapshot)
+            # Handed-over snapshots serve the restart after the failure they were saved from, no later.
+            self.handed = [s for s in self.handed if s.key.attempt >= snapshot.key.attempt]
 
     def add_replica(self, snapshot: Snapshot) -> None:
         with self._lock:
             self.replicas.append(snapshot)
 
+    def add_handed(self, snapshot: Snapshot) -> None:
+        with self._lock:
+            self.handed.append(snapshot)
+
+    def all(self) -> list[Snapshot]:
+        with self._lock:
+            return [*self.own, *self.replicas, *self.handed]
+
     def holdings(self) -> list[dict[str, Any]]:
         """Every snapshot held, as plain values for the controller (core.memory_snapshots.Held)."""
         with self._lock:
-            return [
-                {**vars(s.key), "own": own}
-                for own, kept in ((True, self.own), (False, self.replicas))
-                for s in kept
-            ]
+            kept = ((True, self.own), (False, self.replicas), (False, self.handed))
+            return [{**vars(s.key), "own": own} for own, snaps in kept for s in snaps]
 
     def find(self, key: SnapshotKey) -> Snapshot | None:
-        with self._lock:
-            for s in [*self.own, *self.replicas]:
-                if s.key == key:
-                    return s
+        for s in self.all():
+            if s.key == key:
+                return s
         return None
 
     def get(self, key: SnapshotKey) -> Snapshot:
@@ -103,8 +110,7 @@ class SnapshotStore:
         return found
 
     def nbytes(self) -> int:
-        with self._lock:
-            return sum(s.nbytes for s in [*self.own, *self.replicas])
+        return sum(s.nbytes for s in self.all())
 
 
 def keys_to_fetch(

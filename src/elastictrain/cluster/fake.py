@@ -373,6 +373,10 @@ class FakeGroup:
         if buddy is not None and not buddy.dead:
             buddy.replicas = [*buddy.replicas, {**key, "step": steps_done, "own": False}][-2:]
 
+    def _hand_off_snapshots(self, w: FakeWorker, target: FakeWorker) -> int:
+        target.replicas = target.replicas + [{**h, "own": False} for h in w.own + w.replicas]
+        return len(w.own) + len(w.replicas)
+
     def _memory_holdings(self, w: FakeWorker) -> list[dict[str, Any]]:
         return w.own + w.replicas
 

@@ -382,7 +382,7 @@ class Controller:
         return int(latest.manifest["step"]) if latest else 0
 
     def _teardown(self) -> None:
-        teardown(self.group, self.active, self.recorder, self.step)
+        teardown(self.group, self.active, self.recorder, self.step, hand_off=self.memory.every > 0)
         self.active = []
 
     # ------------------------------------------------------------------ helpers

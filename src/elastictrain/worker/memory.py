@@ -183,6 +183,18 @@ class SnapshotPeer:
     def snapshot_pieces(self, key: SnapshotKey, keys: list[str]) -> dict[str, Any]:
         return self.memory.pieces(key, keys)
 
+    def hand_off_snapshots(self, target: Any) -> int:
+        """This worker is replaced (stuck in a collective): send what it holds to `target` first."""
+        import ray
+
+        snaps = self.memory.store.all()
+        call = target.keep_handed.options(concurrency_group=REPLICA_GROUP)
+        ray.get([call.remote(s.to_wire()) for s in snaps], timeout=REPLICATE_TIMEOUT_S)
+        return len(snaps)
+
+    def keep_handed(self, wire: dict[str, Any]) -> None:
+        self.memory.store.add_handed(Snapshot.from_wire(wire))
+
     def memory_holdings(self) -> list[dict[str, Any]]:
         """Every complete snapshot this worker holds: its own rank's and its buddy's."""
         return self.memory.store.holdings()
