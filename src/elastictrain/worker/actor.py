@@ -381,7 +381,9 @@ class TrainWorker(SnapshotPeer):
         t0 = time.perf_counter()
         # A background write may still fill a staging folder the controller is about to drop or reuse.
         self._join_writer()
-        self.memory.wait()  # the snapshot being copied is complete before the engine goes
+        # The copy in progress completes (it reads the engine); its replication may go on: a buddy on a
+        # lost node answers only once Ray notices, and leaving must not wait for that.
+        self.memory.before_update()
         self._writer = None
         addr_port, swap = None, []
         if self.spec is not None:

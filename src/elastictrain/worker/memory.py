@@ -25,7 +25,7 @@ from elastictrain.checkpoint.memory_snapshot import (
 from elastictrain.worker.attempt import MemorySource
 
 REPLICA_GROUP = "replica"  # the actors' concurrency group for replicas and serving snapshots
-REPLICATE_TIMEOUT_S = 120.0
+REPLICATE_TIMEOUT_S = 30.0  # a buddy that does not take a replica in this time is treated as lost
 
 
 class WorkerMemory:
@@ -46,7 +46,7 @@ class WorkerMemory:
 
     # -- in an attempt --
     def attach(self, attempt: int, world_size: int, rank: int, every: int, buddy: Any, inline: bool) -> None:
-        self.wait()
+        self.before_update()
         self._identity = (attempt, world_size, rank)
         self._every, self._buddy, self._inline = every, buddy, inline
 
@@ -70,7 +70,7 @@ class WorkerMemory:
         self._copied.wait()
 
     def wait(self) -> None:
-        """Let the copy and its replication end (before the next copy, and when leaving an attempt)."""
+        """Let the copy and its replication end (before the next copy)."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
