@@ -47,7 +47,7 @@ WHY = {
     "detection, teardown and the engine build, which vary by seconds between single runs on a loaded "
     "2-core machine. Closing it: repetitions (--reps) on an idle machine; with larger models the disk "
     "path's read and sha256 check grow with the bytes while the memory path reads from the survivors.",
-    "memory recovery: per-step cost of snapshots and replication (wall)": "2 ranks, the driver and the "
+    "memory recovery: per-step cost of snapshots and replication": "2 ranks, the driver and the "
     "buddies' replica threads share 2 cores, so the copy has no idle core to overlap with, and single "
     "runs' step times vary by 20% and more under the shared load. The CPU-time figure isolates the copy. "
     "Closing it: idle cores (on GPU machines the copy is a device-to-host transfer), or "
