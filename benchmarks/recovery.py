@@ -35,6 +35,9 @@ from benchmarks.common import (
 )
 
 LAST_RAY_TRAIN: dict[str, Any] = {}  # this invocation's Ray Train figures, for memory_recovery's table
+LAST_ELASTICTRAIN: dict[
+    str, Any
+] = {}  # its elastictrain worker-killed run (snapshots on): the smoke reuses it
 
 
 def schedule(w: Workload) -> dict[str, int]:
@@ -252,6 +255,8 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
         for scenario, systems in scenarios.items():
             for system, fn in systems.items():
                 out = fn(tmp / f"recovery-{scenario}-{system}-rep{rep}")
+                if (scenario, system) == ("worker_killed", "elastictrain"):
+                    LAST_ELASTICTRAIN.update(out)
                 runs.append({"rep": rep, "scenario": scenario, "system": system, **out})
                 print(f"  recovery rep {rep} {scenario} {system}: {out.get('outcome')} "
                       f"{out.get('death_to_first_step_s')}", flush=True)  # fmt: skip

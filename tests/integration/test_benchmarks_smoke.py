@@ -52,12 +52,9 @@ EXPECTED: dict[str, list[str]] = {
         "worker_killed.elastictrain.death_to_first_step_s",
         "worker_killed.elastictrain.steps_lost",
     ],
-    "memory_recovery": [
+    "memory_recovery": [  # the smoke skips the run without snapshots and the disk recovery
         "steps_lost.elastictrain_memory",
-        "steps_lost.elastictrain_disk",
         "death_to_first_step_s.elastictrain_memory",
-        "death_to_first_step_s.elastictrain_disk",
-        "step_cost",
         "copy_cpu_cost",
         "held_bytes_per_rank",
         "transport.actor_call_s",
