@@ -85,12 +85,12 @@ class WorkerMemory:
             tensors, fragments, scalars = snapshot_local_state(engine)
             snap = Snapshot(key, tensors, fragments, scalars, copy_s=time.perf_counter() - t0)
             self.last_copy_s = snap.copy_s
+            self.store.add_own(snap)  # complete: only now may it stand for this rank
         except Exception as e:  # noqa: BLE001 - a failed copy leaves the last complete one in place
             self.error = f"{type(e).__name__}: {e}"
             return
         finally:
-            self._copied.set()
-        self.store.add_own(snap)  # complete: only now may it stand for this rank
+            self._copied.set()  # held before anyone waiting on the copy (leaving, the next update) goes on
         if self._buddy is not None:
             self._replicate(snap)
 
