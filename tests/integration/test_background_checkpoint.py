@@ -94,7 +94,7 @@ def test_a_worker_lost_while_the_checkpoint_is_written_drops_it_and_restarts_fro
     assert len(abandoned) == 1 and abandoned[0]["step"] == 4, out
     assert abandoned[0]["written"] < abandoned[0]["ranks"] == 2
     decision = next(e for e in events if e["event"] == "decision")
-    assert "restart from the beginning (step 0)" in decision["message"], decision
+    assert "restart from the beginning (step 0;" in decision["message"], decision
     recovered = next(e for e in events if e["event"] == "recovered")
     assert recovered["steps_lost"] >= 5
     committed = [e["tag"] for e in events if e["event"] == "checkpoint"]
