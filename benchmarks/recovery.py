@@ -34,6 +34,11 @@ from benchmarks.common import (
     workload_info,
 )
 
+LAST_RAY_TRAIN: dict[str, Any] = {}  # this invocation's Ray Train figures, for memory_recovery's table
+LAST_ELASTICTRAIN: dict[
+    str, Any
+] = {}  # its elastictrain worker-killed run (snapshots on): the smoke reuses it
+
 
 def schedule(w: Workload) -> dict[str, int]:
     """(checkpoint every, failure after step): a few steps after a checkpoint, for every system alike."""
@@ -48,6 +53,10 @@ def _elastictrain_outcome(run_dir: Any, t_fail: float) -> dict[str, Any]:
     recovered = [e for e in events if e["event"] == "recovered"]
     first = recovered[0]
     grow = recovered[1:]
+    failure = next(e for e in events if e["event"] == "failure")
+    restart = next(
+        e for e in events if e["event"] == "attempt_started" and event_time(e) >= event_time(failure)
+    )
     return {
         "outcome": "recovered",
         "death_to_first_step_s": event_time(first) - t_fail,
@@ -56,10 +65,16 @@ def _elastictrain_outcome(run_dir: Any, t_fail: float) -> dict[str, Any]:
         "grow_restart_s": grow[0]["recovery_seconds"] if grow else None,
         "world_sizes": [h["world_size"] for h in run_dir.read_info().world_size_history],
         "failure_kind": next(e["kind"] for e in events if e["event"] == "failure"),
+        "recovered_from": first.get("recovered_from"),
+        # Where the recovery's time went: failure event -> restart's attempt_started -> first step.
+        "failure_to_restart_s": event_time(restart) - event_time(failure),
+        "restart_setup_s": restart.get("setup_s"),
+        "restart_load_s": restart.get("load_s"),
+        "restart_verify_s": restart.get("verify_s"),
     }
 
 
-def elastictrain_worker_killed(w: Workload, tmp: Path) -> dict[str, Any]:
+def elastictrain_worker_killed(w: Workload, tmp: Path, *extra: str) -> dict[str, Any]:
     import ray
 
     from elastictrain.chaos import at_step, chain, wait_until_replacements_are_warm
@@ -74,7 +89,12 @@ def elastictrain_worker_killed(w: Workload, tmp: Path) -> dict[str, Any]:
 
     cfg = load(
         config_overrides(
-            w, tmp, "scaling.min_workers=1", "scaling.max_workers=2", f"checkpoint.every_steps={s['every']}"
+            w,
+            tmp,
+            "scaling.min_workers=1",
+            "scaling.max_workers=2",
+            f"checkpoint.every_steps={s['every']}",
+            *extra,
         )
     )
     hooks = [at_step(s["at"], kill)]
@@ -235,6 +255,8 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
         for scenario, systems in scenarios.items():
             for system, fn in systems.items():
                 out = fn(tmp / f"recovery-{scenario}-{system}-rep{rep}")
+                if (scenario, system) == ("worker_killed", "elastictrain"):
+                    LAST_ELASTICTRAIN.update(out)
                 runs.append({"rep": rep, "scenario": scenario, "system": system, **out})
                 print(f"  recovery rep {rep} {scenario} {system}: {out.get('outcome')} "
                       f"{out.get('death_to_first_step_s')}", flush=True)  # fmt: skip
@@ -253,6 +275,7 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
             }
     wk = metrics["worker_killed"]
     et, ray_t = wk["elastictrain"], wk["ray_train"]
+    LAST_RAY_TRAIN.update(ray_t)
     targets = [
         Target(
             "worker killed: recovery time elastictrain / Ray Train",

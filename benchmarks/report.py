@@ -42,6 +42,21 @@ WHY = {
     "system here: each resumes from its last checkpoint. Closing it: elastictrain's checkpoint pause is a "
     "few percent of a step, so a run can checkpoint every step or two (checkpoint.every_steps) at "
     "little cost; the benchmark keeps the intervals equal to compare recovery itself.",
+    "memory recovery: kill to first step": "both paths rebuild the engine on the warm survivor; loading "
+    "itself takes milliseconds on this model either way (restart_load_s in the runs), so the figure is "
+    "detection, teardown and the engine build, which vary by seconds between single runs on a loaded "
+    "2-core machine. Closing it: repetitions (--reps) on an idle machine; with larger models the disk "
+    "path's read and sha256 check grow with the bytes while the memory path reads from the survivors.",
+    "memory recovery: per-step cost of snapshots and replication": "2 ranks, the driver and the "
+    "buddies' replica threads share 2 cores, so the copy has no idle core to overlap with, and single "
+    "runs' step times vary by 20% and more under the shared load. The CPU-time figure isolates the copy. "
+    "Closing it: idle cores (on GPU machines the copy is a device-to-host transfer), or "
+    "checkpoint.memory_every_steps=2 or more.",
+    "memory recovery: per-step CPU cost": "the copy is a memcpy of the rank's slice; a miss would mean "
+    "the copy's Python overhead (one tensor per parameter and field) dominates a very short step.",
+    "goodput": "most of the loss is capacity, not recovery: after a worker or node is lost the run "
+    "goes on at world size 2 of 3 until a replacement is warm and joins at the next disk checkpoint "
+    "(checkpoint.every_steps). Closing it: growing at any step from the in-memory snapshots (not done yet).",
     "reshard": "the universal route pays a conversion subprocess; elastictrain reads each rank's slices "
     "directly. A miss would mean reading the fragment files is slower than the disk allows.",
     "checkpoint pause / durable": "the pause is the snapshot: one contiguous copy per (sub-group, field) of "

@@ -3,10 +3,11 @@
     python -m benchmarks.run [--only NAME[,NAME]] [--smoke] [--reps N] [--results DIR] [--markdown FILE]
                              [--sizes 30m,125m,350m,1b] [--redo]
 
-Benchmarks: throughput, checkpoint_stall, memory, reshard, recovery, controller_scale, zero_stages, and
-scale (30M to 1B parameters: hours on 2 cores, so only with `--only scale`; `--sizes` picks sizes, and
-sizes already in results/scale.json are skipped unless `--redo`). Runs that several benchmarks read
-(the plain training runs of each system) happen once per repetition.
+Benchmarks: throughput, checkpoint_stall, memory, reshard, recovery, memory_recovery, controller_scale,
+zero_stages; and, only when named with --only: goodput (a long run with failures injected) and scale
+(30M to 1B parameters: hours on 2 cores; `--sizes` picks sizes, and sizes already in
+results/scale.json are skipped unless `--redo`). Runs that several benchmarks read (the plain training
+runs of each system) happen once per repetition.
 `--smoke` runs every benchmark at its smallest size, for the harness's own test: not a measurement.
 """
 
@@ -23,7 +24,9 @@ from benchmarks import (
     baselines,
     checkpoint_stall,
     controller_scale,
+    goodput,
     memory,
+    memory_recovery,
     recovery,
     report,
     reshard,
@@ -39,11 +42,13 @@ MODULES = {
     "memory": memory,
     "reshard": reshard,
     "recovery": recovery,
+    "memory_recovery": memory_recovery,  # after recovery: it reads Ray Train's figures from that run
     "controller_scale": controller_scale,
     "zero_stages": zero_stages,
+    "goodput": goodput,
     "scale": scale,
 }
-ON_REQUEST = ("scale",)  # run only when named in --only
+OPT_IN = {"goodput", "scale"}  # long: run with --only (GOODPUT_MINUTES sets goodput's length)
 DEFAULT_REPS = 1  # the full run stays under 25 minutes on 2 cores; more with --reps
 
 
@@ -67,9 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    names = [n.strip() for n in args.only.split(",") if n.strip()] or [
-        m for m in MODULES if m not in ON_REQUEST
-    ]
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or [n for n in MODULES if n not in OPT_IN]
     unknown = [n for n in names if n not in MODULES]
     if unknown:
         parser.error(f"--only: unknown benchmark(s) {unknown}; expected any of {', '.join(MODULES)}")

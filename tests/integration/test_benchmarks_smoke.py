@@ -52,6 +52,13 @@ EXPECTED: dict[str, list[str]] = {
         "worker_killed.elastictrain.death_to_first_step_s",
         "worker_killed.elastictrain.steps_lost",
     ],
+    "memory_recovery": [  # the smoke skips the run without snapshots and the disk recovery
+        "steps_lost.elastictrain_memory",
+        "death_to_first_step_s.elastictrain_memory",
+        "copy_cpu_cost",
+        "held_bytes_per_rank",
+        "transport.actor_call_s",
+    ],
     "controller_scale": [
         "64.healthy_iteration_s",
         "64.dead_iteration_s",

@@ -32,7 +32,10 @@ def test_killed_worker_is_replaced_and_the_survivor_keeps_its_actor(ray_local, t
     # Two ranks: the survivor's only peer is the dead one, so its collective fails at once and it always
     # leaves the attempt cleanly (with more ranks, a survivor blocked on another survivor inside a gloo
     # collective can only be replaced: see the README's note on gloo).
-    cfg = tiny_config(tmp_path / "run", "scaling.min_workers=1", "scaling.max_workers=2")
+    # The disk path (recovery from memory: test_memory_recovery.py).
+    cfg = tiny_config(
+        tmp_path / "run", "scaling.min_workers=1", "scaling.max_workers=2", "checkpoint.memory_every_steps=0"
+    )
 
     def kill_last(controller: Any) -> None:
         ray.kill(controller.active[-1].actor)

@@ -22,7 +22,7 @@ def test_a_clean_run_finishes_with_every_checkpoint_committed(tmp_path: Path):
 
 
 def test_a_rank_dying_at_a_step_restarts_from_the_last_checkpoint_on_the_survivor(tmp_path: Path):
-    r = make_run(tmp_path, "scaling.min_workers=1")
+    r = make_run(tmp_path, "scaling.min_workers=1", "checkpoint.memory_every_steps=0")
     r.group.die_at_step(rank=1, step=6)
     summary = r.run()
     assert summary.status.value == "FINISHED" and summary.failures == 1
@@ -86,7 +86,13 @@ def test_a_hung_background_write_is_a_hang_and_its_checkpoint_is_dropped(tmp_pat
 
 
 def test_growth_while_a_save_is_in_flight_commits_it_before_the_larger_world_loads_it(tmp_path: Path):
-    r = make_run(tmp_path, "scaling.min_workers=2", "scaling.max_workers=4", capacity=2)
+    r = make_run(
+        tmp_path,
+        "scaling.min_workers=2",
+        "scaling.max_workers=4",
+        "checkpoint.memory_every_steps=0",
+        capacity=2,
+    )
     r.controller.callbacks.after_step.append(at_step(6, lambda c: r.group.add_capacity(2)))
     r.controller.callbacks.after_step.append(at_step(7, wait_until_replacements_are_warm))
     summary = r.run()

@@ -12,6 +12,11 @@ run's. A scenario is scripted before or during the run:
     group.drop_file(rank=1)                       # its next write says done, but the file is not there
     group.die_in_save(rank=0)                     # its process dies taking the next snapshot
     group.add_capacity(2)                         # two more reservations are placed
+    group.copy_unfinished(rank=1, step=6)         # its in-memory copy of step 6 never completes
+
+Workers keep in-memory snapshots as real ones do (the last two of their own rank and of their
+buddy's, after every `checkpoint.memory_every_steps` step); a step does not complete while a peer of
+its attempt is dead (a real one would wait in a collective).
 
 A call to a dead worker replies DIED (NODE_LOST once its node is removed); a call to a hung worker
 TIMED_OUT, at once: the fake never waits.
@@ -86,6 +91,12 @@ class FakeWorker:
     step: int = -1
     calls: list[str] = field(default_factory=list)  # every method called, in order
     polls: int = 0  # looks at its warm-up so far
+    own: list[dict[str, Any]] = field(default_factory=list)  # in-memory snapshots, as memory_holdings says
+    replicas: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def actor(self) -> FakeWorker:  # what a buddy is reached through
+        return self
 
     @property
     def actor_id(self) -> str:
@@ -123,6 +134,13 @@ class FakeGroup:
         self.warmup_errors: list[tuple[str, str]] = []
         self._warmup_error = ""  # every warm-up raises this (e.g. a data config error)
         self.eval_loss_at: dict[int, float] = {}  # steps trained -> validation loss (default 1/steps)
+        self._broken_attempts: set[int] = set()  # attempts one of whose workers died
+
+    def _died(self, w: FakeWorker) -> None:
+        w.dead = True
+        attempt = getattr(w.spec, "attempt", None)
+        if attempt is not None:
+            self._broken_attempts.add(attempt)
 
     # -- scenario --
     def warmup_raises(self, error: str) -> None:
@@ -149,6 +167,9 @@ class FakeGroup:
     def drop_file(self, rank: int) -> None:
         self._faults.append(_Fault("drop_file", rank))
 
+    def copy_unfinished(self, rank: int, step: int) -> None:
+        self._faults.append(_Fault("copy_unfinished", rank, step))
+
     def add_capacity(self, n: int) -> None:
         self.capacity += n
 
@@ -156,7 +177,7 @@ class FakeGroup:
         self._lost_nodes.add(worker.node_id)
         for w in self.workers:
             if w.node_id == worker.node_id:
-                w.dead = True
+                self._died(w)
 
     def _take(self, kind: str, rank: int, step: int = -1) -> _Fault | None:
         for f in self._faults:
@@ -214,7 +235,7 @@ class FakeGroup:
         if handle in self.workers:
             self.workers.remove(handle)
             self.removed.append(handle.worker_id)
-        handle.dead = True
+        self._died(handle)
 
     def progress(self, timeout_s: float = 5.0) -> dict[str, dict[str, Any] | None]:
         return {
@@ -266,7 +287,7 @@ class FakeGroup:
         try:
             return Reply(w.worker_id, getattr(self, f"_{method}")(w, *args))
         except _Died:
-            w.dead = True
+            self._died(w)
             return Reply(w.worker_id, error=DIED, detail=f"The actor {w.worker_id} died")
         except _Hung:
             w.hung = True
@@ -291,9 +312,13 @@ class FakeGroup:
         fault = self._take("raise", rank, step)
         if fault:
             raise RuntimeError(fault.detail)
+        peer_dies = any(f.kind == "die" and f.step == step and f.rank != rank for f in self._faults)
+        if peer_dies or getattr(w.spec, "attempt", None) in self._broken_attempts:
+            raise RuntimeError("gloo: Connection closed by peer")  # its collective with the dead one fails
         if w.writer is not None:
             w.writer.finish()  # a background write ends while the next step runs
         w.step = step + 1
+        self._snapshot(w, step + 1)
         return {
             "step": step,
             "rank": rank,
@@ -349,6 +374,23 @@ class FakeGroup:
             return {"staging": staging, "state": "error", "error": "no such write on this worker"}
         write.finish()  # waiting for it lets it end
         return write.report()
+
+    def _snapshot(self, w: FakeWorker, steps_done: int) -> None:
+        every = getattr(w.spec, "snapshot_every", 0)
+        if not every or steps_done % every or self._take("copy_unfinished", w.spec.rank, steps_done):
+            return
+        key = {"attempt": w.spec.attempt, "world_size": w.spec.world_size, "rank": w.spec.rank}
+        w.own = [*w.own, {**key, "step": steps_done, "own": True}][-2:]
+        buddy = getattr(w.spec, "buddy", None)
+        if buddy is not None and not buddy.dead:
+            buddy.replicas = [*buddy.replicas, {**key, "step": steps_done, "own": False}][-2:]
+
+    def _hand_off_snapshots(self, w: FakeWorker, target: FakeWorker) -> int:
+        target.replicas = target.replicas + [{**h, "own": False} for h in w.own + w.replicas]
+        return len(w.own) + len(w.replicas)
+
+    def _memory_holdings(self, w: FakeWorker) -> list[dict[str, Any]]:
+        return w.own + w.replicas
 
     def _teardown(self, w: FakeWorker) -> dict[str, float]:
         if w.writer is not None:

@@ -76,7 +76,8 @@ class WorkerGroup:
         self._ready_refs: dict[str, Any] = {}  # placement group id -> its one `ready()` ref
         self._ids = itertools.count()
         self._prefix = name_prefix
-        self._actor_cls = ray.remote(concurrency_groups={"control": 2})(TrainWorker)
+        # "replica": buddies' snapshots arrive and are served beside training (worker/memory.py).
+        self._actor_cls = ray.remote(concurrency_groups={"control": 2, "replica": 2})(TrainWorker)
         self.warmup_errors: list[tuple[str, str]] = []  # warm-ups that raised (the loop may end the run)
 
     # -- reservations --

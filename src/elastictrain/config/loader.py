@@ -262,6 +262,7 @@ def validate(config: Config) -> Config:
     _at_least(p, "checkpoint.keep_last", ck.keep_last, 1)
     if ck.max_host_memory_mb is not None:
         _at_least(p, "checkpoint.max_host_memory_mb", ck.max_host_memory_mb, 0)
+    _at_least(p, "checkpoint.memory_every_steps", ck.memory_every_steps, 0)
     _at_least(p, "failure.max_failures", f.max_failures, 0)
     _at_least(p, "failure.hang_timeout_s", f.hang_timeout_s, 0, strict=True)
     _at_least(p, "failure.collective_timeout_s", f.collective_timeout_s, 0, strict=True)

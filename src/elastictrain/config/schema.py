@@ -139,6 +139,10 @@ class CheckpointConfig:
     # the live state instead (training waits for the write; nothing is copied). null: half the memory
     # available at save time, split between the node's ranks.
     max_host_memory_mb: float | None = None
+    # Each rank copies its slice of the state to host memory after every this many steps (0: never),
+    # and a buddy worker on another node holds a replica: a failure then restarts from memory, losing
+    # at most the step in flight, and disk checkpoints stay for resuming after the driver is lost.
+    memory_every_steps: int = 1
 
 
 @dataclass

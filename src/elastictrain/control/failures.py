@@ -12,6 +12,7 @@ from elastictrain.core.membership import WorkerObservation, stalled_workers
 from elastictrain.core.policy import Failure
 
 TEARDOWN_TIMEOUT_S = 5.0  # a survivor that cannot leave its attempt in this time is replaced
+HAND_OFF_TIMEOUT_S = 30.0  # for a replaced survivor to pass its in-memory snapshots on
 
 
 def gather_results(group: Group, calls: Calls, step: int, *, timeout_s: float, phase: str) -> dict[str, Any]:
@@ -86,8 +87,14 @@ def remove_at_fault(group: Group, failure: Failure) -> None:
             group.remove(by_id[wid])
 
 
-def teardown(group: Group, active: Sequence[Any], recorder: RunRecorder, step: int) -> None:
-    """Tear the attempt down on every surviving worker; a worker that cannot is replaced."""
+def teardown(
+    group: Group, active: Sequence[Any], recorder: RunRecorder, step: int, *, hand_off: bool = False
+) -> None:
+    """Tear the attempt down on every surviving worker; a worker that cannot is replaced.
+
+    With `hand_off`, a worker about to be replaced first sends its in-memory snapshots (its control
+    thread answers while its training thread is stuck) to a survivor that left cleanly.
+    """
     survivors = [w for w in group.workers if w in active]
     replies = group.gather(group.call(survivors, "teardown"), TEARDOWN_TIMEOUT_S)
     stuck: dict[str, str] = {}
@@ -100,7 +107,13 @@ def teardown(group: Group, active: Sequence[Any], recorder: RunRecorder, step: i
     if not stuck:
         return
     progress = group.progress(timeout_s=2.0)
-    for w in [w for w in survivors if w.worker_id in stuck]:
+    leaving = [w for w in survivors if w.worker_id in stuck]
+    clean = [w for w in survivors if w.worker_id not in stuck]
+    if hand_off and clean:
+        calls = group.call(leaving, "hand_off_snapshots", clean[0].actor, control=True)
+        for wid, r in group.gather(calls, HAND_OFF_TIMEOUT_S).items():
+            stuck[wid] += f"; its in-memory snapshots {'handed to ' + clean[0].worker_id if r.ok else 'lost'}"
+    for w in leaving:
         where = (progress.get(w.worker_id) or {}).get("where", "")
         recorder.event(
             "worker_replaced",

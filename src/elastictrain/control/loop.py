@@ -20,16 +20,17 @@ from typing import Any
 
 from elastictrain.checkpoint.store import CheckpointStore
 from elastictrain.cluster.calls import Group
-from elastictrain.control.attempt_specs import attempt_specs
 from elastictrain.control.callbacks import Callbacks
 from elastictrain.control.capacity import Capacity
 from elastictrain.control.errors import AttemptFailed, RunFailed
 from elastictrain.control.failures import gather_results, remove_at_fault, teardown
-from elastictrain.control.manifest import manifest_fields
+from elastictrain.control.manifest import manifest_for
+from elastictrain.control.memory_recovery import MemoryRecovery
 from elastictrain.control.pipeline import Ahead, StepPipeline
 from elastictrain.control.record import RunRecorder
 from elastictrain.control.resume import ResumePoints
 from elastictrain.control.saves import SaveCoordinator
+from elastictrain.control.specs import attempt_specs
 from elastictrain.control.stop import sigterm_stops
 from elastictrain.core.batch import BatchPlan, plan_batch
 from elastictrain.core.policy import Fail, Failure, Restart, decide_after_failure
@@ -77,6 +78,7 @@ class Controller:
         self.pipeline = StepPipeline(
             config, group, self.recorder, self.saves, self.capacity, after_step=self._after_step, clock=clock
         )
+        self.memory = MemoryRecovery(config, group)  # in-memory snapshots: buddies, and loading from them
         self.attempt = 0
         self.failure_history: list[Failure] = []  # what recurs unchanged after a restart is not retried
         self.plan: BatchPlan | None = None
@@ -210,28 +212,32 @@ class Controller:
             raise AttemptFailed(
                 Failure("setup_error", (), self.step, f"only {len(active)} of {size} workers ready")
             )
-        resume = self.resume.find(self.step)
-        start = resume.manifest["step"] if resume else 0
-        if start != self.step:  # steps since that checkpoint are redone
+        memory = self.memory.take()  # the survivors' in-memory snapshots, when they hold a whole step
+        resume = None if memory else self.resume.find(self.step)
+        start = memory.plan.step if memory else resume.manifest["step"] if resume else 0
+        if start != self.step:  # steps since that snapshot or checkpoint are redone
             self.pipeline.lost_steps = self.step - start
+        self.pipeline.recovered_from = "memory" if memory else "disk"
         previous = self.world_size
         self.plan, self.active, self.active_before = plan, active, active
         self.pipeline.attach(active, start)
-        self.saves.attach(active, self._manifest_for(size, plan))
+        self.saves.attach(active, manifest_for(self.cfg, self.recorder.run_dir, size, plan))
         port = gather_results(
             self.group, self.group.call(active[:1], "free_port"), self.step, timeout_s=60.0, phase="setup"
         )[active[0].worker_id]
         master_addr = active[0].info["node_ip"]
         t0 = self.clock()
+        buddies, off_node = self.memory.buddies(active)
         specs = attempt_specs(
             self.cfg,
             attempt=self.attempt,
             plan=plan,
             run_id=self.recorder.run_dir.read_info().run_id,
-            master_addr=master_addr,
-            port=port,
-            checkpoint_dir=str(resume.path) if resume else None,
+            master=(master_addr, port),
             start_step=self.step,
+            checkpoint_dir=str(resume.path) if resume else None,
+            buddies=[None if b is None else active[b].actor for b in buddies],
+            memory=memory,
             node_ids=[w.node_id for w in active],
         )
         calls = self.group.call_each(active, "setup", [(spec,) for spec in specs])
@@ -250,10 +256,14 @@ class Controller:
             f"attempt {self.attempt}: world size {size} (micro batch {plan.micro_batch_size} x accumulation "
             f"{plan.grad_accum_steps} x {size} ranks = {plan.global_batch_size}), step {self.step}"
             + (f", from {resume.tag}" if resume else "")
+            + (f", from memory (snapshot of attempt {memory.plan.attempt})" if memory else "")
             + f", set up in {self.clock() - t0:.2f}s",
             attempt=self.attempt,
             world_size=size,
             checkpoint=resume.tag if resume else None,
+            source="memory" if memory else "disk" if resume else "none",
+            buddies=buddies,
+            buddies_off_node=off_node,
             setup_s=max(t["total_s"] for t in timings.values()),
             # The sha256 check of the checkpoint, next to what loading it cost the slowest rank.
             verify_s=self.resume.last_verify_s if resume else 0.0,
@@ -265,21 +275,15 @@ class Controller:
         for callback in self.callbacks.after_attempt_start:
             callback(self)
 
-    def _manifest_for(self, size: int, plan: BatchPlan) -> Callable[[int, dict[str, Any]], dict[str, Any]]:
-        def fields(step: int, engine_state: dict[str, Any]) -> dict[str, Any]:
-            samples = step * self.rules.global_batch_size
-            info = self.recorder.run_dir.read_info()
-            return manifest_fields(
-                self.cfg, world_size=size, plan=plan, samples=samples, engine_state=engine_state, info=info
-            )
-
-        return fields
-
     # ------------------------------------------------------------------ train
     def _train(self) -> None:
         every = self.cfg.checkpoint.every_steps
         max_steps = self.cfg.training.max_steps
         ahead: Ahead = deque()
+        if self._committed_step() < self.step and (self.step % every == 0 or self.step == max_steps):
+            # Restarted from memory at a checkpoint step whose save the failure dropped: save it now.
+            save, ahead = self.pipeline.run_segment(self.step, ahead, resize_may_follow=True)
+            self.saves.collect(save, self.step)
         while self.step < max_steps:
             segment_end = min(max_steps, (self.step // every + 1) * every)
             # Below max_workers every checkpoint may be followed by a grow: then no step is queued past it.
@@ -313,10 +317,11 @@ class Controller:
             style="cyan",
             world_size=target,
         )
-        self.saves.finish(self.step)  # the checkpoint just taken is what the larger world loads
+        self.saves.finish(self.step)
         self.pipeline.recovering_since = self.clock()
         self.pipeline.lost_steps = 0
         self._teardown()
+        self.memory.choose(max_step=self.step, disk_step=self._committed_step())  # no disk read if held
         return True
 
     # ------------------------------------------------------------------ decide after a failure
@@ -355,12 +360,21 @@ class Controller:
                 self._event("worker_traceback", failure.detail.strip(), style="red", worker=worker)
             raise RunFailed(decision.reason)
         resume_step = ckpt.manifest["step"] if ckpt else 0
+        memory = self.memory.choose(max_step=self.step, disk_step=resume_step)
+        source = (
+            f"the in-memory snapshot at step {memory.plan.step}"
+            if memory.plan
+            else f"{ckpt.tag if ckpt else 'the beginning'} (step {resume_step}; "
+            f"not from memory: {memory.reason})"
+        )
         self._event(
             "decision",
-            f"decision: restart from {ckpt.tag if ckpt else 'the beginning'} (step {resume_step}); "
+            f"decision: restart from {source}; "
             + (decision.reason if isinstance(decision, Restart) else f"wait: {decision.reason}"),
             decision=type(decision).__name__,
             world_size=decision.world_size if isinstance(decision, Restart) else None,
+            recovered_from="memory" if memory.plan else "disk",
+            memory=memory.reason,
         )
         self.pipeline.recovering_since = detected
 
@@ -369,7 +383,7 @@ class Controller:
         return int(latest.manifest["step"]) if latest else 0
 
     def _teardown(self) -> None:
-        teardown(self.group, self.active, self.recorder, self.step)
+        teardown(self.group, self.active, self.recorder, self.step, hand_off=self.memory.every > 0)
         self.active = []
 
     # ------------------------------------------------------------------ helpers

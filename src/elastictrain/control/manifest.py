@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from elastictrain.core.batch import BatchPlan
-from elastictrain.rundir.run_dir import RunInfo
+from elastictrain.rundir.run_dir import RunDir, RunInfo
 
 
 def manifest_fields(
@@ -30,3 +31,22 @@ def manifest_fields(
         "run_id": info.run_id,
         "config_digest": info.config_digest,
     }
+
+
+def manifest_for(
+    config: Any, run_dir: RunDir, size: int, plan: BatchPlan
+) -> Callable[[int, dict[str, Any]], dict[str, Any]]:
+    """The manifest fields of an attempt's checkpoints, as a function of (step, engine state)."""
+
+    def fields(step: int, engine_state: dict[str, Any]) -> dict[str, Any]:
+        samples = step * config.training.global_batch_size
+        return manifest_fields(
+            config,
+            world_size=size,
+            plan=plan,
+            samples=samples,
+            engine_state=engine_state,
+            info=run_dir.read_info(),
+        )
+
+    return fields

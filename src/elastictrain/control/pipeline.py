@@ -49,6 +49,7 @@ class StepPipeline:
         self.last_step_s = 0.0  # the last reported step's time, as the loop measures it
         self.recovering_since: float | None = None  # set after a failure or resize until a step is done
         self.lost_steps = 0
+        self.recovered_from = "disk"  # where the attempt after a failure or resize loaded: memory or disk
         self.ledger: Callable[[int, int, list[int]], None] | None = _ledger_from_env()
         self.evals = Evaluations(config, recorder)
 
@@ -120,13 +121,15 @@ class StepPipeline:
         if self.recovering_since is not None:
             metrics["recovery_seconds"] = now - self.recovering_since
             metrics["steps_lost"] = float(self.lost_steps)
+            metrics["recovered_from_memory"] = float(self.recovered_from == "memory")
             self.recorder.event(
                 "recovered",
                 f"first step after the restart done {metrics['recovery_seconds']:.2f}s after detection; "
-                f"{self.lost_steps} step(s) lost",
+                f"{self.lost_steps} step(s) lost; state from {self.recovered_from}",
                 step=self.step,
                 recovery_seconds=metrics["recovery_seconds"],
                 steps_lost=self.lost_steps,
+                recovered_from=self.recovered_from,
             )
             self.recovering_since = None
         if self.ledger is not None:

@@ -90,7 +90,11 @@ class RunRecorder:
             self.tracker.log_metrics(metrics, step=step)
             self.logged_step = step
         else:  # redone after a failure: its metrics were logged the first time (nearly equal values)
-            extra = {k: metrics[k] for k in ("recovery_seconds", "steps_lost") if k in metrics}
+            extra = {
+                k: metrics[k]
+                for k in ("recovery_seconds", "steps_lost", "recovered_from_memory")
+                if k in metrics
+            }
             if extra:
                 self.tracker.log_metrics(extra, step=step)
         self.reporter.step(step, metrics, log_line=step % log_every == 0)

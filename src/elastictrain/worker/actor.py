@@ -30,6 +30,7 @@ from elastictrain.worker.dist import (
     zero_stage,
 )
 from elastictrain.worker.host_memory import snapshot_budget_bytes
+from elastictrain.worker.memory import SnapshotPeer, WorkerMemory
 from elastictrain.worker.ops import prefer_environment_tools
 
 # Frames from these files mean "waiting for the other ranks".
@@ -48,7 +49,7 @@ class StepFailed(RuntimeError):
     """A training step raised on this rank; the message holds the original error and traceback."""
 
 
-class TrainWorker:
+class TrainWorker(SnapshotPeer):
     def __init__(self, worker_id: str, use_gpu: bool) -> None:
         prefer_environment_tools()  # the ninja that built DeepSpeed's ops, before any op loads
         if not use_gpu:
@@ -71,6 +72,7 @@ class TrainWorker:
         self._writer: Any = None  # the last checkpoint's ShardWrite (checkpoint/writer.py)
         self._write_delay_s = 0.0  # tests and chaos runs: a slow disk
         self._idle_since = time.time()  # when this actor's last step or save ended
+        self.memory = WorkerMemory(worker_id)  # in-memory snapshots: own, and the buddy's replicas
 
     # -- identity and health (answered from a separate concurrency group, even mid-step) --
     def info(self) -> dict[str, Any]:
@@ -196,9 +198,15 @@ class TrainWorker:
         timings["engine_s"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()
-        if spec.checkpoint_dir is not None:
+        if spec.memory is not None:
+            self.memory.load(self.engine, spec.memory)
+        elif spec.checkpoint_dir is not None:
             self._load(as_path(spec.checkpoint_dir))
         timings["load_s"] = time.perf_counter() - t2
+        swapped = bool(nvme_paths(spec.ds_config))  # NVMe-swapped state: copied inline (worker/memory.py)
+        self.memory.attach(
+            spec.attempt, spec.world_size, spec.rank, spec.snapshot_every, spec.buddy, inline=swapped
+        )
         self.engine.global_steps = spec.start_step
         self._set_mark("ready", spec.start_step)
         timings["total_s"] = time.perf_counter() - t0
@@ -241,6 +249,8 @@ class TrainWorker:
         try:
             result = self._train_step(step)
             result["waited_s"] = waited  # idle before this step: after a save, part of its pause
+            result["memory"] = self.memory.report()
+            self.memory.after_step(self.engine, step + 1)
             self._idle_since = time.time()
             return result
         except Exception as e:  # noqa: BLE001 - re-raised below, after the attempt is released
@@ -292,6 +302,7 @@ class TrainWorker:
             batches,
             world_size=spec.world_size,
             on_micro=lambda: self._set_mark("micro", step),
+            before_update=self.memory.before_update,
         )
         elapsed = time.perf_counter() - t0
         self._set_mark("done", step)
@@ -393,6 +404,9 @@ class TrainWorker:
         t0 = time.perf_counter()
         # A background write may still fill a staging folder the controller is about to drop or reuse.
         self._join_writer()
+        # The copy in progress completes (it reads the engine); its replication may go on: a buddy on a
+        # lost node answers only once Ray notices, and leaving must not wait for that.
+        self.memory.before_update()
         self._writer = None
         addr_port, swap = None, []
         if self.spec is not None:

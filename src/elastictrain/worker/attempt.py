@@ -22,3 +22,16 @@ class AttemptSpec:
     checkpoint_dir: str | None  # a committed checkpoint to load, or None for a fresh start
     start_step: int
     ranks_on_node: int = 1  # this attempt's ranks on the worker's node: they share its host memory
+    snapshot_every: int = 0  # copy the state to host memory after every this many steps (0: never)
+    buddy: Any = None  # the actor that holds this rank's in-memory snapshots too (None: nobody)
+    memory: MemorySource | None = None  # load from the old ranks' in-memory snapshots instead of disk
+
+
+@dataclass(frozen=True)
+class MemorySource:
+    """Where a new attempt's ranks find the state after `step` steps: the holder of each old rank."""
+
+    attempt: int
+    world_size: int
+    step: int
+    holders: dict[int, tuple[str, Any]]  # old rank -> (worker id, actor handle)

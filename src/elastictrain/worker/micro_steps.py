@@ -40,6 +40,7 @@ def run_micro_batches(
     *,
     world_size: int,
     on_micro: Callable[[], None] = lambda: None,
+    before_update: Callable[[], None] = lambda: None,
 ) -> StepLoss:
     """Forward and backward each (batch, seed) in order; DeepSpeed steps the optimizer after the last."""
     if loss_fn is not causal_lm_loss:
@@ -48,6 +49,7 @@ def run_micro_batches(
             torch.manual_seed(seed)  # dropout and other randomness follow the data position
             loss = loss_fn(engine, batch)  # the engine forwards to the module, as the module would
             engine.backward(loss)
+            before_update()  # e.g. the last in-memory snapshot must be complete before weights change
             engine.step()
             losses.append(float(loss.detach().float().item()))
             on_micro()
@@ -61,6 +63,7 @@ def run_micro_batches(
         torch.manual_seed(seed)
         summed, tokens = causal_lm_loss_sum(engine, batch)
         engine.backward(summed * scale)
+        before_update()
         engine.step()
         loss_sum += float(summed.detach().item())
         counted += tokens

@@ -1,0 +1,181 @@
+"""In-memory snapshots of a rank's state: held on the worker, served to peers, read back resharded.
+
+A snapshot is exactly what a rank file holds (`snapshot_local_state`: fragments of the fp32 weights and
+of each elementwise optimizer state, tagged with global offsets, plus scalars), kept in host memory
+instead of written. Fragments do not depend on the world size, so a new attempt at any size loads
+its slices from them through `MemoryReader`, the in-memory twin of `FragmentReader`, with the same
+`load_local_state`.
+
+A worker keeps the last two complete snapshots of its own rank and the last two replicas it holds for
+its buddy: a snapshot is added only once its copy is complete, so a copy in progress never replaces
+the last complete one, and the one before stays for a peer whose newer copy never completed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from elastictrain.checkpoint.zero_state import Fragment, FragmentReader
+
+KEEP = 2  # complete snapshots kept per kind (own, replicas)
+
+
+@dataclass(frozen=True)
+class SnapshotKey:
+    attempt: int
+    world_size: int
+    rank: int
+    step: int  # the state after this many optimizer steps
+
+
+@dataclass
+class Snapshot:
+    key: SnapshotKey
+    tensors: dict[str, torch.Tensor]  # "param::field" -> CPU fp32 fragment
+    fragments: dict[str, Fragment]
+    scalars: dict[str, Any]
+    copy_s: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def meta(self) -> dict[str, Any]:
+        """What a reader needs before any tensor: the fragments, the saved keys and the scalars."""
+        return {"fragments": dict(self.fragments), "keys": list(self.tensors), "scalars": self.scalars}
+
+    def to_wire(self) -> dict[str, Any]:
+        """For a replica sent to a buddy: numpy arrays travel through Ray's object store without pickling."""
+        arrays = {k: t.numpy() for k, t in self.tensors.items()}
+        return {"key": self.key, "arrays": arrays, "fragments": self.fragments, "scalars": self.scalars}
+
+    @staticmethod
+    def from_wire(wire: dict[str, Any]) -> Snapshot:
+        # Copied out of the (read-only, shared) object-store buffer: the replica is ours to keep.
+        tensors = {k: torch.from_numpy(a.copy()) for k, a in wire["arrays"].items()}
+        return Snapshot(wire["key"], tensors, wire["fragments"], wire["scalars"])
+
+
+@dataclass
+class SnapshotStore:
+    """A worker's complete snapshots: its own rank's and the replicas it holds for its buddy."""
+
+    own: deque[Snapshot] = field(default_factory=lambda: deque(maxlen=KEEP))
+    replicas: deque[Snapshot] = field(default_factory=lambda: deque(maxlen=KEEP))
+    handed: list[Snapshot] = field(default_factory=list)  # from a peer replaced while it held them
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add_own(self, snapshot: Snapshot) -> None:
+        with self._lock:
+            self.own.append(snapshot)
+            # Handed-over snapshots serve the restart after the failure they were saved from, no later.
+            self.handed = [s for s in self.handed if s.key.attempt >= snapshot.key.attempt]
+
+    def add_replica(self, snapshot: Snapshot) -> None:
+        with self._lock:
+            self.replicas.append(snapshot)
+
+    def add_handed(self, snapshot: Snapshot) -> None:
+        with self._lock:
+            self.handed.append(snapshot)
+
+    def all(self) -> list[Snapshot]:
+        with self._lock:
+            return [*self.own, *self.replicas, *self.handed]
+
+    def holdings(self) -> list[dict[str, Any]]:
+        """Every snapshot held, as plain values for the controller (core.memory_snapshots.Held)."""
+        with self._lock:
+            kept = ((True, self.own), (False, self.replicas), (False, self.handed))
+            return [{**vars(s.key), "own": own} for own, snaps in kept for s in snaps]
+
+    def find(self, key: SnapshotKey) -> Snapshot | None:
+        for s in self.all():
+            if s.key == key:
+                return s
+        return None
+
+    def get(self, key: SnapshotKey) -> Snapshot:
+        found = self.find(key)
+        if found is None:
+            raise KeyError(
+                f"no in-memory snapshot of rank {key.rank} at step {key.step} (attempt {key.attempt})"
+            )
+        return found
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.all())
+
+
+def keys_to_fetch(
+    metas: dict[int, dict[str, Any]], wanted: Iterable[tuple[str, int, int]], full_fp32: bool
+) -> dict[int, list[str]]:
+    """Per old rank, the saved tensors that overlap the element ranges a new rank loads.
+
+    `wanted`: (parameter, start, length) of every slice the new rank fills, each in every field;
+    `full_fp32`: the layout also needs every parameter's whole fp32 weights (ZeRO-1/2 set each rank's
+    low-precision copy of every parameter from them). Whole fragments move, never more.
+    """
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for name, start, length in wanted:
+        ranges.setdefault(name, []).append((start, start + length))
+    out: dict[int, list[str]] = {}
+    for rank, meta in metas.items():
+        keys = []
+        for key in meta["keys"]:
+            name, _, fld = key.rpartition("::")
+            frag = meta["fragments"].get(name)
+            if frag is None:
+                continue
+            lo, hi = frag.start, frag.start + frag.length
+            needed = any(a < hi and lo < b for a, b in ranges.get(name, ()))
+            if needed or (full_fp32 and fld == "fp32"):
+                keys.append(key)
+        if keys:
+            out[rank] = keys
+    return out
+
+
+class _Tensors:
+    """A dict of tensors seen as a safetensors handle: `get_slice(key)[lo:hi]`."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._tensors = tensors
+
+    def get_slice(self, key: str) -> torch.Tensor:
+        try:
+            return self._tensors[key]
+        except KeyError:
+            raise KeyError(f"{key}: not fetched from the in-memory snapshot") from None
+
+
+class MemoryReader(FragmentReader):
+    """`FragmentReader` over in-memory snapshots: the fragments of every old rank, the fetched tensors.
+
+    Only the index is built differently; reading, fields and whole parameters are FragmentReader's.
+    """
+
+    def __init__(self, metas: dict[int, dict[str, Any]], tensors: dict[int, dict[str, torch.Tensor]]) -> None:
+        self._handles = []
+        self._index = {}
+        self.params = {}
+        self._fields = {}
+        for rank, meta in sorted(metas.items()):
+            handle = _Tensors(tensors.get(rank, {}))
+            self._handles.append(handle)
+            for key in meta["keys"]:
+                name, _, fld = key.rpartition("::")
+                fields = self._fields.setdefault(name, [])
+                if fld not in fields:
+                    fields.append(fld)
+            for name, frag in meta["fragments"].items():
+                self._index.setdefault(name, []).append((frag.start, frag.length, handle))
+                self.params[name] = Fragment(0, frag.numel, frag.numel, frag.shape)
+        for parts in self._index.values():
+            parts.sort(key=lambda p: p[0])

@@ -1,0 +1,68 @@
+"""Recovery from the workers' memory, driver side: buddies for an attempt, and where a restart loads from.
+
+After a failure (or before a grow) the surviving workers say which in-memory snapshots they hold;
+the core (`core.memory_snapshots`) picks the newest step every rank of the old world has somewhere.
+The next attempt then loads from those workers instead of the disk checkpoint; when no such step
+exists (a rank and its buddy both lost, ranks at different steps, snapshots off) it loads from disk
+and the reason is recorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from elastictrain.cluster.calls import Group
+from elastictrain.core.memory_snapshots import Held, MemoryChoice, MemoryPlan, assign_buddies, off_node
+
+HOLDINGS_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class MemoryLoad:
+    """What the next attempt's ranks get: the plan and, per old rank, (worker id, actor handle)."""
+
+    plan: MemoryPlan
+    holders: dict[int, tuple[str, Any]]
+
+
+class MemoryRecovery:
+    def __init__(self, config: Any, group: Group) -> None:
+        self.every = int(config.checkpoint.memory_every_steps)
+        self.group = group
+        self.choice: MemoryChoice | None = None  # the last decision, until an attempt uses it
+
+    def buddies(self, active: Sequence[Any]) -> tuple[list[int | None], bool]:
+        """Each rank's buddy rank (None alone or with snapshots off), and whether all are on another node."""
+        if self.every <= 0:
+            return [None] * len(active), False
+        nodes = [w.node_id for w in active]
+        ranks = assign_buddies(nodes)
+        return ranks, off_node(nodes, ranks)
+
+    def choose(self, *, max_step: int, disk_step: int) -> MemoryChoice:
+        """Ask the live workers what they hold; decide (core) which snapshot, if any, the restart loads."""
+        if self.every <= 0:
+            self.choice = MemoryChoice(None, "in-memory snapshots are off (checkpoint.memory_every_steps=0)")
+            return self.choice
+        from elastictrain.core.memory_snapshots import choose_memory_snapshot
+
+        workers = self.group.warm_workers
+        replies = self.group.gather(
+            self.group.call(workers, "memory_holdings", control=True), HOLDINGS_TIMEOUT_S
+        )
+        held = [Held(worker_id=wid, **h) for wid, r in replies.items() if r.ok for h in r.value]
+        self.choice = choose_memory_snapshot(held, max_step=max_step, disk_step=disk_step)
+        return self.choice
+
+    def take(self) -> MemoryLoad | None:
+        """The memory source for the attempt starting now (once), if its holders are still there."""
+        choice, self.choice = self.choice, None
+        if choice is None or choice.plan is None:
+            return None
+        by_id = {w.worker_id: w for w in self.group.warm_workers}
+        if any(wid not in by_id for wid in choice.plan.holders.values()):
+            return None  # a holder left between the decision and the start: disk it is
+        holders = {r: (wid, by_id[wid].actor) for r, wid in choice.plan.holders.items()}
+        return MemoryLoad(choice.plan, holders)

@@ -1,0 +1,54 @@
+"""The value each rank of an attempt is set up with (worker/attempt.py), built on the driver."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from elastictrain.config.deepspeed_config import build_deepspeed_config, for_rank
+from elastictrain.control.memory_recovery import MemoryLoad
+from elastictrain.core.batch import BatchPlan
+from elastictrain.worker.attempt import AttemptSpec, MemorySource
+
+
+def attempt_specs(
+    cfg: Any,
+    *,
+    attempt: int,
+    plan: BatchPlan,
+    run_id: str,
+    master: tuple[str, int],
+    start_step: int,
+    checkpoint_dir: str | None,
+    buddies: Sequence[Any],
+    memory: MemoryLoad | None,
+    node_ids: Sequence[str],
+) -> list[AttemptSpec]:
+    """One spec per rank; `memory` (the old ranks' in-memory snapshots) replaces the checkpoint load.
+    Rank r runs on node_ids[r]: ranks sharing a node share its host memory."""
+    size = len(buddies)
+    ds_config = build_deepspeed_config(cfg, plan.micro_batch_size, plan.grad_accum_steps, size)
+    source = None
+    if memory is not None:
+        p = memory.plan
+        source = MemorySource(p.attempt, p.world_size, p.step, memory.holders)
+    return [
+        AttemptSpec(
+            attempt=attempt,
+            rank=rank,
+            world_size=size,
+            master_addr=master[0],
+            master_port=master[1],
+            backend="nccl" if cfg.scaling.use_gpu else "gloo",
+            plan=plan,
+            config=cfg,
+            ds_config=for_rank(ds_config, run_id, rank),
+            checkpoint_dir=None if source is not None else checkpoint_dir,
+            start_step=start_step,
+            snapshot_every=int(cfg.checkpoint.memory_every_steps),
+            buddy=buddies[rank],
+            memory=source,
+            ranks_on_node=list(node_ids).count(node_ids[rank]),
+        )
+        for rank in range(size)
+    ]

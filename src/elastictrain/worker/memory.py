@@ -1,0 +1,204 @@
+"""The worker's side of in-memory snapshots: take them, replicate them to the buddy, serve and load them.
+
+After every `checkpoint.memory_every_steps`-th step the rank copies its slice of the state to host
+memory in a thread while the next step's forward and backward run; the next optimizer update waits
+for the copy (`before_update`), so the copy always sees the state of one step. The finished copy is
+then sent to the buddy (another worker, on another node when there is one) with an actor call that
+runs in the buddy's `replica` concurrency group, beside its own training. With the optimizer state on
+NVMe the copy runs inline: swapping in from a second thread would race the step's own swapping.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from elastictrain.checkpoint.memory_snapshot import (
+    MemoryReader,
+    Snapshot,
+    SnapshotKey,
+    SnapshotStore,
+    keys_to_fetch,
+)
+from elastictrain.worker.attempt import MemorySource
+
+REPLICA_GROUP = "replica"  # the actors' concurrency group for replicas and serving snapshots
+REPLICATE_TIMEOUT_S = 30.0  # a buddy that does not take a replica in this time is treated as lost
+
+
+class WorkerMemory:
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.store = SnapshotStore()
+        self._thread: threading.Thread | None = None
+        self._copied = threading.Event()
+        self._copied.set()
+        self._every = 0
+        self._inline = False
+        self._buddy: Any = None
+        self._identity: tuple[int, int, int] = (0, 0, 0)  # attempt, world size, rank
+        self.delay_s = 0.0  # tests: a slow copy, to fail in the middle of one
+        self.last_copy_s = 0.0
+        self.last_replicate_s = 0.0
+        self.error = ""
+
+    # -- in an attempt --
+    def attach(self, attempt: int, world_size: int, rank: int, every: int, buddy: Any, inline: bool) -> None:
+        self.before_update()
+        self._identity = (attempt, world_size, rank)
+        self._every, self._buddy, self._inline = every, buddy, inline
+
+    def after_step(self, engine: Any, steps_done: int) -> None:
+        """The state after `steps_done` steps is final: copy it (in a thread unless inline)."""
+        if self._every <= 0 or steps_done % self._every:
+            return
+        self.wait()  # one copy and one replication at a time
+        key = SnapshotKey(*self._identity, steps_done)
+        self._copied.clear()
+        if self._inline:
+            self._take(engine, key)
+            return
+        self._thread = threading.Thread(
+            target=self._take, args=(engine, key), name="memory-snapshot", daemon=True
+        )
+        self._thread.start()
+
+    def before_update(self) -> None:
+        """The optimizer is about to change the state: the copy in progress must be finished."""
+        self._copied.wait()
+
+    def wait(self) -> None:
+        """Let the copy and its replication end (before the next copy)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _take(self, engine: Any, key: SnapshotKey) -> None:
+        from elastictrain.checkpoint.zero_state import snapshot_local_state
+
+        try:
+            t0 = time.perf_counter()
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            tensors, fragments, scalars = snapshot_local_state(engine)
+            snap = Snapshot(key, tensors, fragments, scalars, copy_s=time.perf_counter() - t0)
+            self.last_copy_s = snap.copy_s
+            self.store.add_own(snap)  # complete: only now may it stand for this rank
+        except Exception as e:  # noqa: BLE001 - a failed copy leaves the last complete one in place
+            self.error = f"{type(e).__name__}: {e}"
+            return
+        finally:
+            self._copied.set()  # held before anyone waiting on the copy (leaving, the next update) goes on
+        if self._buddy is not None:
+            self._replicate(snap)
+
+    def _replicate(self, snap: Snapshot) -> None:
+        import ray
+
+        t0 = time.perf_counter()
+        try:
+            call = self._buddy.hold_replica.options(concurrency_group=REPLICA_GROUP)
+            ray.get(call.remote(snap.to_wire()), timeout=REPLICATE_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - a lost buddy: the controller sees its failure itself
+            self.error = f"replica of step {snap.key.step} not held: {type(e).__name__}: {e}"
+        self.last_replicate_s = time.perf_counter() - t0
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "copy_s": self.last_copy_s,
+            "replicate_s": self.last_replicate_s,
+            "held_bytes": self.store.nbytes(),
+        }
+
+    # -- served to peers (the replica concurrency group) --
+    def meta(self, key: SnapshotKey) -> dict[str, Any]:
+        return self.store.get(key).meta()
+
+    def pieces(self, key: SnapshotKey, keys: list[str]) -> dict[str, Any]:
+        tensors = self.store.get(key).tensors
+        return {k: tensors[k].numpy() for k in keys}
+
+    # -- loading a new attempt --
+    def load(self, engine: Any, source: MemorySource) -> None:
+        """Fill this rank's slices from the old ranks' snapshots, wherever they are held."""
+        from elastictrain.checkpoint.zero_layouts import FlatPartitionLayout, layout_for
+        from elastictrain.checkpoint.zero_state import load_local_state
+
+        keys = {r: SnapshotKey(source.attempt, source.world_size, r, source.step) for r in source.holders}
+        metas = self._ask_all(source, lambda h, r: h.snapshot_meta, lambda r: (keys[r],), self.meta)
+        layout = layout_for(engine)
+        wanted = [(p.name, p.start, p.length) for p in layout.load_slices()]
+        plan = keys_to_fetch(metas, wanted, full_fp32=isinstance(layout, FlatPartitionLayout))
+        got = self._ask_all(
+            source,
+            lambda h, r: h.snapshot_pieces,
+            lambda r: (keys[r], plan.get(r, [])),
+            self.pieces,
+            ranks=sorted(plan),
+        )
+        import torch
+
+        tensors = {r: {k: torch.from_numpy(a.copy()) for k, a in arrays.items()} for r, arrays in got.items()}
+        scalars = metas[min(metas)]["scalars"]
+        load_local_state(engine, MemoryReader(metas, tensors), scalars)
+
+    def _ask_all(
+        self,
+        source: MemorySource,
+        method: Callable[[Any, int], Any],
+        args: Callable[[int], tuple[Any, ...]],
+        local: Callable[..., Any],
+        ranks: list[int] | None = None,
+    ) -> dict[int, Any]:
+        """One call per old rank, to its holder (all at once), or locally when this worker holds it."""
+        import ray
+
+        out: dict[int, Any] = {}
+        refs = {}
+        for r in source.holders if ranks is None else ranks:
+            worker_id, handle = source.holders[r]
+            if worker_id == self.worker_id:
+                out[r] = local(*args(r))
+            else:
+                refs[r] = method(handle, r).options(concurrency_group=REPLICA_GROUP).remote(*args(r))
+        for r, ref in refs.items():
+            out[r] = ray.get(ref, timeout=REPLICATE_TIMEOUT_S)
+        return out
+
+
+class SnapshotPeer:
+    """Actor methods a worker answers for its peers (replica group) and the controller (control group)."""
+
+    memory: WorkerMemory
+
+    def hold_replica(self, wire: dict[str, Any]) -> None:
+        """Keep a buddy's snapshot (sent after each of its copies)."""
+        self.memory.store.add_replica(Snapshot.from_wire(wire))
+
+    def snapshot_meta(self, key: SnapshotKey) -> dict[str, Any]:
+        return self.memory.meta(key)
+
+    def snapshot_pieces(self, key: SnapshotKey, keys: list[str]) -> dict[str, Any]:
+        return self.memory.pieces(key, keys)
+
+    def hand_off_snapshots(self, target: Any) -> int:
+        """This worker is replaced (stuck in a collective): send what it holds to `target` first."""
+        import ray
+
+        snaps = self.memory.store.all()
+        call = target.keep_handed.options(concurrency_group=REPLICA_GROUP)
+        ray.get([call.remote(s.to_wire()) for s in snaps], timeout=REPLICATE_TIMEOUT_S)
+        return len(snaps)
+
+    def keep_handed(self, wire: dict[str, Any]) -> None:
+        self.memory.store.add_handed(Snapshot.from_wire(wire))
+
+    def memory_holdings(self) -> list[dict[str, Any]]:
+        """Every complete snapshot this worker holds: its own rank's and its buddy's."""
+        return self.memory.store.holdings()
+
+    def inject_snapshot_delay(self, seconds: float) -> None:
+        """Tests: every later copy starts `seconds` late, so a failure can strike in the middle of one."""
+        self.memory.delay_s = float(seconds)
