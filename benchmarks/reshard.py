@@ -13,6 +13,7 @@ of at least the checkpoint's size.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -41,23 +42,40 @@ def target_size(smoke: bool) -> int:
     return 1 if smoke else 3
 
 
-def disk_bandwidth(folder: Path, size: int) -> dict[str, float]:
-    """Sequential write+fsync and read of `size` bytes (at least 64 MiB) in 8 MiB blocks."""
-    size = max(size, 64 << 20)
-    block = os.urandom(8 << 20)
+def drop_from_page_cache(paths: list[Path]) -> None:
+    """Make the next read of these files come from the disk (they must be written and synced)."""
+    for path in paths:
+        if not path.is_file():
+            continue
+        with contextlib.suppress(OSError):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def disk_bandwidth(
+    folder: Path, size: int, *, floor: int = 64 << 20, block_bytes: int = 8 << 20, cold: bool = False
+) -> dict[str, float]:
+    """Sequential write+fsync and read of `size` bytes (at least `floor`) in `block_bytes` blocks; with
+    `cold`, the read comes from the disk (page cache dropped), not from memory."""
+    size = max(size, floor)
+    block = os.urandom(block_bytes)
     path = folder / "disk-bandwidth.bin"
     t0 = time.perf_counter()
-    with open(path, "wb") as f:
+    with open(path, "wb", buffering=0) as f:
         written = 0
         while written < size:
-            f.write(block)
-            written += len(block)
-        f.flush()
+            written += f.write(block)
         os.fsync(f.fileno())
     write_s = time.perf_counter() - t0
+    if cold:
+        drop_from_page_cache([path])
     t0 = time.perf_counter()
-    with open(path, "rb") as f:
-        while f.read(8 << 20):
+    with open(path, "rb", buffering=0) as f:
+        while f.read(block_bytes):
             pass
     read_s = time.perf_counter() - t0
     path.unlink()

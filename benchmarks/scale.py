@@ -41,9 +41,9 @@ from benchmarks.common import (
     ratio,
     run_peer,
 )
+from benchmarks.reshard import drop_from_page_cache
 from benchmarks.scale_parts import (
     cold_disk_bandwidth,
-    drop_from_page_cache,
     elastictrain_recovery,
     memory_modes,
     steady_step_s,

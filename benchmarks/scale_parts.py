@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -11,49 +9,15 @@ from typing import Any
 from benchmarks import baselines
 from benchmarks.common import Workload, config_overrides, load, median, run_elastictrain
 from benchmarks.recovery import _elastictrain_outcome
+from benchmarks.reshard import disk_bandwidth
 from benchmarks.throughput import step_times
 
 MODES = ("none", "cpu", "nvme")
 
 
-def drop_from_page_cache(paths: list[Path]) -> None:
-    """Make the next read of these files come from the disk (they must be written and synced)."""
-    for path in paths:
-        if not path.is_file():
-            continue
-        with contextlib.suppress(OSError):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def cold_disk_bandwidth(folder: Path, size: int) -> dict[str, float]:
     """Sequential write + fsync, then a read from a dropped page cache, of `size` bytes (>= 256 MiB)."""
-    size = max(size, 256 << 20)
-    block = os.urandom(64 << 20)
-    path = folder / "disk-bandwidth.bin"
-    t0 = time.perf_counter()
-    with open(path, "wb", buffering=0) as f:
-        written = 0
-        while written < size:
-            written += f.write(block)
-        os.fsync(f.fileno())
-    write_s = time.perf_counter() - t0
-    drop_from_page_cache([path])
-    t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        while f.read(64 << 20):
-            pass
-    read_s = time.perf_counter() - t0
-    path.unlink()
-    return {
-        "bytes": written,
-        "write_fsync_bytes_per_s": written / write_s,
-        "read_bytes_per_s": written / read_s,
-    }
+    return disk_bandwidth(folder, size, floor=256 << 20, block_bytes=64 << 20, cold=True)
 
 
 def steady_step_s(records: list[dict[str, Any]], w: Workload) -> float:
