@@ -251,7 +251,7 @@ def memory_estimate(config: Any, world_size: int) -> Any:
 def check_memory_on_nodes(config: Any, timeout_s: float = 60.0) -> Any:
     """The per-rank estimate at scaling.min_workers (the largest share each rank holds); raises
     PreflightError when the alive worker nodes cannot hold min_workers such ranks in their memory."""
-    from elastictrain.core.memory import GIB, ranks_that_fit
+    from elastictrain.core.memory import GIB, memory_shortfall
 
     s = config.scaling
     estimate = memory_estimate(config, s.min_workers)
@@ -263,8 +263,8 @@ def check_memory_on_nodes(config: Any, timeout_s: float = 60.0) -> Any:
     if not known:
         return estimate
     slots = [_slots(n.get("Resources", {}), config) for n, _ in known]
-    fit = ranks_that_fit([mem for _, mem in known], slots, estimate.host_bytes)
-    if fit < s.min_workers:
+    fit = memory_shortfall([mem for _, mem in known], slots, estimate.host_bytes, s.min_workers)
+    if fit is not None:
         biggest = max(mem for _, mem in known)
         raise PreflightError(
             f"{estimate.describe()}; the worker nodes can hold {fit} such rank(s) in memory "

@@ -138,13 +138,15 @@ def test_killed_worker_and_lost_node_recover_from_memory_losing_at_most_one_step
         ray_cluster.add_node(num_cpus=1)  # leave the module's cluster as it was
     assert summary.status.value == "FINISHED", out
     starts = events(run_dir, "attempt_started")
-    assert [(s["world_size"], s["source"], s["step"]) for s in starts][1:3] == [
-        (2, "memory", 5),  # killed: shrink, from memory, nothing redone
-        (3, "memory", 8),  # grown from memory
-    ], out
+    shrink, grow = [(s["world_size"], s["source"], s["step"]) for s in starts][1:3]
+    # Killed right after step 5 was reported: its copy of step 5 may still have been on its way to
+    # the buddy, and then step 4 (complete everywhere) is loaded; at most the step in flight is lost.
+    assert shrink in ((2, "memory", 5), (2, "memory", 4)), out
+    assert grow == (3, "memory", 8), out  # grown from memory
     assert starts[0]["buddies_off_node"] is True
     recovered = events(run_dir, "recovered")
-    assert all(r["recovered_from"] == "memory" and r["steps_lost"] == 0 for r in recovered[:2]), recovered
+    assert recovered[0]["recovered_from"] == "memory" and recovered[0]["steps_lost"] == 5 - shrink[2]
+    assert (recovered[1]["recovered_from"], recovered[1]["steps_lost"]) == ("memory", 0), recovered
     failures = events(run_dir, "failure")
     assert failures[1]["kind"] in ("node_lost", "worker_died")  # a raylet's death can be seen either way
     node_decision = events(run_dir, "decision")[1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastictrain.core.memory import GIB, estimate_rank_memory, ranks_that_fit
+from elastictrain.core.memory import GIB, estimate_rank_memory, memory_shortfall, ranks_that_fit
 
 B = 1_000_000_000  # parameters
 
@@ -58,3 +58,13 @@ def test_ranks_that_fit_caps_each_node_by_its_slots_and_its_memory() -> None:
     assert ranks_that_fit([24 * GIB, 24 * GIB], [2, 8], 10 * GIB) == 4
     assert ranks_that_fit([24 * GIB], [1], 1 * GIB) == 1
     assert ranks_that_fit([8 * GIB], [4], 10 * GIB) == 0
+
+
+def test_too_few_slots_is_a_wait_for_capacity_not_a_memory_shortfall() -> None:
+    # Two one-CPU nodes with plenty of memory and min_workers=3: capacity may join later.
+    assert memory_shortfall([24 * GIB, 24 * GIB], [1, 1], 1 * GIB, wanted=3) is None
+    # Enough slots, not enough memory: that is what the run is refused for.
+    assert memory_shortfall([24 * GIB, 24 * GIB], [4, 4], 10 * GIB, wanted=5) == 4
+    # Slots and memory both short: memory alone would still allow only 1 of the 2 slots.
+    assert memory_shortfall([12 * GIB], [2], 10 * GIB, wanted=3) == 1
+    assert memory_shortfall([24 * GIB], [2], 1 * GIB, wanted=2) is None

@@ -112,3 +112,13 @@ def ranks_that_fit(node_memory_bytes: list[int], node_slots: list[int], per_rank
     return sum(
         min(slots, mem // per_rank_bytes) for mem, slots in zip(node_memory_bytes, node_slots, strict=True)
     )
+
+
+def memory_shortfall(
+    node_memory_bytes: list[int], node_slots: list[int], per_rank_bytes: int, wanted: int
+) -> int | None:
+    """The ranks the nodes can host when memory, not slots, keeps them under `wanted`; None otherwise.
+
+    Fewer slots than `wanted` is a wait for capacity (nodes may join), not a reason to refuse the run."""
+    fit = ranks_that_fit(node_memory_bytes, node_slots, per_rank_bytes)
+    return fit if fit < min(wanted, sum(node_slots)) else None
