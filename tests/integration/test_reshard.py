@@ -12,11 +12,13 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize("offload", ["none", "cpu", "nvme"])
-def test_reshard_2_to_3_to_2_and_2_to_1_preserves_weights_and_adam_moments(ray_local, tmp_path, offload):
+def test_reshard_2_to_3_to_2_and_2_to_1_preserves_weights_and_adam_moments(
+    probes: ProbeGroup, tmp_path, offload
+):
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     cfg = tiny_config(tmp_path / "run", *offload_overrides(offload, nvme))
-    workers = ProbeGroup(3)
+    workers = probes  # the module's 3 warm actors: each setup below is a new attempt on them
     try:
         workers.setup(cfg, 2)
         train_steps(workers, range(3))
@@ -38,5 +40,4 @@ def test_reshard_2_to_3_to_2_and_2_to_1_preserves_weights_and_adam_moments(ray_l
         assert json.loads((w1 / "manifest.json").read_text())["engine_state"]["optimizer_step"] == 3
         train_steps(workers, range(3, 4))
     finally:
-        workers.teardown()
-        workers.kill()
+        workers.teardown()  # leaves the attempt (and its NVMe swap files) before tmp_path goes
