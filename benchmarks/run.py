@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
             if name == "controller_scale":
                 result = mod.run(reps, args.smoke)
             elif name == "scale":
-                result = scale.run(w, scratch, reps, args.smoke, sizes=args.sizes, redo=args.redo)
+                result = scale.run(
+                    w, scratch, reps, args.smoke, sizes=args.sizes, redo=args.redo, results=args.results
+                )
             else:
                 result = mod.run(w, scratch, reps, args.smoke)
             path = result.write(args.results)

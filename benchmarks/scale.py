@@ -137,7 +137,10 @@ def measure_size(size: str, tmp: Path, smoke: bool) -> dict[str, Any]:
     log(f"cold start {out['cold_start']}")
     out["reshard"] = reshard_loads(w, tmp, save, frag_bytes)
     log(f"reshard {out['reshard']}")
-    out["recovery"] = elastictrain_recovery(w, tmp / "recovery")
+    try:
+        out["recovery"] = elastictrain_recovery(w, tmp / "recovery")
+    except RuntimeError as e:  # a run that failed is a finding of its own: recorded, the other parts go on
+        out["recovery"] = {"outcome": "failed", "error": str(e)[:2000]}
     log(f"recovery {out['recovery']}")
     out["memory"] = memory_modes(w, tmp / "memory", out["elastictrain"]["peak_rss_bytes"], smoke)
     log(f"memory {out['memory']}")
@@ -212,12 +215,24 @@ def reshard_loads(w: Workload, tmp: Path, save: dict[str, Any], frag_bytes: int)
 
 
 # ---------------------------------------------------------------- the run, the table, the plots
-def run(w: Workload, tmp: Path, reps: int, smoke: bool, sizes: str = "", redo: bool = False) -> Result:
+def run(
+    w: Workload,
+    tmp: Path,
+    reps: int,
+    smoke: bool,
+    sizes: str = "",
+    redo: bool = False,
+    results: Path | None = None,
+) -> Result:
+    """`results`: the folder of scale.json (--results): read to resume, written after each size."""
+    from benchmarks.common import RESULTS
+
+    results = results or RESULTS
     wanted = [s.strip() for s in sizes.split(",") if s.strip()] or (["30m"] if smoke else list(SIZES))
     unknown = [s for s in wanted if s not in SIZES]
     if unknown:
         raise ValueError(f"--sizes: unknown size(s) {unknown}; expected any of {', '.join(SIZES)}")
-    done = {} if smoke else previous_sizes()
+    done = {} if smoke else previous_sizes(results)
     for size in wanted:
         if size in done and not redo:
             print(f"  scale {size}: measured before ({done[size].get('time', '?')}); --redo to measure again")
@@ -226,23 +241,19 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool, sizes: str = "", redo: b
         measured["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         done[size] = measured
         if not smoke:
-            save_partial(done)  # a later run resumes after the last size finished
+            save_partial(done, results)  # a later run resumes after the last size finished
     return summarize(done, smoke)
 
 
-def previous_sizes() -> dict[str, Any]:
-    from benchmarks.common import RESULTS
-
-    path = RESULTS / "scale.json"
+def previous_sizes(results: Path) -> dict[str, Any]:
+    path = results / "scale.json"
     if not path.exists():
         return {}
     return {r["size"]: r for r in json.loads(path.read_text()).get("runs", [])}
 
 
-def save_partial(done: dict[str, Any]) -> None:
-    from benchmarks.common import RESULTS
-
-    summarize(done, False).write(RESULTS)
+def save_partial(done: dict[str, Any], results: Path) -> None:
+    summarize(done, False).write(results)
 
 
 def summarize(done: dict[str, Any], smoke: bool) -> Result:
@@ -290,6 +301,7 @@ def size_metrics(r: dict[str, Any]) -> dict[str, Any]:
         + (rs.get("universal_load_2_to_3_s") or math.nan),
         "recovery_s": r["recovery"].get("death_to_first_step_s"),
         "recovery_fixed_s": _fixed_part(r),
+        "recovery_error": r["recovery"].get("error"),
         "memory": r["memory"],
         "disk": disk,
     }
@@ -319,7 +331,14 @@ def size_targets(size: str, m: dict[str, Any]) -> list[Target]:
         Target(
             f"{size}: reshard 3->2 load / disk read bandwidth", m["reshard_3_to_2_vs_disk_read"], 0.5, ">="
         ),
-        Target(f"{size}: recovery, fixed part", m["recovery_fixed_s"], 3.0, "<=", unit="s"),
+        Target(
+            f"{size}: recovery, fixed part",
+            m["recovery_fixed_s"],
+            3.0,
+            "<=",
+            unit="s",
+            note=f"the run failed: {m['recovery_error'][:300]}" if m.get("recovery_error") else "",
+        ),
     ]
     for mode, mem in (m.get("memory") or {}).items():
         if isinstance(mem, dict) and mem.get("vs_bound") is not None:
