@@ -13,7 +13,6 @@ Ray made unimportable.
 
 from __future__ import annotations
 
-import socket
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -47,12 +46,6 @@ class LocalSummary:
     failures: int = 0
 
 
-def loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class LocalRun:
     """The controller's loop for one in-process worker: steps, committed checkpoints, run folder, MLflow."""
 
@@ -82,10 +75,8 @@ class LocalRun:
             return self._run()
 
     def _run(self) -> LocalSummary:
-        from elastictrain.config.deepspeed_config import build_deepspeed_config
-        from elastictrain.core.batch import plan_batch
+        from elastictrain.control.specs import single_rank_spec
         from elastictrain.worker.actor import TrainWorker
-        from elastictrain.worker.attempt import AttemptSpec
 
         cfg, recorder = self.cfg, self.recorder
         # Ray workers' output is not shown; here, DeepSpeed's per-micro-step deprecation notice would be.
@@ -104,22 +95,10 @@ class LocalRun:
         else:
             name = recorder.run_dir.read_info().name
             self.event("start", f"starting run {name} at step 0 (local, 1 worker)")
-        plan = plan_batch(cfg.training.global_batch_size, cfg.training.micro_batch_size, 1)
-        assert plan is not None  # any global batch splits at world size 1
         worker = TrainWorker("local", cfg.scaling.use_gpu)
-        spec = AttemptSpec(
-            attempt=1,
-            rank=0,
-            world_size=1,
-            master_addr="127.0.0.1",
-            master_port=loopback_port(),
-            backend="nccl" if cfg.scaling.use_gpu else "gloo",
-            plan=plan,
-            config=cfg,
-            ds_config=build_deepspeed_config(cfg, plan.micro_batch_size, plan.grad_accum_steps, 1),
-            checkpoint_dir=str(resume.path) if resume else None,
-            start_step=self.step,
-        )
+        checkpoint_dir = str(resume.path) if resume else None
+        spec = single_rank_spec(cfg, checkpoint_dir=checkpoint_dir, start_step=self.step)
+        plan = spec.plan
         recorder.reporter.start(self.step)
         recorder.begin(step=self.step, nothing_to_train=self.step >= cfg.training.max_steps)
         try:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 from typing import Any
 
 from elastictrain.config.deepspeed_config import build_deepspeed_config, for_rank
 from elastictrain.control.memory_recovery import MemoryLoad
-from elastictrain.core.batch import BatchPlan
+from elastictrain.core.batch import BatchPlan, plan_batch
 from elastictrain.worker.attempt import AttemptSpec, MemorySource
 
 
@@ -52,3 +53,29 @@ def attempt_specs(
         )
         for rank in range(size)
     ]
+
+
+def single_rank_spec(cfg: Any, *, checkpoint_dir: str | None, start_step: int) -> AttemptSpec:
+    """The one rank of a run in this process (`train --local`, `eval`): world size 1, a free loopback port."""
+    plan = plan_batch(cfg.training.global_batch_size, cfg.training.micro_batch_size, 1)
+    assert plan is not None  # any global batch splits at world size 1
+    return AttemptSpec(
+        attempt=1,
+        rank=0,
+        world_size=1,
+        master_addr="127.0.0.1",
+        master_port=loopback_port(),
+        backend="nccl" if cfg.scaling.use_gpu else "gloo",
+        plan=plan,
+        config=cfg,
+        ds_config=build_deepspeed_config(cfg, plan.micro_batch_size, plan.grad_accum_steps, 1),
+        checkpoint_dir=checkpoint_dir,
+        start_step=start_step,
+    )
+
+
+def loopback_port() -> int:
+    """A free port on 127.0.0.1 for the single rank's process group."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

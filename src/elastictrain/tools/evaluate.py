@@ -16,36 +16,18 @@ from elastictrain.config.eval_check import evaluates
 
 def evaluate_checkpoint(config: Any, checkpoint: Path) -> dict[str, float]:
     """Validation loss, perplexity, tokens and samples of `checkpoint` under the run's `config`."""
-    from elastictrain.config.deepspeed_config import build_deepspeed_config
-    from elastictrain.control.local import loopback_port
-    from elastictrain.core.batch import plan_batch
+    from elastictrain.control.specs import single_rank_spec
     from elastictrain.core.losses import eval_summary
     from elastictrain.worker.actor import TrainWorker
-    from elastictrain.worker.attempt import AttemptSpec
 
     if not evaluates(config):
         raise ValueError(
             "eval: this run has no validation set; give eval.steps (> 0) and eval.split or eval.data, "
             "e.g. `elastictrain eval RUN_DIR eval.steps=2` for a run that has eval.split"
         )
-    t = config.training
-    plan = plan_batch(t.global_batch_size, t.micro_batch_size, 1)
-    assert plan is not None  # any global batch splits at world size 1
     step = int(json.loads((checkpoint / "manifest.json").read_text())["step"])
     worker = TrainWorker("eval", config.scaling.use_gpu)
-    spec = AttemptSpec(
-        attempt=1,
-        rank=0,
-        world_size=1,
-        master_addr="127.0.0.1",
-        master_port=loopback_port(),
-        backend="nccl" if config.scaling.use_gpu else "gloo",
-        plan=plan,
-        config=config,
-        ds_config=build_deepspeed_config(config, plan.micro_batch_size, plan.grad_accum_steps, 1),
-        checkpoint_dir=str(checkpoint),
-        start_step=step,
-    )
+    spec = single_rank_spec(config, checkpoint_dir=str(checkpoint), start_step=step)
     try:
         worker.setup(spec)
         return {"step": float(step), **eval_summary([worker.evaluate(step)])}
