@@ -56,8 +56,16 @@ class ProbeGroup:
         self.actors = [cls.remote(f"probe-{i}", False) for i in range(size)]
         self.attempt = 0
 
-    def setup(self, config: Any, world_size: int, checkpoint_dir: str | None = None, step: int = 0) -> None:
-        """Join the first `world_size` actors into a fresh attempt, exactly as a run's workers join one."""
+    def setup(
+        self,
+        config: Any,
+        world_size: int,
+        checkpoint_dir: str | None = None,
+        step: int = 0,
+        snapshot_every: int = 0,
+    ) -> None:
+        """Join the first `world_size` actors into a fresh attempt, exactly as a run's workers join one
+        (in-memory snapshots every `snapshot_every` steps, no buddies)."""
         import ray
 
         from elastictrain.config.deepspeed_config import build_deepspeed_config
@@ -84,6 +92,7 @@ class ProbeGroup:
                 ds_config=ds_config,
                 checkpoint_dir=checkpoint_dir,
                 start_step=step,
+                snapshot_every=snapshot_every,
             )
             for rank in range(world_size)
         ]

@@ -41,3 +41,30 @@ def test_reshard_2_to_3_to_2_and_2_to_1_preserves_weights_and_adam_moments(
         train_steps(workers, range(3, 4))
     finally:
         workers.teardown()  # leaves the attempt (and its NVMe swap files) before tmp_path goes
+
+
+@pytest.mark.parametrize("max_mb", [None, 1.0])
+def test_in_memory_snapshots_are_kept_only_where_their_copies_fit_the_memory_budget(
+    probes: ProbeGroup, tmp_path, max_mb
+):
+    import ray
+
+    extra = [] if max_mb is None else [f"checkpoint.max_host_memory_mb={max_mb}"]
+    cfg = tiny_config(tmp_path / "run", *extra)
+    probes.setup(cfg, 2, snapshot_every=1)
+    try:
+        for step in range(3):
+            results = ray.get([a.train_step.remote(step, True) for a in probes.active], timeout=300)
+        held = [
+            [h for h in hs if h["attempt"] == probes.attempt]  # a worker keeps earlier attempts' too
+            for hs in ray.get([a.memory_holdings.remote() for a in probes.active], timeout=60)
+        ]
+    finally:
+        probes.teardown()
+    offs = [r["memory"]["off"] for r in results]
+    if max_mb is None:  # half the available memory: the tiny model's copies fit, the last two are held
+        assert offs == ["", ""]
+        assert [sorted(h["step"] for h in hs) for hs in held] == [[2, 3], [2, 3]]
+    else:  # 1 MiB: the first copy measured the slice, was dropped, and nothing is held or copied again
+        assert all("in-memory snapshots need" in o and "1 MiB checkpointing may use" in o for o in offs)
+        assert held == [[], []]

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import itertools
 
-from elastictrain.core.memory_snapshots import Held, assign_buddies, choose_memory_snapshot, off_node
+from elastictrain.core.memory_snapshots import (
+    MAX_INTERVAL,
+    SLICES_HELD,
+    Held,
+    assign_buddies,
+    choose_memory_snapshot,
+    off_node,
+    snapshot_interval,
+    snapshots_unaffordable,
+)
 
 
 def test_every_buddy_is_on_another_node_while_no_node_holds_more_than_half_the_ranks():
@@ -98,3 +107,23 @@ def test_buddy_assignment_is_a_permutation_for_every_small_layout():
             assert sorted(buddies) == list(range(n))  # type: ignore[type-var]
             if max(nodes.count("a"), nodes.count("b")) * 2 <= n:
                 assert off_node(list(nodes), buddies), nodes
+
+
+def test_snapshots_are_spaced_out_until_they_cost_at_most_the_allowed_share():
+    # A snapshot costing 0.3 s against 3 s steps is 10% of every step: 4 steps apart it is 2.5%.
+    assert snapshot_interval(0.3, 3.0, every=1, max_share=0.03) == 4
+    assert snapshot_interval(0.01, 3.0, every=1, max_share=0.03) == 1  # cheap: every step
+    assert snapshot_interval(0.01, 3.0, every=5, max_share=0.03) == 5  # never more often than asked
+    assert snapshot_interval(0.3, 3.0, every=1, max_share=0.0) == 1  # the rule off: as asked
+    assert snapshot_interval(0.3, 3.0, every=0, max_share=0.03) == 0  # snapshots off stay off
+    assert snapshot_interval(0.0, 3.0, every=2, max_share=0.03) == 2  # nothing measured yet
+    assert snapshot_interval(1e6, 1e-3, every=1, max_share=0.03) == MAX_INTERVAL
+
+
+def test_snapshots_that_would_not_fit_the_memory_budget_are_refused_with_the_numbers():
+    slice_bytes = 100 * 2**20
+    assert snapshots_unaffordable(slice_bytes, SLICES_HELD * slice_bytes) is None
+    why = snapshots_unaffordable(slice_bytes, 500 * 2**20)
+    assert why is not None
+    assert f"{SLICES_HELD * 100} MiB" in why and "100 MiB slice" in why and "500 MiB" in why
+    assert "checkpoint.max_host_memory_mb" in why

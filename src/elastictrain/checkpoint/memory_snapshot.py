@@ -22,8 +22,7 @@ from typing import Any
 import torch
 
 from elastictrain.checkpoint.zero_state import Fragment, FragmentReader
-
-KEEP = 2  # complete snapshots kept per kind (own, replicas)
+from elastictrain.core.memory_snapshots import KEEP
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,7 @@ class FakeGroup:
         self._warmup_error = ""  # every warm-up raises this (e.g. a data config error)
         self.eval_loss_at: dict[int, float] = {}  # steps trained -> validation loss (default 1/steps)
         self._broken_attempts: set[int] = set()  # attempts one of whose workers died
+        self.memory_report: dict[str, Any] = {}  # every step's `memory` report ({"off": why}: no copies)
 
     def _died(self, w: FakeWorker) -> None:
         w.dead = True
@@ -303,7 +304,7 @@ class FakeGroup:
         w.spec, w.step, w.writer = spec, spec.start_step, None
         return {"total_s": 0.0, "load_s": 0.0}
 
-    def _train_step(self, w: FakeWorker, step: int) -> dict[str, Any]:
+    def _train_step(self, w: FakeWorker, step: int, snapshot: bool | None = None) -> dict[str, Any]:
         rank = w.spec.rank
         if self._take("die", rank, step):
             raise _Died
@@ -318,8 +319,10 @@ class FakeGroup:
         if w.writer is not None:
             w.writer.finish()  # a background write ends while the next step runs
         w.step = step + 1
-        self._snapshot(w, step + 1)
+        if snapshot and not self.memory_report.get("off"):
+            self._snapshot(w, step + 1)
         return {
+            "memory": dict(self.memory_report),
             "step": step,
             "rank": rank,
             "loss": 10.0 / (step + 1),
@@ -376,8 +379,8 @@ class FakeGroup:
         return write.report()
 
     def _snapshot(self, w: FakeWorker, steps_done: int) -> None:
-        every = getattr(w.spec, "snapshot_every", 0)
-        if not every or steps_done % every or self._take("copy_unfinished", w.spec.rank, steps_done):
+        # The controller marks the steps (control/snapshot_schedule.py); a rank copies only when on.
+        if not getattr(w.spec, "snapshot_every", 0) or self._take("copy_unfinished", w.spec.rank, steps_done):
             return
         key = {"attempt": w.spec.attempt, "world_size": w.spec.world_size, "rank": w.spec.rank}
         w.own = [*w.own, {**key, "step": steps_done, "own": True}][-2:]

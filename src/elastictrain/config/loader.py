@@ -263,6 +263,11 @@ def validate(config: Config) -> Config:
     if ck.max_host_memory_mb is not None:
         _at_least(p, "checkpoint.max_host_memory_mb", ck.max_host_memory_mb, 0)
     _at_least(p, "checkpoint.memory_every_steps", ck.memory_every_steps, 0)
+    if not 0 <= ck.memory_max_step_share < 1:
+        p.append(
+            f"checkpoint.memory_max_step_share: got {ck.memory_max_step_share}; expected a share of step "
+            "time >= 0 and < 1 (0.03: snapshots cost at most 3%; 0: every checkpoint.memory_every_steps)"
+        )
     _at_least(p, "failure.max_failures", f.max_failures, 0)
     _at_least(p, "failure.hang_timeout_s", f.hang_timeout_s, 0, strict=True)
     _at_least(p, "failure.collective_timeout_s", f.collective_timeout_s, 0, strict=True)

@@ -139,10 +139,14 @@ class CheckpointConfig:
     # the live state instead (training waits for the write; nothing is copied). null: half the memory
     # available at save time, split between the node's ranks.
     max_host_memory_mb: float | None = None
-    # Each rank copies its slice of the state to host memory after every this many steps (0: never),
-    # and a buddy worker on another node holds a replica: a failure then restarts from memory, losing
-    # at most the step in flight, and disk checkpoints stay for resuming after the driver is lost.
+    # Each rank copies its slice of the state to host memory after every this many steps at most often
+    # (0: never), and a buddy worker on another node holds a replica: a failure then restarts from memory,
+    # losing the steps since that copy, and disk checkpoints stay for resuming after the driver is lost.
     memory_every_steps: int = 1
+    # The share of training time the copies and replicas may cost: the controller measures them and spaces
+    # the snapshots out (the same steps on every rank) until they cost no more. 0: every memory_every_steps.
+    # They are also turned off where their copies would not fit in max_host_memory_mb.
+    memory_max_step_share: float = 0.03
 
 
 @dataclass

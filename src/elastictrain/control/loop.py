@@ -78,7 +78,9 @@ class Controller:
         self.pipeline = StepPipeline(
             config, group, self.recorder, self.saves, self.capacity, after_step=self._after_step, clock=clock
         )
-        self.memory = MemoryRecovery(config, group)  # in-memory snapshots: buddies, and loading from them
+        self.memory = MemoryRecovery(
+            config, group, self.pipeline.snapshots
+        )  # in-memory snapshots: buddies, and loading from them
         self.attempt = 0
         self.failure_history: list[Failure] = []  # what recurs unchanged after a restart is not retried
         self.plan: BatchPlan | None = None

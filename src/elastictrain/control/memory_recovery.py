@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastictrain.cluster.calls import Group
+from elastictrain.control.snapshot_schedule import SnapshotSchedule
 from elastictrain.core.memory_snapshots import Held, MemoryChoice, MemoryPlan, assign_buddies, off_node
 
 HOLDINGS_TIMEOUT_S = 10.0
@@ -28,9 +29,10 @@ class MemoryLoad:
 
 
 class MemoryRecovery:
-    def __init__(self, config: Any, group: Group) -> None:
+    def __init__(self, config: Any, group: Group, schedule: SnapshotSchedule | None = None) -> None:
         self.every = int(config.checkpoint.memory_every_steps)
         self.group = group
+        self.schedule = schedule  # says when the workers found their snapshots would not fit
         self.choice: MemoryChoice | None = None  # the last decision, until an attempt uses it
 
     def buddies(self, active: Sequence[Any]) -> tuple[list[int | None], bool]:
@@ -53,7 +55,10 @@ class MemoryRecovery:
             self.group.call(workers, "memory_holdings", control=True), HOLDINGS_TIMEOUT_S
         )
         held = [Held(worker_id=wid, **h) for wid, r in replies.items() if r.ok for h in r.value]
-        self.choice = choose_memory_snapshot(held, max_step=max_step, disk_step=disk_step)
+        choice = choose_memory_snapshot(held, max_step=max_step, disk_step=disk_step)
+        if choice.plan is None and self.schedule is not None and self.schedule.off:
+            choice = MemoryChoice(None, self.schedule.off)
+        self.choice = choice
         return self.choice
 
     def take(self) -> MemoryLoad | None:

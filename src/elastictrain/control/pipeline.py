@@ -15,6 +15,7 @@ from elastictrain.control.evaluation import Evaluations
 from elastictrain.control.failures import gather_results
 from elastictrain.control.record import RunRecorder
 from elastictrain.control.saves import QueuedSave, SaveCoordinator
+from elastictrain.control.snapshot_schedule import SnapshotSchedule
 from elastictrain.core.losses import step_loss
 
 PIPELINE_DEPTH = 2  # steps queued per actor, so no rank idles while the driver reads results
@@ -40,6 +41,7 @@ class StepPipeline:
         self.recorder = recorder
         self.saves = saves
         self.capacity = capacity
+        self.snapshots = SnapshotSchedule(config)  # which steps the ranks copy to host memory
         self.after_step = after_step
         self.clock = clock
         self.step = 0  # optimizer steps done (and reported)
@@ -58,6 +60,7 @@ class StepPipeline:
         self.world_size = len(self.workers)
         self.step = step
         self.evals.forget()
+        self.snapshots.start_attempt()
 
     def run_segment(self, end: int, ahead: Ahead, *, resize_may_follow: bool) -> tuple[QueuedSave, Ahead]:
         """Steps up to `end`, then the checkpoint's snapshot, queued on each actor behind the last step.
@@ -96,7 +99,7 @@ class StepPipeline:
         self.last_step_done_at = self.clock()
 
     def _submit(self, step: int) -> Calls:
-        calls = self.group.call(self.workers, "train_step", step)
+        calls = self.group.call(self.workers, "train_step", step, self.snapshots.due(step + 1))
         self.evals.submit(self.group, self.workers, step)  # queued behind the step on every rank
         return calls
 
@@ -118,6 +121,10 @@ class StepPipeline:
             "tokens_per_s": gbs * self.cfg.data.seq_len / wall if wall > 0 else 0.0,
             "world_size": float(self.world_size),
         }
+        changed = self.snapshots.observe(results, wall)
+        if changed:
+            s = self.snapshots
+            self.recorder.event("snapshots", changed, step=self.step, interval=s.interval, off=s.off)
         if self.recovering_since is not None:
             metrics["recovery_seconds"] = now - self.recovering_since
             metrics["steps_lost"] = float(self.lost_steps)

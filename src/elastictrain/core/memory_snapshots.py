@@ -8,9 +8,17 @@ has its slice at that step on some survivor. Decisions over names and numbers on
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+KEEP = 2  # complete snapshots a worker keeps of its own rank, and of the rank whose buddy it is
+# Copies of one rank's slice a worker may hold at once: KEEP own and the one being copied, KEEP
+# replicas and the one arriving (plus its transfer buffer in the node's object store), and the
+# disk checkpoint's own snapshot while its file is written in the background.
+SLICES_HELD = 2 * KEEP + 4
+MAX_INTERVAL = 1000  # steps: snapshots this rare are not worth their memory; the cost rule stops here
 
 
 @dataclass(frozen=True)
@@ -118,4 +126,30 @@ def _why_incomplete(by_world: dict[tuple[int, int], dict[int, dict[int, str]]]) 
     return (
         f"rank(s) {lost} of world size {world} have no in-memory snapshot on any survivor "
         "(the rank and its buddy were both lost)"
+    )
+
+
+def snapshot_interval(cost_s: float, step_s: float, *, every: int, max_share: float) -> int:
+    """Steps between in-memory snapshots (0: none): at least `every`, and far enough apart that one
+    snapshot's cost (its copy and replication, `cost_s`) stays within `max_share` of the training time
+    between two of them (`step_s` a step). `max_share` 0 keeps `every` whatever the cost."""
+    if every <= 0:
+        return 0
+    if max_share <= 0 or cost_s <= 0 or step_s <= 0:
+        return every
+    return max(every, min(MAX_INTERVAL, math.ceil(cost_s / (max_share * step_s))))
+
+
+def snapshots_unaffordable(slice_bytes: int, budget_bytes: float) -> str | None:
+    """Why a worker must not keep in-memory snapshots of a slice this large, or None when it may.
+
+    A worker holds up to SLICES_HELD copies of a slice (see above); together they must fit in the host
+    memory checkpointing may use on its node (`checkpoint.max_host_memory_mb`, or its automatic share)."""
+    need = SLICES_HELD * slice_bytes
+    if need <= budget_bytes:
+        return None
+    return (
+        f"in-memory snapshots need {need / 2**20:.0f} MiB per rank ({SLICES_HELD} copies of a "
+        f"{slice_bytes / 2**20:.0f} MiB slice), over the {budget_bytes / 2**20:.0f} MiB checkpointing may "
+        "use (checkpoint.max_host_memory_mb; unset: half the available memory split between the node's ranks)"
     )

@@ -204,8 +204,15 @@ class TrainWorker(SnapshotPeer):
             self._load(as_path(spec.checkpoint_dir))
         timings["load_s"] = time.perf_counter() - t2
         swapped = bool(nvme_paths(spec.ds_config))  # NVMe-swapped state: copied inline (worker/memory.py)
+        max_mb = cfg.checkpoint.max_host_memory_mb
         self.memory.attach(
-            spec.attempt, spec.world_size, spec.rank, spec.snapshot_every, spec.buddy, inline=swapped
+            spec.attempt,
+            spec.world_size,
+            spec.rank,
+            spec.snapshot_every,
+            spec.buddy,
+            inline=swapped,
+            budget=lambda: snapshot_budget_bytes(max_mb, spec.ranks_on_node),
         )
         self.engine.global_steps = spec.start_step
         self._set_mark("ready", spec.start_step)
@@ -242,15 +249,16 @@ class TrainWorker(SnapshotPeer):
         reader = FragmentReader(files)
         load_local_state(self.engine, reader, manifest.get("engine_state", {}))
 
-    def train_step(self, step: int) -> dict[str, Any]:
-        """One optimizer step: `grad_accum_steps` micro-batches of this rank's share of the global batch."""
+    def train_step(self, step: int, snapshot: bool | None = None) -> dict[str, Any]:
+        """One optimizer step: `grad_accum_steps` micro-batches of this rank's share of the global batch;
+        then, if `snapshot` (the controller's mark), the in-memory snapshot of the state after it."""
         assert self.spec is not None and self.engine is not None, "train_step before setup"
         waited = time.time() - self._idle_since
         try:
             result = self._train_step(step)
             result["waited_s"] = waited  # idle before this step: after a save, part of its pause
             result["memory"] = self.memory.report()
-            self.memory.after_step(self.engine, step + 1)
+            self.memory.after_step(self.engine, step + 1, snapshot)
             self._idle_since = time.time()
             return result
         except Exception as e:  # noqa: BLE001 - re-raised below, after the attempt is released

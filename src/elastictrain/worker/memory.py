@@ -1,11 +1,15 @@
 """The worker's side of in-memory snapshots: take them, replicate them to the buddy, serve and load them.
 
-After every `checkpoint.memory_every_steps`-th step the rank copies its slice of the state to host
-memory in a thread while the next step's forward and backward run; the next optimizer update waits
+After each step the controller marks (the same steps on every rank: `checkpoint.memory_every_steps`
+spaced out to cost at most `checkpoint.memory_max_step_share`) the rank copies its slice of the state
+to host memory in a thread while the next step's forward and backward run; the next optimizer update waits
 for the copy (`before_update`), so the copy always sees the state of one step. The finished copy is
 then sent to the buddy (another worker, on another node when there is one) with an actor call that
 runs in the buddy's `replica` concurrency group, beside its own training. With the optimizer state on
 NVMe the copy runs inline: swapping in from a second thread would race the step's own swapping.
+The first copy of an attempt also measures the slice: where the copies a worker may hold would not fit
+in the host memory checkpointing may use, it is dropped and snapshots stay off for the attempt, said
+in every step's report (the controller then recovers from disk and says why).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from elastictrain.checkpoint.memory_snapshot import (
     SnapshotStore,
     keys_to_fetch,
 )
+from elastictrain.core.memory_snapshots import snapshots_unaffordable
 from elastictrain.worker.attempt import MemorySource
 
 REPLICA_GROUP = "replica"  # the actors' concurrency group for replicas and serving snapshots
@@ -39,20 +44,38 @@ class WorkerMemory:
         self._inline = False
         self._buddy: Any = None
         self._identity: tuple[int, int, int] = (0, 0, 0)  # attempt, world size, rank
+        self._budget: Callable[[], float] = lambda: float("inf")
+        self._checked = False  # whether this attempt's slice was measured against the budget
+        self.off = ""  # why snapshots are off for this attempt (too large for the budget), or ""
         self.delay_s = 0.0  # tests: a slow copy, to fail in the middle of one
         self.last_copy_s = 0.0
         self.last_replicate_s = 0.0
         self.error = ""
 
     # -- in an attempt --
-    def attach(self, attempt: int, world_size: int, rank: int, every: int, buddy: Any, inline: bool) -> None:
+    def attach(
+        self,
+        attempt: int,
+        world_size: int,
+        rank: int,
+        every: int,
+        buddy: Any,
+        inline: bool,
+        budget: Callable[[], float] | None = None,
+    ) -> None:
+        """Join an attempt; `budget()` is the host memory (bytes) this rank's snapshots may take."""
         self.before_update()
         self._identity = (attempt, world_size, rank)
         self._every, self._buddy, self._inline = every, buddy, inline
+        self._budget = budget or (lambda: float("inf"))
+        self._checked, self.off = False, ""
 
-    def after_step(self, engine: Any, steps_done: int) -> None:
-        """The state after `steps_done` steps is final: copy it (in a thread unless inline)."""
-        if self._every <= 0 or steps_done % self._every:
+    def after_step(self, engine: Any, steps_done: int, due: bool | None = None) -> None:
+        """The state after `steps_done` steps is final: copy it (in a thread unless inline) when `due`
+        (the controller's mark; None: every `every` steps, for callers without a controller)."""
+        if due is None:
+            due = self._every > 0 and steps_done % self._every == 0
+        if not due or self._every <= 0 or self.off:
             return
         self.wait()  # one copy and one replication at a time
         key = SnapshotKey(*self._identity, steps_done)
@@ -80,10 +103,16 @@ class WorkerMemory:
 
         try:
             t0 = time.perf_counter()
+            budget = None if self._checked else self._budget()  # before the copy takes its share
             if self.delay_s:
                 time.sleep(self.delay_s)
             tensors, fragments, scalars = snapshot_local_state(engine)
             snap = Snapshot(key, tensors, fragments, scalars, copy_s=time.perf_counter() - t0)
+            if budget is not None:
+                self._checked = True
+                self.off = snapshots_unaffordable(snap.nbytes, budget) or ""
+                if self.off:
+                    return  # dropped: no copy is kept or replicated in this attempt
             self.last_copy_s = snap.copy_s
             self.store.add_own(snap)  # complete: only now may it stand for this rank
         except Exception as e:  # noqa: BLE001 - a failed copy leaves the last complete one in place
@@ -110,6 +139,7 @@ class WorkerMemory:
             "copy_s": self.last_copy_s,
             "replicate_s": self.last_replicate_s,
             "held_bytes": self.store.nbytes(),
+            "off": self.off,
         }
 
     # -- served to peers (the replica concurrency group) --

@@ -1,0 +1,78 @@
+"""The controller's schedule of in-memory snapshots: the same steps on every rank, spaced by cost."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loop_harness import make_run
+from omegaconf import OmegaConf
+
+from elastictrain.control.snapshot_schedule import SnapshotSchedule
+
+
+def _schedule(every: int = 1, share: float = 0.03) -> SnapshotSchedule:
+    cfg = OmegaConf.create({"checkpoint": {"memory_every_steps": every, "memory_max_step_share": share}})
+    return SnapshotSchedule(cfg)
+
+
+def _reports(copy_s: float, replicate_s: float, ranks: int = 2) -> list[dict]:
+    return [{"memory": {"copy_s": copy_s, "replicate_s": replicate_s, "off": ""}} for _ in range(ranks)]
+
+
+def test_costly_snapshots_are_spaced_out_and_marked_on_multiples_of_the_interval():
+    s = _schedule()
+    assert [s.due(n) for n in range(1, 5)] == [True] * 4
+    message = s.observe(_reports(0.2, 0.1), step_s=3.0)  # 0.3 s a snapshot, 3 s a step: 10%
+    assert s.interval == 4 and message is not None and "every 4 step(s) (was 1)" in message
+    assert [n for n in range(1, 13) if s.due(n)] == [4, 8, 12]
+
+
+def test_the_interval_shrinks_only_when_half_of_it_would_do():
+    s = _schedule()
+    s.observe(_reports(0.2, 0.1), step_s=3.0)
+    assert s.interval == 4
+    assert s.observe(_reports(0.15, 0.1), step_s=3.0) is None  # a little cheaper: 4 stays
+    assert s.interval == 4
+    for _ in range(20):
+        s.observe(_reports(0.01, 0.01 + 1e-4 * _), step_s=3.0)
+    assert s.interval == 1
+
+
+def test_a_report_without_a_new_snapshot_changes_nothing():
+    s = _schedule()
+    s.observe(_reports(0.2, 0.1), step_s=3.0)
+    cost = s.cost_s
+    s.observe(_reports(0.2, 0.1), step_s=3.0)  # the same snapshot's figures again
+    assert s.cost_s == cost
+
+
+def test_a_rank_whose_copies_do_not_fit_turns_snapshots_off_until_the_next_attempt():
+    s = _schedule()
+    reports = _reports(0.1, 0.1)
+    reports[1]["memory"]["off"] = "in-memory snapshots need 800 MiB per rank"
+    message = s.observe(reports, step_s=3.0)
+    assert message is not None and "off until the next restart" in message and "800 MiB" in message
+    assert not any(s.due(n) for n in range(1, 10))
+    s.start_attempt()
+    assert s.due(1)
+
+
+def test_with_the_cost_rule_off_or_snapshots_off_the_interval_is_as_configured():
+    fixed = _schedule(every=2, share=0.0)
+    fixed.observe(_reports(5.0, 5.0), step_s=1.0)
+    assert fixed.interval == 2 and [n for n in range(1, 7) if fixed.due(n)] == [2, 4, 6]
+    off = _schedule(every=0)
+    assert off.observe(_reports(0.1, 0.1), step_s=1.0) is None and not any(off.due(n) for n in range(5))
+
+
+def test_snapshots_off_for_lack_of_memory_recover_from_disk_and_say_why(tmp_path: Path):
+    r = make_run(tmp_path, "scaling.min_workers=1")
+    r.group.memory_report = {"off": "in-memory snapshots need 900 MiB per rank (8 copies of a 112 MiB slice)"}
+    r.group.die_at_step(rank=1, step=6)
+    summary = r.run()
+    assert summary.status.value == "FINISHED"
+    assert all(not w.own and not w.replicas for w in r.group.workers)
+    said = r.events("snapshots")
+    assert said and "off until the next restart" in said[0]["message"] and said[0]["off"]
+    (decision,) = r.events("decision")
+    assert decision["recovered_from"] == "disk" and "900 MiB per rank" in decision["memory"]
