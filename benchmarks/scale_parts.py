@@ -57,7 +57,8 @@ def elastictrain_recovery(w: Workload, tmp: Path) -> dict[str, Any]:
 def memory_modes(w: Workload, tmp: Path, preset_peak: int | None, smoke: bool) -> dict[str, Any]:
     """Peak resident memory per rank for each offload, against core.memory's estimate.
 
-    Checkpoints are streamed (`checkpoint.max_host_memory_mb=0`), so the peak is training's own; a
+    Checkpoints are streamed and in-memory snapshots off (`checkpoint.max_host_memory_mb=0` does both),
+    so the peak is training's own (the snapshots' memory is the memory_recovery benchmark's); a
     configuration elastictrain's preflight refuses is recorded with its message, not run.
     """
     from elastictrain.preflight import PreflightError, check_memory_on_nodes

@@ -245,6 +245,7 @@ def memory_estimate(config: Any, world_size: int) -> Any:
         offload_param=ds.offload_param,
         use_gpu=config.scaling.use_gpu,
         swap_buffer_bytes=swap,
+        memory_snapshots=config.checkpoint.memory_every_steps > 0,
     )
 
 

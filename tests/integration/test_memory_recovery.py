@@ -37,6 +37,8 @@ def config(path: Path, *overrides: str):  # noqa: ANN201
         "scaling.max_workers=3",
         f"training.max_steps={STEPS}",
         f"checkpoint.every_steps={EVERY}",
+        # A snapshot every step whatever it costs on this machine: the losses asserted below assume it.
+        "checkpoint.memory_max_step_share=0",
         *overrides,
     )
 
@@ -103,13 +105,17 @@ def events(run_dir: Any, name: str) -> list[dict[str, Any]]:
     return [e for e in run_dir.read_events() if e["event"] == name]
 
 
-def survivors_all_replaced(run_dir: Any, failure: dict[str, Any], survivors: int) -> bool:
-    """Whether every survivor of this failure was replaced for not leaving its attempt in time."""
+def survivors_replaced(run_dir: Any, failure: dict[str, Any]) -> int:
+    """How many survivors of this failure were replaced for not leaving its attempt in time."""
     after = [
         e for e in run_dir.read_events() if e["event"] == "worker_replaced" and e["time"] >= failure["time"]
     ]
     decision = next(e for e in events(run_dir, "decision") if e["time"] >= failure["time"])
-    return len([e for e in after if e["time"] <= decision["time"]]) >= survivors
+    return len([e for e in after if e["time"] <= decision["time"]])
+
+
+def survivors_all_replaced(run_dir: Any, failure: dict[str, Any], survivors: int) -> bool:
+    return survivors_replaced(run_dir, failure) >= survivors
 
 
 def test_killed_worker_and_lost_node_recover_from_memory_losing_at_most_one_step(
@@ -150,17 +156,18 @@ def test_killed_worker_and_lost_node_recover_from_memory_losing_at_most_one_step
     failures = events(run_dir, "failure")
     assert failures[1]["kind"] in ("node_lost", "worker_died")  # a raylet's death can be seen either way
     node_decision = events(run_dir, "decision")[1]
-    if survivors_all_replaced(run_dir, failures[1], survivors=2):
+    replaced = survivors_replaced(run_dir, failures[1])
+    if replaced >= 2:
         # The gloo limit (README): both survivors stayed blocked past the teardown timeout and were
         # replaced, taking their snapshots along; said, and the disk checkpoint is used.
         assert node_decision["recovered_from"] == "disk" and "no survivor holds" in node_decision["memory"]
     else:
         # The node went right after step 10 was reported: its rank's copy of step 10 may still have been
         # on its way to the buddy, and then step 9 (complete everywhere) is loaded; one step lost at most.
-        assert (starts[3]["world_size"], starts[3]["source"]) == (2, "memory") and starts[3]["step"] in (
-            9,
-            10,
-        )
+        # A survivor replaced for being stuck (one of two) first handed its snapshots to the other, whose
+        # slot is then the only one ready: the run goes on at world size 1, still from memory.
+        assert (starts[3]["world_size"], starts[3]["source"]) == (2 - replaced, "memory"), starts[3]
+        assert starts[3]["step"] in (9, 10)
         assert recovered[2]["recovered_from"] == "memory" and recovered[2]["steps_lost"] <= 1
         # The lost node's rank had its slice served by its buddy, another worker on another node.
         assert node_decision["recovered_from"] == "memory"

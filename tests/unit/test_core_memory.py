@@ -68,3 +68,12 @@ def test_too_few_slots_is_a_wait_for_capacity_not_a_memory_shortfall() -> None:
     # Slots and memory both short: memory alone would still allow only 1 of the 2 slots.
     assert memory_shortfall([12 * GIB], [2], 10 * GIB, wanted=3) == 1
     assert memory_shortfall([24 * GIB], [2], 1 * GIB, wanted=2) is None
+
+
+def test_in_memory_snapshots_are_counted_apart_as_copies_of_the_ranks_slice() -> None:
+    from elastictrain.core.memory_snapshots import SLICES_HELD
+
+    off, on = _est(), _est(memory_snapshots=True)
+    assert off.snapshot_bytes == 0 and on.host_bytes == off.host_bytes  # optional: never a refusal
+    assert on.snapshot_bytes == SLICES_HELD * 12 * B // 2  # fp32 weights + 2 moments, over 2 ranks
+    assert "in-memory snapshots up to" in on.describe() and "in-memory" not in off.describe()

@@ -11,7 +11,15 @@ from elastictrain.control.snapshot_schedule import SnapshotSchedule
 
 
 def _schedule(every: int = 1, share: float = 0.03) -> SnapshotSchedule:
-    cfg = OmegaConf.create({"checkpoint": {"memory_every_steps": every, "memory_max_step_share": share}})
+    cfg = OmegaConf.create(
+        {
+            "checkpoint": {
+                "memory_every_steps": every,
+                "memory_max_step_share": share,
+                "background_write": True,
+            }
+        }
+    )
     return SnapshotSchedule(cfg)
 
 
@@ -76,3 +84,11 @@ def test_snapshots_off_for_lack_of_memory_recover_from_disk_and_say_why(tmp_path
     assert said and "off until the next restart" in said[0]["message"] and said[0]["off"]
     (decision,) = r.events("decision")
     assert decision["recovered_from"] == "disk" and "900 MiB per rank" in decision["memory"]
+
+
+def test_a_checkpoint_step_is_always_copied_so_that_its_save_writes_that_copy():
+    s = _schedule()
+    s.observe(_reports(0.2, 0.1), step_s=3.0)  # every 4 steps
+    assert not s.due(6) and s.due(6, checkpoint=True)
+    s.off = "too large"
+    assert not s.due(6, checkpoint=True)  # no copies at all: the save makes its own

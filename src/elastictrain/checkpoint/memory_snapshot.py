@@ -40,6 +40,7 @@ class Snapshot:
     fragments: dict[str, Fragment]
     scalars: dict[str, Any]
     copy_s: float = 0.0
+    raw: Any = None  # checkpoint/rank_snapshot.Snapshot the tensors view (own copies: a checkpoint writes it)
 
     @property
     def nbytes(self) -> int:

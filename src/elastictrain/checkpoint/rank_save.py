@@ -5,9 +5,17 @@ Shared by the worker actor (worker/actor.py) and the benchmarks, so both run the
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from elastictrain.checkpoint.rank_snapshot import RankFilePlan, Walked, stream_chunks, take_snapshot
+from elastictrain.checkpoint.rank_snapshot import (
+    RankFilePlan,
+    Snapshot,
+    Walked,
+    scalars_now,
+    stream_chunks,
+    take_snapshot,
+)
 from elastictrain.checkpoint.writer import ShardWrite
 from elastictrain.checkpoint.zero_state import fragments_of, rank_file
 from elastictrain.storage import AnyPath, as_path
@@ -22,10 +30,13 @@ def prepare_rank_write(
     snapshot: bool,
     max_snapshot_bytes: float = float("inf"),
     delay_s: float = 0.0,
+    held: tuple[Callable[[], Snapshot | None], dict[str, Any] | None] | None = None,
 ) -> tuple[ShardWrite, dict[str, Any]]:
     """With `snapshot`, copy the state to host memory (when it fits `max_snapshot_bytes`) and return
     a write not yet started: the caller runs it now or in a thread. Otherwise, or when it does not fit,
     stream the file from the live state before returning (the write is done, or holds its error).
+    With `held` (the in-memory snapshot of this very state, being copied or done: a function that waits
+    for it, and its scalars if known) and `snapshot`, nothing is copied: the write waits for that copy.
 
     Returns the write and {"name", "engine_state" (the scalars), "mode": "snapshot" | "streamed"}.
     """
@@ -33,6 +44,19 @@ def prepare_rank_write(
 
     def metadata_for(plan: RankFilePlan) -> dict[str, str]:
         return rank_file(rank, world_size, fragments_of(plan.pieces))[1]
+
+    if snapshot and held is not None:
+        ready, scalars = held
+
+        def from_memory() -> Iterator[Any]:
+            snap = ready()
+            if snap is None:
+                raise RuntimeError("the in-memory copy of this step failed: no state to write")
+            yield from snap.chunks(metadata_for(snap.plan))
+
+        write = ShardWrite(path, from_memory, delay_s=delay_s)
+        engine_state = scalars if scalars is not None else scalars_now(engine)
+        return write, {"name": path.name, "engine_state": engine_state, "mode": "snapshot", "memory": True}
 
     snap = take_snapshot(engine, max_bytes=max_snapshot_bytes) if snapshot else None
     if snap is not None:

@@ -211,3 +211,11 @@ def stream_chunks(engine: Any, metadata_for: Any, walked: Walked) -> Iterator[An
                     yield stage[:n].numpy()
         if walked.plan is not None and not walked.plan.runs:
             yield walked.plan.header(metadata_for(walked.plan))
+
+
+def scalars_now(engine: Any) -> dict[str, Any]:
+    """The rank's scalar state (optimizer step and scalars, loss scaler) read without copying a tensor."""
+    found = Walked()
+    for _ in _walk(engine, found):
+        pass
+    return found.scalars

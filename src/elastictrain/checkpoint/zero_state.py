@@ -195,3 +195,18 @@ def load_local_state(engine: Any, reader: FragmentReader, scalars: dict[str, Any
         if scaler is not None and hasattr(scaler, key):
             setattr(scaler, key, type(getattr(scaler, key))(value))
     layout.after_load(reader)
+
+
+def load_committed(engine: Any, checkpoint_dir: Any) -> None:
+    """Load this rank's slices from a committed checkpoint folder (a local or object-store path)."""
+    manifest = json.loads((checkpoint_dir / "manifest.json").read_text())
+    entries = [f for f in manifest["files"] if f["name"].endswith(".safetensors")]
+    files = [checkpoint_dir / f["name"] for f in entries]
+    # The controller checked every sha256 before this attempt; a file truncated or removed since is
+    # named here, before safetensors reads it.
+    for f, path in zip(entries, files, strict=True):
+        size = path.stat().st_size if path.is_file() else None
+        if size != f["bytes"]:
+            found = "missing" if size is None else f"{size} bytes"
+            raise ValueError(f"checkpoint file {path}: {found}, manifest says {f['bytes']} bytes")
+    load_local_state(engine, FragmentReader(files), manifest.get("engine_state", {}))

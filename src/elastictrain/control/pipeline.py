@@ -77,14 +77,16 @@ class StepPipeline:
         following: Ahead = deque()
         while self.step < end:
             while next_step < end and len(inflight) < PIPELINE_DEPTH:
-                inflight.append((next_step, self._submit(next_step)))
+                inflight.append((next_step, self._submit(next_step, end)))
                 next_step += 1
             if next_step == end and save is None:
                 save = self.saves.queue(end, current=self.step)
                 if save.calls and end < max_steps and not resize_may_follow:
                     # Never past the next checkpoint, whose snapshot must queue behind its last step.
                     limit = min(max_steps, end + PIPELINE_DEPTH, end + self.cfg.checkpoint.every_steps)
-                    following.extend((s, self._submit(s)) for s in range(end, limit))
+                    following.extend(
+                        (s, self._submit(s, end + self.cfg.checkpoint.every_steps)) for s in range(end, limit)
+                    )
             step, calls = inflight.popleft()
             results = gather_results(
                 self.group, calls, step, timeout_s=self.cfg.failure.hang_timeout_s, phase="step"
@@ -98,8 +100,10 @@ class StepPipeline:
         """Pipelined steps restart their clock after a save's pause."""
         self.last_step_done_at = self.clock()
 
-    def _submit(self, step: int) -> Calls:
-        calls = self.group.call(self.workers, "train_step", step, self.snapshots.due(step + 1))
+    def _submit(self, step: int, checkpoint_at: int) -> Calls:
+        # The checkpoint's step is copied to memory too: its save then writes that copy (no pause for it).
+        due = self.snapshots.due(step + 1, checkpoint=step + 1 == checkpoint_at)
+        calls = self.group.call(self.workers, "train_step", step, due)
         self.evals.submit(self.group, self.workers, step)  # queued behind the step on every rank
         return calls
 

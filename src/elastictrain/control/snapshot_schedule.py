@@ -6,8 +6,10 @@ on a busy one it does not. The controller reads the cost from the step reports (
 `replicate_s`) and spaces the snapshots out (`core.memory_snapshots.snapshot_interval`) so that they
 take at most `checkpoint.memory_max_step_share` of the training time, never more often than
 `checkpoint.memory_every_steps`. Each step is sent with its mark, so a change of interval reaches
-every rank at the same step. A rank that finds its copies would not fit in host memory turns them off
-for the attempt and says so in its reports; the schedule then marks no step until the next attempt.
+every rank at the same step. A checkpoint's step is always marked: the checkpoint's background write
+then writes that copy, and training does not stop for a copy of its own. A rank that finds its copies
+would not fit in host memory turns them off for the attempt and says so in its reports; the schedule
+then marks no step until the next attempt.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class SnapshotSchedule:
         ck = config.checkpoint
         self.every = int(ck.memory_every_steps)
         self.max_share = float(ck.memory_max_step_share)
+        self.for_checkpoints = bool(ck.background_write)  # a checkpoint's save writes its step's copy
         self.interval = self.every  # steps between snapshots now (0: none)
         self.cost_s = 0.0  # one snapshot's copy and replication, smoothed
         self.step_s = 0.0  # a step's wall time, smoothed
@@ -34,9 +37,12 @@ class SnapshotSchedule:
         """A new attempt (world size, slices, maybe nodes): the memory check runs again on its workers."""
         self.off = ""
 
-    def due(self, steps_done: int) -> bool:
-        """Whether the ranks snapshot the state after `steps_done` steps."""
-        return not self.off and self.interval > 0 and steps_done % self.interval == 0
+    def due(self, steps_done: int, *, checkpoint: bool = False) -> bool:
+        """Whether the ranks snapshot the state after `steps_done` steps (`checkpoint`: a disk checkpoint
+        follows that step, and its background write takes the copy instead of making its own)."""
+        if self.off or self.interval <= 0:
+            return False
+        return (checkpoint and self.for_checkpoints) or steps_done % self.interval == 0
 
     def observe(self, results: list[dict[str, Any]], step_s: float) -> str | None:
         """Take a step's reports into account; a message when the schedule changed, else None."""

@@ -21,11 +21,18 @@ On top: the largest layer gathered whole for its forward and backward (fp32-size
 counts it; the caller passes ZeRO-3's live-parameter bound where larger), the host buffers an NVMe
 swap stages through (`swap_buffer_bytes`), and the runtime's own baseline per process (Python, torch,
 DeepSpeed, the Ray actor).
+
+In-memory snapshots (`checkpoint.memory_every_steps`) come on top, counted apart: a worker holds up to
+`SLICES_HELD` copies of its rank's slice (fp32 weights and Adam's moments, 12 bytes per parameter over
+the ranks that share them). They are optional: a worker whose copies do not fit the memory
+checkpointing may use turns them off, so they never make a run refuse to start.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from elastictrain.core.memory_snapshots import SLICES_HELD
 
 GIB = 1 << 30
 # Resident memory of one idle worker process (interpreter, torch, DeepSpeed, Ray's worker): measured
@@ -34,6 +41,7 @@ RUNTIME_BASELINE_BYTES = int(0.9 * GIB)
 MOMENT_BYTES = 8  # Adam's two fp32 moments
 MASTER_BYTES = 4  # the optimizer's fp32 copy of the weights, where it keeps one
 GRAD_BYTES = 4  # ZeRO's partitioned gradients are fp32
+SNAPSHOT_BYTES = 4 + MOMENT_BYTES  # per parameter in an in-memory snapshot: fp32 weights and moments
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,7 @@ class MemoryEstimate:
     host_bytes: int  # model states on the host + largest layer + runtime baseline
     nvme_bytes: int  # swapped to deepspeed.nvme_path
     bytes_per_param: int  # model states per parameter before dividing by the world size
+    snapshot_bytes: int = 0  # in-memory snapshots' copies, on the host, beyond host_bytes (0: off)
 
     def describe(self) -> str:
         where = f"{self.host_bytes / GIB:.2f} GiB host"
@@ -53,6 +62,11 @@ class MemoryEstimate:
             where = f"{self.device_bytes / GIB:.2f} GiB accelerator + " + where
         if self.nvme_bytes:
             where += f" + {self.nvme_bytes / GIB:.2f} GiB NVMe"
+        if self.snapshot_bytes:
+            where += (
+                f"; in-memory snapshots up to {self.snapshot_bytes / GIB:.2f} GiB more "
+                "(turned off where they do not fit)"
+            )
         return (
             f"memory per rank (estimate, {self.params / 1e6:.1f}M parameters at world size "
             f"{self.world_size}, {self.bytes_per_param} bytes of model state per parameter): {where}"
@@ -71,6 +85,7 @@ def estimate_rank_memory(
     use_gpu: bool = False,
     baseline_bytes: int = RUNTIME_BASELINE_BYTES,
     swap_buffer_bytes: int = 0,
+    memory_snapshots: bool = False,
 ) -> MemoryEstimate:
     """Per-rank memory at `world_size` (see the module's docstring for the accounting)."""
     if world_size < 1:
@@ -102,6 +117,11 @@ def estimate_rank_memory(
         host_bytes=int(host),
         nvme_bytes=int(places["nvme"]),
         bytes_per_param=weight_bytes + GRAD_BYTES + optimizer_bytes,
+        snapshot_bytes=int(
+            SLICES_HELD * params * SNAPSHOT_BYTES * (share if zero_stage >= 1 else 1.0)
+            if memory_snapshots
+            else 0
+        ),
     )
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from elastictrain.config.deepspeed_config import nvme_paths
 from elastictrain.core.data_order import derive_seed, micro_batch_positions, sample_at
 from elastictrain.core.schedule import learning_rate
-from elastictrain.storage import AnyPath, as_path
+from elastictrain.storage import as_path
 from elastictrain.worker.attempt import AttemptSpec
 from elastictrain.worker.dist import (
     destroy_process_group,
@@ -29,6 +29,7 @@ from elastictrain.worker.dist import (
     reset_zero_counters,
     zero_stage,
 )
+from elastictrain.worker.faults import FaultHooks
 from elastictrain.worker.host_memory import snapshot_budget_bytes
 from elastictrain.worker.memory import SnapshotPeer, WorkerMemory
 from elastictrain.worker.ops import prefer_environment_tools
@@ -41,15 +42,11 @@ _COLLECTIVE_MODULES = (
 )
 
 
-class WorkerFault(RuntimeError):
-    """Raised by an injected fault (chaos testing)."""
-
-
 class StepFailed(RuntimeError):
     """A training step raised on this rank; the message holds the original error and traceback."""
 
 
-class TrainWorker(SnapshotPeer):
+class TrainWorker(SnapshotPeer, FaultHooks):
     def __init__(self, worker_id: str, use_gpu: bool) -> None:
         prefer_environment_tools()  # the ninja that built DeepSpeed's ops, before any op loads
         if not use_gpu:
@@ -142,12 +139,6 @@ class TrainWorker(SnapshotPeer):
             s.bind(("", 0))
             return int(s.getsockname()[1])
 
-    def inject_fault(self, kind: str, at_step: int) -> None:
-        """Chaos hook: at `at_step`, "crash" (process exits), "raise" (step raises) or "hang" (stops)."""
-        if kind not in ("crash", "raise", "hang"):
-            raise ValueError(f"fault kind: got {kind!r}; expected crash, raise or hang")
-        self._faults[at_step] = kind
-
     # -- attempt lifecycle --
     def setup(self, spec: AttemptSpec) -> dict[str, float]:
         """Join an attempt: process group on a fresh rendezvous, engine, state from a checkpoint."""
@@ -201,7 +192,9 @@ class TrainWorker(SnapshotPeer):
         if spec.memory is not None:
             self.memory.load(self.engine, spec.memory)
         elif spec.checkpoint_dir is not None:
-            self._load(as_path(spec.checkpoint_dir))
+            from elastictrain.checkpoint.zero_state import load_committed
+
+            load_committed(self.engine, as_path(spec.checkpoint_dir))
         timings["load_s"] = time.perf_counter() - t2
         swapped = bool(nvme_paths(spec.ds_config))  # NVMe-swapped state: copied inline (worker/memory.py)
         max_mb = cfg.checkpoint.max_host_memory_mb
@@ -230,24 +223,6 @@ class TrainWorker(SnapshotPeer):
             self.dataset, self.eval_dataset = train_and_eval_datasets(cfg)
             self._dataset_key = key
         self.collate = user_callable(cfg, "data.collate")
-
-    def _load(self, checkpoint_dir: AnyPath) -> None:
-        import json
-
-        from elastictrain.checkpoint.zero_state import FragmentReader, load_local_state
-
-        manifest = json.loads((checkpoint_dir / "manifest.json").read_text())
-        entries = [f for f in manifest["files"] if f["name"].endswith(".safetensors")]
-        files = [checkpoint_dir / f["name"] for f in entries]
-        # The controller checked every sha256 before this attempt; a file truncated or removed since is
-        # named here, before safetensors reads it.
-        for f, path in zip(entries, files, strict=True):
-            size = path.stat().st_size if path.is_file() else None
-            if size != f["bytes"]:
-                found = "missing" if size is None else f"{size} bytes"
-                raise ValueError(f"checkpoint file {path}: {found}, manifest says {f['bytes']} bytes")
-        reader = FragmentReader(files)
-        load_local_state(self.engine, reader, manifest.get("engine_state", {}))
 
     def train_step(self, step: int, snapshot: bool | None = None) -> dict[str, Any]:
         """One optimizer step: `grad_accum_steps` micro-batches of this rank's share of the global batch;
@@ -337,21 +312,6 @@ class TrainWorker(SnapshotPeer):
         self._set_mark("done", step)
         return {**out, "step": step}
 
-    def inject_write_delay(self, seconds: float) -> None:
-        """Make every later checkpoint write start `seconds` late, as on a slow disk (tests, chaos)."""
-        self._write_delay_s = float(seconds)
-
-    def _maybe_fault(self, step: int) -> None:
-        kind = self._faults.pop(step, None)
-        if kind == "crash":
-            os._exit(17)
-        if kind == "raise":
-            raise WorkerFault(f"injected fault in worker {self.worker_id} at step {step}")
-        if kind == "hang":
-            self._set_mark("hung", step)
-            while True:  # stops stepping without dying, holding no lock the control thread needs
-                time.sleep(3600)
-
     def save_shard(self, staging_dir: str, background: bool = False) -> dict[str, Any]:
         """Write this rank's fragments durably into the staging folder.
 
@@ -378,6 +338,7 @@ class TrainWorker(SnapshotPeer):
             snapshot=background,
             max_snapshot_bytes=budget,
             delay_s=self._write_delay_s,
+            held=self.memory.for_disk() if background else None,  # this step's in-memory copy, if taken
         )
         if write.error:
             raise RuntimeError(write.error)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from elastictrain.checkpoint.memory_snapshot import (
@@ -47,6 +48,10 @@ class WorkerMemory:
         self._budget: Callable[[], float] = lambda: float("inf")
         self._checked = False  # whether this attempt's slice was measured against the budget
         self.off = ""  # why snapshots are off for this attempt (too large for the budget), or ""
+        self._steps_done = -1  # after the attempt's last step
+        self._copying: SnapshotKey | None = None  # the last copy started (maybe complete)
+        self._for_disk: dict[SnapshotKey, Future[Any]] = {}  # copies a checkpoint write waits for
+        self._lock = threading.Lock()
         self.delay_s = 0.0  # tests: a slow copy, to fail in the middle of one
         self.last_copy_s = 0.0
         self.last_replicate_s = 0.0
@@ -73,12 +78,14 @@ class WorkerMemory:
     def after_step(self, engine: Any, steps_done: int, due: bool | None = None) -> None:
         """The state after `steps_done` steps is final: copy it (in a thread unless inline) when `due`
         (the controller's mark; None: every `every` steps, for callers without a controller)."""
+        self._steps_done = steps_done
         if due is None:
             due = self._every > 0 and steps_done % self._every == 0
         if not due or self._every <= 0 or self.off:
             return
         self.wait()  # one copy and one replication at a time
         key = SnapshotKey(*self._identity, steps_done)
+        self._copying = key
         self._copied.clear()
         if self._inline:
             self._take(engine, key)
@@ -98,28 +105,66 @@ class WorkerMemory:
             self._thread.join()
             self._thread = None
 
-    def _take(self, engine: Any, key: SnapshotKey) -> None:
-        from elastictrain.checkpoint.zero_state import snapshot_local_state
+    def for_disk(self) -> tuple[Callable[[], Any], dict[str, Any] | None] | None:
+        """The copy of the state after the last step, for a checkpoint to write instead of copying again:
+        (a function that waits for the copy and returns it as checkpoint/rank_snapshot.Snapshot or None
+        if it failed, its scalars when already complete). None when no copy of that state was started."""
+        key = SnapshotKey(*self._identity, self._steps_done)
+        if self._copying != key:
+            return None
+        if not self._checked:
+            self._copied.wait()  # the attempt's first copy decides whether snapshots fit at all
+        if self.off:
+            return None
+        with self._lock:
+            done = self.store.find(key)
+            future: Future[Any] = Future()
+            if done is not None or self._copied.is_set():
+                future.set_result(done.raw if done is not None else None)
+            else:
+                self._for_disk[key] = future
+        return future.result, (done.scalars if done is not None else None)
 
+    def _copy_ended(self, key: SnapshotKey, snap: Snapshot | None) -> None:
+        # Under the lock with the event, so that `for_disk` either finds the copy ended or registers first.
+        with self._lock:
+            future = self._for_disk.pop(key, None)
+            self._copied.set()  # held before anyone waiting on the copy (leaving, the next update) goes on
+        if future is not None:
+            future.set_result(snap.raw if snap is not None else None)
+
+    def _take(self, engine: Any, key: SnapshotKey) -> None:
+        from elastictrain.checkpoint.rank_snapshot import take_snapshot
+        from elastictrain.checkpoint.zero_state import fragments_of
+
+        snap: Snapshot | None = None
         try:
             t0 = time.perf_counter()
             budget = None if self._checked else self._budget()  # before the copy takes its share
+            if budget is not None and budget <= 0:  # no memory for checkpoints at all: not even one copy
+                self._checked, self.off = True, "checkpoint.max_host_memory_mb=0 leaves snapshots no memory"
+                return
             if self.delay_s:
                 time.sleep(self.delay_s)
-            tensors, fragments, scalars = snapshot_local_state(engine)
-            snap = Snapshot(key, tensors, fragments, scalars, copy_s=time.perf_counter() - t0)
+            raw = take_snapshot(engine)
+            assert raw is not None  # no memory bound given
+            pieces = fragments_of(raw.plan.pieces)
+            snap = Snapshot(key, raw.tensors(), pieces, raw.scalars, copy_s=time.perf_counter() - t0, raw=raw)
             if budget is not None:
                 self._checked = True
                 self.off = snapshots_unaffordable(snap.nbytes, budget) or ""
                 if self.off:
+                    snap = None
                     return  # dropped: no copy is kept or replicated in this attempt
             self.last_copy_s = snap.copy_s
-            self.store.add_own(snap)  # complete: only now may it stand for this rank
+            with self._lock:
+                self.store.add_own(snap)  # complete: only now may it stand for this rank
         except Exception as e:  # noqa: BLE001 - a failed copy leaves the last complete one in place
             self.error = f"{type(e).__name__}: {e}"
+            snap = None
             return
         finally:
-            self._copied.set()  # held before anyone waiting on the copy (leaving, the next update) goes on
+            self._copy_ended(key, snap)  # a checkpoint write waiting for this copy gets it (or None)
         if self._buddy is not None:
             self._replicate(snap)
 
