@@ -1,19 +1,28 @@
-"""Goodput under failures: fault-free time to the final step / wall time with failures injected.
+"""Goodput under failures: the fault-free time for the steps done / the wall time they took with failures.
 
-One elastictrain run on a 3-node `ray.cluster_utils.Cluster` (1 CPU each; 3 workers, min 1) with
-failures on a fixed seeded schedule of about one a minute, cycling through: a worker killed, a node
-removed, the node added back. The same config without failures gives the fault-free time. Both are
-timed from their first completed step to their last (cold starts excluded alike). Disk checkpoints
-every `EVERY` steps, in-memory snapshots every step (the default).
+elastictrain and Ray Train each train on a 3-node `ray.cluster_utils.Cluster` (1 CPU each) with the
+same failures on the same seeded schedule of about one a minute, cycling through: a worker killed, a
+node removed, the node added back. elastictrain runs 3 workers, min 1, recovering from memory (its
+defaults) with disk checkpoints every `EVERY` steps; Ray Train runs `TorchTrainer` with the same
+DeepSpeed step (benchmarks/peers), DeepSpeed checkpoints every `EVERY` steps reported to Ray Train,
+and 3 workers fixed: a ZeRO-3 checkpoint cannot be loaded at another world size by DeepSpeed, so an
+elastic Ray Train job could not resume after a node loss (recovery.json); at a fixed size it waits
+for the node to come back.
 
-The duration is `GOODPUT_MINUTES` (environment; default 15 for a full run, 1 for --smoke): the number
-of steps is set from the fault-free step time measured in a short calibration run.
+Each system's fault-free step time comes from a calibration run of `CALIBRATION_STEPS` steps without
+failures (two disk checkpoints included: its wall time from the first step to the last over the
+steps between). Goodput = steps done with failures x that step time / the wall time from the first
+completed step to the last (cold starts excluded alike). For a run that reaches its final step this
+is the fault-free time to the final step over the wall time with failures; a peer run stopped at its
+time limit is measured up to where it got.
 
-Not measured here: Ray Train on the same schedule (see the notes in the result).
+The duration is `GOODPUT_MINUTES` (environment; default 15): the number of steps is set from
+elastictrain's calibration so that its fault-free run would take that long.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import time
@@ -24,13 +33,16 @@ from benchmarks.common import (
     Result,
     Target,
     Workload,
+    _read_lines,
     config_overrides,
     load,
     run_elastictrain,
+    run_peer,
     workload_info,
 )
 
 EVERY = 20  # disk checkpoint interval (steps): recovery comes from memory, the disk is the fallback
+CALIBRATION_STEPS = 2 * EVERY + 1  # two checkpoints' pauses inside, as in the long runs
 KINDS = ("worker_killed", "node_removed", "node_added")
 
 
@@ -113,35 +125,92 @@ def _run(w: Workload, path: Path, steps: int, plan: list[tuple[float, str]], clu
     }
 
 
+def _ray_train(
+    w: Workload, tmp: Path, steps: int, plan: list[tuple[float, str]], limit_s: float
+) -> dict[str, Any]:
+    """Ray Train on a 3-node cluster of its own (benchmarks/peers/ray_train.py applies `plan`)."""
+    spec = {
+        "steps": steps,
+        "ckpt_every": EVERY,
+        "max_failures": 1000,
+        "resume_dir": str(tmp / "ckpt"),
+        "cluster_nodes": 3,
+        "nodes_dir": str(tmp / "nodes"),
+        "schedule": plan,
+        "failures_file": str(tmp / "failures.jsonl"),
+    }
+    w = dataclasses.replace(w, measured_steps=steps - w.warmup_steps)  # elastictrain's LR schedule
+    peer = run_peer("ray_train", 3, w, tmp, spec_extra=spec, timeout_s=limit_s)
+    lines, done = peer.steps, peer.step_records()
+    error = (peer.driver_out or {}).get("error") or (
+        None if peer.returncode == 0 else f"exit {peer.returncode}"
+    )
+    if not done:
+        return {"steps": steps, "timeline": [], "seconds": None, "failures": [], "error": error}
+    t0 = done[0]["time"]
+    failures = [{**f, "time": f["time"] - t0} for f in _read_lines(tmp / "failures.jsonl")]
+    return {
+        "steps": steps,
+        "timeline": [(r["time"] - t0, r["step"], r["world_size"]) for r in done],
+        "seconds": done[-1]["time"] - t0,
+        "failures": failures,
+        "restarts": sum(1 for r in lines if r.get("event") == "attempt_start") - 1,
+        "error": error,
+    }
+
+
+def _step_s(calibration: dict[str, Any]) -> float:
+    """Fault-free wall seconds per step: from the first completed step to the last, over the steps between."""
+    line = calibration["timeline"]
+    return (line[-1][0] - line[0][0]) / max(1, line[-1][1] - line[0][1])
+
+
+def _goodput(run: dict[str, Any], step_s: float) -> float | None:
+    line = run["timeline"]
+    if len(line) < 2 or line[-1][0] <= 0:
+        return None
+    return (line[-1][1] - line[0][1]) * step_s / (line[-1][0] - line[0][0])
+
+
 def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
     minutes = float(os.environ.get("GOODPUT_MINUTES", "1" if smoke else "15"))
     cluster = _cluster()
     try:
-        calibration = _run(w, tmp / "calibrate", 12 if not smoke else 6, [], cluster)
-        step_s = calibration["seconds"] / max(1, calibration["steps"] - 1)
+        calibration = _run(w, tmp / "calibrate", CALIBRATION_STEPS, [], cluster)
+        step_s = _step_s(calibration)
         steps = max(EVERY, int(minutes * 60 / step_s))
         plan = schedule(minutes * 60 * 1.1)  # the run with failures takes a little longer
-        runs = []
-        for rep in range(reps):
-            free = _run(w, tmp / f"free-rep{rep}", steps, [], cluster)
-            faulty = _run(w, tmp / f"faulty-rep{rep}", steps, plan, cluster)
-            runs.append({"rep": rep, "fault_free": free, "with_failures": faulty})
-            print(f"  goodput rep {rep}: {free['seconds']:.0f}s fault-free, {faulty['seconds']:.0f}s with "
-                  f"{len(faulty['failures'])} failures", flush=True)  # fmt: skip
+        faulty = [_run(w, tmp / f"faulty-rep{rep}", steps, plan, cluster) for rep in range(reps)]
     finally:
         import ray
 
         ray.shutdown()
         cluster.shutdown()
-    goodputs = [r["fault_free"]["seconds"] / r["with_failures"]["seconds"] for r in runs]
+    peer_calibration = _ray_train(w, tmp / "ray-train-calibrate", CALIBRATION_STEPS, [], 1800.0)
+    peer_step_s = _step_s(peer_calibration) if len(peer_calibration["timeline"]) > 1 else None
+    limit = 3 * minutes * 60 + 600  # a peer that stalls is measured up to where it got
+    runs = []
+    for rep in range(reps):
+        peer = _ray_train(w, tmp / f"ray-train-faulty-rep{rep}", steps, plan, limit)
+        runs.append({"rep": rep, "with_failures": faulty[rep], "ray_train": peer})
+        print(f"  goodput rep {rep}: elastictrain {faulty[rep]['seconds']:.0f}s, Ray Train "
+              f"{peer['seconds']}s for {steps} steps", flush=True)  # fmt: skip
+    et = [_goodput(r["with_failures"], step_s) for r in runs]
+    rt = [_goodput(r["ray_train"], peer_step_s) if peer_step_s else None for r in runs]
     lost = [
         e["steps_lost"] for r in runs for e in r["with_failures"]["recovered"] if e["steps_lost"] is not None
     ]
     metrics = {
-        "goodput": sorted(goodputs)[len(goodputs) // 2],
+        "goodput": sorted(et)[len(et) // 2] if None not in et else None,
+        "ray_train_goodput": sorted(rt)[len(rt) // 2] if None not in rt else None,
+        "step_s": {"elastictrain": step_s, "ray_train": peer_step_s},
         "minutes": minutes,
         "steps": steps,
         "failures_injected": len(runs[-1]["with_failures"]["failures"]),
+        "ray_train_failures_injected": len(runs[-1]["ray_train"]["failures"]),
+        "ray_train_steps_done": runs[-1]["ray_train"]["timeline"][-1][1]
+        if runs[-1]["ray_train"]["timeline"]
+        else 0,
         "recoveries_from_memory": sum(
             e["recovered_from"] == "memory" for r in runs for e in r["with_failures"]["recovered"]
         ),
@@ -149,13 +218,24 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
         "steps_lost_max": max(lost, default=0),
     }
     targets = [
-        Target("goodput under about one failure a minute (elastictrain)", metrics["goodput"], 0.90, ">=")
+        Target("goodput under about one failure a minute (elastictrain)", metrics["goodput"], 0.90, ">="),
+        Target(
+            "goodput, elastictrain / Ray Train (same failures)",
+            (metrics["goodput"] / metrics["ray_train_goodput"])
+            if metrics["goodput"] and metrics["ray_train_goodput"]
+            else None,
+            1.0,
+            ">",
+        ),
     ]
     notes = [
-        "goodput: fault-free seconds from the first to the last step / the same with failures injected.",
+        "goodput: steps done with failures x the system's fault-free seconds per step (its calibration run, "
+        f"{CALIBRATION_STEPS} steps with two checkpoints) / the wall time from the first step to the last.",
         "recoveries include grows (a node added back is joined at the next disk checkpoint).",
-        "Ray Train on the same schedule is not measured: its harness kills one rank once, and it cannot "
-        "resume a ZeRO-3 checkpoint at another world size after a node loss (see recovery.json).",
+        "Ray Train runs 3 workers fixed (an elastic one cannot load a ZeRO-3 checkpoint at another world "
+        "size); it restarts all workers from its last checkpoint on each failure, and after a node loss "
+        "waits for the node to come back. A failure the schedule names that does not apply at that moment "
+        "(no live worker process, no node to remove or to add) is skipped, for both systems alike.",
     ]
     info = {**workload_info(w), "every_steps": EVERY, "schedule": plan}
     return Result("goodput", smoke, reps, metrics, targets, runs, notes, info)
@@ -169,15 +249,27 @@ def plot(result: dict[str, Any], out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 3.6))
     last = result["runs"][-1]
-    for key, label, color in (("fault_free", "fault-free", "C7"), ("with_failures", "with failures", "C0")):
+    m = result["metrics"]
+    for key, label, color in (("with_failures", "elastictrain", "C0"), ("ray_train", "Ray Train", "C2")):
         line = last[key]["timeline"]
-        ax.plot([t for t, _, _ in line], [s for _, s, _ in line], label=f"elastictrain {label}", color=color)
-    for f in last["with_failures"]["failures"]:
-        ax.axvline(f["time"], color="C3", alpha=0.4, lw=1)
-        ax.annotate(f["kind"].replace("_", " "), (f["time"], 0), rotation=90, fontsize=6, va="bottom")
+        ax.plot([t for t, _, _ in line], [s for _, s, _ in line], label=f"{label} with failures", color=color)
+        per_step = m["step_s"]["elastictrain" if key == "with_failures" else "ray_train"]
+        if line and per_step:  # the same steps without failures, at the calibrated step time
+            ax.plot(
+                [0, line[-1][1] * per_step],
+                [0, line[-1][1]],
+                ls=":",
+                color=color,
+                label=f"{label} fault-free",
+            )
+        for f in last[key]["failures"]:
+            ax.axvline(f["time"], color="C3", alpha=0.3, lw=1)
+            ax.annotate(
+                f["kind"].replace("_", " "), (f["time"], 0), rotation=90, fontsize=6, va="bottom", color=color
+            )
     ax.set_xlabel("s since the first step")
     ax.set_ylabel("steps done")
-    ax.set_title(f"goodput {result['metrics']['goodput']:.2f}")
+    ax.set_title(f"goodput: elastictrain {m['goodput']}, Ray Train {m['ray_train_goodput']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=90)

@@ -33,6 +33,7 @@ def train_fn(config: dict[str, Any]) -> None:
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     if spec.get("nodes_dir"):
         Path(spec["nodes_dir"], f"rank{rank}").write_text(ray.get_runtime_context().get_node_id())
+        Path(spec["nodes_dir"], f"rank{rank}.pid").write_text(str(os.getpid()))  # the goodput schedule's
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         spec["ray_checkpoint_dir"] = checkpoint.path  # local storage: the merged folder of every rank
@@ -57,6 +58,44 @@ def _remove_node_at_step(spec: dict[str, Any], cluster: Any) -> None:
         json.dumps({"time": time.time(), "step": target, "node_id": node_id})
     )
     cluster.remove_node(node)
+
+
+def _apply_schedule(spec: dict[str, Any], cluster: Any) -> None:
+    """Goodput: `spec["schedule"]`'s failures at their times after the first completed step, as
+    elastictrain's goodput run applies them: the last rank's process killed, rank 0's node removed, a
+    node added back (each only where it applies). Each one done is a line in `spec["failures_file"]`."""
+    import signal
+
+    steps_file, nodes, done = Path(spec["steps_file"]), Path(spec["nodes_dir"]), Path(spec["failures_file"])
+    first = None
+    while first is None:
+        lines = steps_file.read_text().splitlines() if steps_file.exists() else []
+        first = next((json.loads(ln)["time"] for ln in lines if '"loss"' in ln), None)
+        time.sleep(0.2)
+    for at, kind in spec["schedule"]:
+        while time.time() < first + at:
+            time.sleep(0.2)
+        acted = False
+        if kind == "worker_killed":
+            pids = sorted(nodes.glob("rank*.pid"), key=lambda p: int(p.stem.removeprefix("rank")))
+            pid = int(pids[-1].read_text()) if len(pids) > 1 else 0
+            cmdline = Path(f"/proc/{pid}/cmdline")
+            # Only a live Ray worker: the file may name a process of an attempt that is gone.
+            if pid and cmdline.exists() and b"ray::" in cmdline.read_bytes():
+                os.kill(pid, signal.SIGKILL)
+                acted = True
+        elif kind == "node_removed" and len(cluster.worker_nodes) > 1 and (nodes / "rank0").exists():
+            node_id = (nodes / "rank0").read_text().strip()
+            node = next((n for n in cluster.worker_nodes if n.node_id == node_id), None)
+            if node is not None:
+                cluster.remove_node(node)
+                acted = True
+        elif kind == "node_added" and len(cluster.worker_nodes) < int(spec["cluster_nodes"]):
+            cluster.add_node(num_cpus=1)
+            acted = True
+        if acted:
+            with open(done, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"time": time.time(), "kind": kind}) + "\n")
 
 
 def main() -> None:
@@ -85,7 +124,9 @@ def main() -> None:
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": env})
         Path(spec["nodes_dir"]).mkdir(parents=True, exist_ok=True)
-        threading.Thread(target=_remove_node_at_step, args=(spec, cluster), daemon=True).start()
+        chaos = _apply_schedule if spec.get("schedule") else _remove_node_at_step
+        if spec.get("schedule") or spec.get("kill_at_step") is not None:
+            threading.Thread(target=chaos, args=(spec, cluster), daemon=True).start()
     else:
         cpus = int(spec["max_workers"])
         ray.init(

@@ -1,10 +1,12 @@
 """Which steps every rank copies to host memory: decided here, so that all ranks snapshot the same steps.
 
 A rank's in-memory snapshot (worker/memory.py) costs a copy of its slice of the state and a replica
-sent to its buddy. On a machine with spare cores and memory bandwidth that hides behind the next step;
-on a busy one it does not. The controller reads the cost from the step reports (`copy_s`,
-`replicate_s`) and spaces the snapshots out (`core.memory_snapshots.snapshot_interval`) so that they
-take at most `checkpoint.memory_max_step_share` of the training time, never more often than
+sent to its buddy, both in a thread beside the next step. Where they hide behind the step they cost
+nothing; where they do not, training waits for them (before the next optimizer update, or before the
+next copy). The workers count that wait (`stall_s`) and the copies they started (`taken`); the
+controller takes the slowest rank's wait per snapshot as the cost and spaces the snapshots out
+(`core.memory_snapshots.snapshot_interval`) so that they take at most
+`checkpoint.memory_max_step_share` of the training time, never more often than
 `checkpoint.memory_every_steps`. Each step is sent with its mark, so a change of interval reaches
 every rank at the same step. A checkpoint's step is always marked: the checkpoint's background write
 then writes that copy, and training does not stop for a copy of its own. A rank that finds its copies
@@ -31,11 +33,12 @@ class SnapshotSchedule:
         self.cost_s = 0.0  # one snapshot's copy and replication, smoothed
         self.step_s = 0.0  # a step's wall time, smoothed
         self.off = ""  # why snapshots are off in this attempt ("" while they are on)
-        self._seen: tuple[float, float] | None = None  # the last report's (copy_s, replicate_s)
+        self._seen: dict[int, tuple[float, int]] = {}  # rank -> its last (stall_s, taken)
 
     def start_attempt(self) -> None:
         """A new attempt (world size, slices, maybe nodes): the memory check runs again on its workers."""
         self.off = ""
+        self._seen = {}  # ranks and their workers change: counts start again
 
     def due(self, steps_done: int, *, checkpoint: bool = False) -> bool:
         """Whether the ranks snapshot the state after `steps_done` steps (`checkpoint`: a disk checkpoint
@@ -54,15 +57,16 @@ class SnapshotSchedule:
             self.off = off
             return f"in-memory snapshots off until the next restart: {off}; a failure recovers from disk"
         self.step_s = _smooth(self.step_s, step_s)
-        seen = max(
-            ((m.get("copy_s", 0.0), m.get("replicate_s", 0.0)) for m in reports),
-            key=sum,
-            default=(0.0, 0.0),
-        )
-        if sum(seen) <= 0 or seen == self._seen:  # no snapshot finished since the last report
+        costs = []
+        for rank, m in enumerate(reports):
+            now = (float(m.get("stall_s", 0.0)), int(m.get("taken", 0)))
+            before = self._seen.get(rank, (0.0, 0))
+            self._seen[rank] = now
+            if now[1] > before[1]:  # copies started since the last report: their wait per copy
+                costs.append(max(0.0, now[0] - before[0]) / (now[1] - before[1]))
+        if not costs:
             return None
-        self._seen = seen
-        self.cost_s = _smooth(self.cost_s, sum(seen))
+        self.cost_s = _smooth(self.cost_s, max(costs))
         wanted = snapshot_interval(self.cost_s, self.step_s, every=self.every, max_share=self.max_share)
         # Longer at once when snapshots cost too much; shorter only when half would do, so that noise in
         # the timings does not move the interval back and forth.
