@@ -85,6 +85,31 @@ def test_growing_loads_the_larger_world_from_memory(tmp_path: Path):
     assert any(e["tag"] == "step-000008" for e in r.events("checkpoint"))  # disk checkpoints stay
 
 
+def test_a_grow_does_not_wait_for_the_checkpoint_when_every_rank_can_hold_the_step_in_memory(tmp_path: Path):
+    r = make_run(tmp_path, "scaling.min_workers=2", "scaling.max_workers=4", capacity=2)
+    r.controller.callbacks.after_step.append(at_step(4, lambda c: r.group.add_capacity(2)))
+    # Warm once 6 steps are done: the steps in flight end, and the world grows before the checkpoint (8).
+    r.controller.callbacks.after_step.append(at_step(5, _warm))
+    summary = r.run()
+    assert summary.world_sizes == [2, 4] and summary.status.value == "FINISHED"
+    (grow,) = r.events("grow")
+    assert grow["step"] in (6, 7) and "this step's state is in memory" in grow["message"]
+    larger = r.events("attempt_started")[1]
+    assert larger["world_size"] == 4 and larger["source"] == "memory" and larger["step"] == grow["step"]
+    assert r.events("recovered")[0]["steps_lost"] == 0
+    assert [e["tag"] for e in r.events("checkpoint")] == ["step-000004", "step-000008", "step-000012"]
+
+
+def test_without_in_memory_snapshots_a_grow_waits_for_the_checkpoint(tmp_path: Path):
+    off = "checkpoint.memory_every_steps=0"
+    r = make_run(tmp_path, "scaling.min_workers=2", "scaling.max_workers=4", off, capacity=2)
+    r.controller.callbacks.after_step.append(at_step(4, lambda c: r.group.add_capacity(2)))
+    r.controller.callbacks.after_step.append(at_step(5, _warm))
+    r.run()
+    (grow,) = r.events("grow")
+    assert grow["step"] == 8 and "just checkpointed" in grow["message"]
+
+
 def test_buddies_are_on_other_nodes_when_there_are_some(tmp_path: Path):
     r = make_run(tmp_path)
     r.run()

@@ -392,6 +392,12 @@ class FakeGroup:
         target.replicas = target.replicas + [{**h, "own": False} for h in w.own + w.replicas]
         return len(w.own) + len(w.replicas)
 
+    def _snapshot_now(self, w: FakeWorker) -> dict[str, Any]:
+        if not any(h["step"] == w.step and h["attempt"] == w.spec.attempt for h in w.own):
+            self._snapshot(w, w.step)
+        held = any(h["step"] == w.step and h["attempt"] == w.spec.attempt for h in w.own)
+        return {"step": w.step, "held": held, "off": ""}
+
     def _memory_holdings(self, w: FakeWorker) -> list[dict[str, Any]]:
         return w.own + w.replicas
 

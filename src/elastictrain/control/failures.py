@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from elastictrain.cluster.calls import DIED, NODE_LOST, RAISED, TIMED_OUT, Calls, Group, Reply
@@ -10,6 +11,8 @@ from elastictrain.control.errors import AttemptFailed
 from elastictrain.control.record import RunRecorder
 from elastictrain.core.membership import WorkerObservation, stalled_workers
 from elastictrain.core.policy import Failure
+
+log = logging.getLogger(__name__)
 
 TEARDOWN_TIMEOUT_S = 5.0  # a survivor that cannot leave its attempt in this time is replaced
 HAND_OFF_TIMEOUT_S = 30.0  # for a replaced survivor to pass its in-memory snapshots on
@@ -142,3 +145,25 @@ def short(e: BaseException | str) -> str:
     if text:
         return text[-1][:300]
     return "unknown error" if isinstance(e, str) else type(e).__name__
+
+
+def leave_workers(
+    group: Group, recorder: RunRecorder, step: int, teardown_active: Callable[[], None] | None
+) -> None:
+    """End the workers: the last attempt is left cleanly (each rank removes its /dev/shm buffers),
+    then the actors go; buffers of dead ranks on this host are removed here."""
+    from elastictrain.rundir.liveness import remove_dead_buffers
+
+    try:
+        if teardown_active is not None:
+            teardown_active()
+    except Exception as e:  # noqa: BLE001 - the actors are killed below all the same
+        log.warning("teardown at the end of the run: %s", e)
+    group.shutdown()
+    try:
+        removed = remove_dead_buffers(recorder.run_dir.read_events())
+    except OSError as e:
+        log.warning("removing /dev/shm buffers: %s", e)
+        return
+    if removed:
+        recorder.quiet_event("shm_buffers_removed", step=step, paths=removed)

@@ -23,7 +23,7 @@ from elastictrain.cluster.calls import Group
 from elastictrain.control.callbacks import Callbacks
 from elastictrain.control.capacity import Capacity
 from elastictrain.control.errors import AttemptFailed, RunFailed
-from elastictrain.control.failures import gather_results, remove_at_fault, teardown
+from elastictrain.control.failures import gather_results, leave_workers, remove_at_fault, teardown
 from elastictrain.control.manifest import manifest_for
 from elastictrain.control.memory_recovery import MemoryRecovery
 from elastictrain.control.pipeline import Ahead, StepPipeline
@@ -37,7 +37,6 @@ from elastictrain.core.policy import Fail, Failure, Restart, decide_after_failur
 from elastictrain.core.state import RunStatus
 from elastictrain.progress import Reporter
 from elastictrain.rundir.durable import remove_stale_temporaries
-from elastictrain.rundir.liveness import remove_dead_buffers
 from elastictrain.rundir.run_dir import RunDir
 from elastictrain.tracking.tracker import Tracker
 
@@ -158,21 +157,7 @@ class Controller:
             self._leave()
 
     def _leave(self) -> None:
-        """End the workers: the last attempt is left cleanly (each rank removes its /dev/shm buffers),
-        then the actors go; buffers of dead ranks on this host are removed here."""
-        try:
-            if self.active:
-                self._teardown()
-        except Exception as e:  # noqa: BLE001 - the actors are killed below all the same
-            log.warning("teardown at the end of the run: %s", e)
-        self.group.shutdown()
-        try:
-            removed = remove_dead_buffers(self.recorder.run_dir.read_events())
-        except OSError as e:
-            log.warning("removing /dev/shm buffers: %s", e)
-            return
-        if removed:
-            self.recorder.quiet_event("shm_buffers_removed", step=self.step, paths=removed)
+        leave_workers(self.group, self.recorder, self.step, self._teardown if self.active else None)
 
     def _begin(self) -> None:
         """Clean what an interrupted save left, find the checkpoint to resume from, say so."""
@@ -285,15 +270,21 @@ class Controller:
         if self._committed_step() < self.step and (self.step % every == 0 or self.step == max_steps):
             # Restarted from memory at a checkpoint step whose save the failure dropped: save it now.
             save, ahead = self.pipeline.run_segment(self.step, ahead, resize_may_follow=True)
+            assert save is not None  # no stop asked
             self.saves.collect(save, self.step)
         while self.step < max_steps:
             segment_end = min(max_steps, (self.step // every + 1) * every)
             # Below max_workers every checkpoint may be followed by a grow: then no step is queued past it.
             resize_may_follow = self.world_size < self.rules.max_workers
-            save, ahead = self.pipeline.run_segment(segment_end, ahead, resize_may_follow=resize_may_follow)
-            self.saves.collect(save, self.step)
-            self.pipeline.restart_clock()
-            if not ahead and self._grow():
+            # With in-memory snapshots a grow need not wait for the checkpoint: any step will do.
+            anywhere = self._grow_is_ready if resize_may_follow and self.memory.live() else None
+            save, ahead = self.pipeline.run_segment(
+                segment_end, ahead, resize_may_follow=resize_may_follow, stop=anywhere
+            )
+            if save is not None:
+                self.saves.collect(save, self.step)
+                self.pipeline.restart_clock()
+            if not ahead and self._grow(checkpointed=save is not None):
                 return
         self.saves.finish(self.step)  # the last checkpoint is committed before the run says finished
         if self._committed_step() < max_steps:  # not written (e.g. a full disk): training again won't help
@@ -304,18 +295,23 @@ class Controller:
                 "once it can be written"
             )
 
-    def _grow(self) -> bool:
-        """Move to a larger world size at this checkpoint if warm workers for it are there."""
+    def _grow_is_ready(self) -> bool:
+        return self.capacity.grow_target(self.world_size, self.step) is not None
+
+    def _grow(self, *, checkpointed: bool) -> bool:
+        """Move to a larger world size if warm workers for it are there: after a checkpoint, or at any
+        step once every rank holds this step's state in memory."""
         if self.step >= self.cfg.training.max_steps:
             return False
         target = self.capacity.grow_target(self.world_size, self.step)
-        if target is None:
+        if target is None or not (checkpointed or self.memory.snapshot_now(self.active, self.step)):
             return False
         self.recorder.set_status(RunStatus.RESIZING, step=self.step)
+        held = "just checkpointed" if checkpointed else "this step's state is in memory"
         self._event(
             "grow",
             f"capacity for {target} workers is back; growing {self.world_size} -> {target} "
-            f"at step {self.step} (just checkpointed: nothing lost)",
+            f"at step {self.step} ({held}: nothing lost)",
             style="cyan",
             world_size=target,
         )

@@ -18,6 +18,7 @@ from elastictrain.control.snapshot_schedule import SnapshotSchedule
 from elastictrain.core.memory_snapshots import Held, MemoryChoice, MemoryPlan, assign_buddies, off_node
 
 HOLDINGS_TIMEOUT_S = 10.0
+SNAPSHOT_NOW_TIMEOUT_S = 120.0  # a copy and its replica; a worker that does not answer: no grow now
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,16 @@ class MemoryRecovery:
             choice = MemoryChoice(None, self.schedule.off)
         self.choice = choice
         return self.choice
+
+    def live(self) -> bool:
+        """Whether this attempt's ranks keep in-memory snapshots (on, not turned off for lack of memory)."""
+        return self.every > 0 and not (self.schedule is not None and self.schedule.off)
+
+    def snapshot_now(self, active: Sequence[Any], step: int) -> bool:
+        """Every rank copies the state after `step` steps to memory (unless it just did) and replicates it;
+        whether all of them hold it now (a grow at this step then loads it, losing nothing)."""
+        replies = self.group.gather(self.group.call(active, "snapshot_now"), SNAPSHOT_NOW_TIMEOUT_S)
+        return all(r.ok and r.value.get("held") and r.value.get("step") == step for r in replies.values())
 
     def take(self) -> MemoryLoad | None:
         """The memory source for the attempt starting now (once), if its holders are still there."""

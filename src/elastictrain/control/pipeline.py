@@ -62,12 +62,16 @@ class StepPipeline:
         self.evals.forget()
         self.snapshots.start_attempt()
 
-    def run_segment(self, end: int, ahead: Ahead, *, resize_may_follow: bool) -> tuple[QueuedSave, Ahead]:
+    def run_segment(
+        self, end: int, ahead: Ahead, *, resize_may_follow: bool, stop: Callable[[], bool] | None = None
+    ) -> tuple[QueuedSave | None, Ahead]:
         """Steps up to `end`, then the checkpoint's snapshot, queued on each actor behind the last step.
 
         Queued, not sent after the last step's result: a rank goes from its last step straight to its
         snapshot and, unless a resize may follow, straight on to the next segment's first steps, so it
         never idles while the driver reads results. Returns the queued save and the steps queued ahead.
+        `stop()`, asked after each step before the save is queued, ends the segment early: the steps in
+        flight are finished and (None, nothing ahead) returned (a grow that need not wait for `end`).
         """
         max_steps = self.cfg.training.max_steps
         inflight = ahead
@@ -88,13 +92,20 @@ class StepPipeline:
                         (s, self._submit(s, end + self.cfg.checkpoint.every_steps)) for s in range(end, limit)
                     )
             step, calls = inflight.popleft()
-            results = gather_results(
-                self.group, calls, step, timeout_s=self.cfg.failure.hang_timeout_s, phase="step"
-            )
-            self._report(step, list(results.values()))
+            self._gather_and_report(step, calls)
+            if save is None and stop is not None and stop():
+                while inflight:
+                    self._gather_and_report(*inflight.popleft())
+                return None, deque()
         if save is None:  # the segment was empty (resumed exactly at a checkpoint step)
             save = self.saves.queue(end, current=self.step)
         return save, following
+
+    def _gather_and_report(self, step: int, calls: Calls) -> None:
+        results = gather_results(
+            self.group, calls, step, timeout_s=self.cfg.failure.hang_timeout_s, phase="step"
+        )
+        self._report(step, list(results.values()))
 
     def restart_clock(self) -> None:
         """Pipelined steps restart their clock after a save's pause."""

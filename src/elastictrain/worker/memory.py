@@ -117,11 +117,15 @@ class WorkerMemory:
             self._thread.join()
             self._thread = None
 
+    def live_key(self) -> SnapshotKey:
+        """The key a snapshot of the state after the last step has."""
+        return SnapshotKey(*self._identity, self._steps_done)
+
     def for_disk(self) -> tuple[Callable[[], Any], dict[str, Any] | None] | None:
         """The copy of the state after the last step, for a checkpoint to write instead of copying again:
         (a function that waits for the copy and returns it as checkpoint/rank_snapshot.Snapshot or None
         if it failed, its scalars when already complete). None when no copy of that state was started."""
-        key = SnapshotKey(*self._identity, self._steps_done)
+        key = self.live_key()
         if self._copying != key:
             return None
         if not self._checked:
@@ -261,6 +265,7 @@ class SnapshotPeer:
     """Actor methods a worker answers for its peers (replica group) and the controller (control group)."""
 
     memory: WorkerMemory
+    engine: Any
 
     def hold_replica(self, wire: dict[str, Any]) -> None:
         """Keep a buddy's snapshot (sent after each of its copies)."""
@@ -283,6 +288,15 @@ class SnapshotPeer:
 
     def keep_handed(self, wire: dict[str, Any]) -> None:
         self.memory.store.add_handed(Snapshot.from_wire(wire))
+
+    def snapshot_now(self) -> dict[str, Any]:
+        """Copy the state after the last step to memory, unless that copy was started, and replicate it
+        (the controller grows at this step: the new attempt loads it). Runs between steps."""
+        m = self.memory
+        if m.live_key() != m._copying:
+            m.after_step(self.engine, m._steps_done, True)
+        m.wait()
+        return {"step": m._steps_done, "held": m.store.find(m.live_key()) is not None, "off": m.off}
 
     def memory_holdings(self) -> list[dict[str, Any]]:
         """Every complete snapshot this worker holds: its own rank's and its buddy's."""
