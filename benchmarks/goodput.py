@@ -251,9 +251,11 @@ def plot(result: dict[str, Any], out: Path) -> None:
     last = result["runs"][-1]
     m = result["metrics"]
     for key, label, color in (("with_failures", "elastictrain", "C0"), ("ray_train", "Ray Train", "C2")):
+        if key not in last:  # results of an older harness
+            continue
         line = last[key]["timeline"]
         ax.plot([t for t, _, _ in line], [s for _, s, _ in line], label=f"{label} with failures", color=color)
-        per_step = m["step_s"]["elastictrain" if key == "with_failures" else "ray_train"]
+        per_step = m.get("step_s", {}).get("elastictrain" if key == "with_failures" else "ray_train")
         if line and per_step:  # the same steps without failures, at the calibrated step time
             ax.plot(
                 [0, line[-1][1] * per_step],
@@ -269,7 +271,7 @@ def plot(result: dict[str, Any], out: Path) -> None:
             )
     ax.set_xlabel("s since the first step")
     ax.set_ylabel("steps done")
-    ax.set_title(f"goodput: elastictrain {m['goodput']}, Ray Train {m['ray_train_goodput']}")
+    ax.set_title(f"goodput: elastictrain {m['goodput']}, Ray Train {m.get('ray_train_goodput')}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=90)
