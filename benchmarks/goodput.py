@@ -231,7 +231,7 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
     notes = [
         "goodput: steps done with failures x the system's fault-free seconds per step (its calibration run, "
         f"{CALIBRATION_STEPS} steps with two checkpoints) / the wall time from the first step to the last.",
-        "recoveries include grows (a node added back is joined at the next disk checkpoint).",
+        "recoveries include grows (a node added back is joined as soon as its worker is warm, from memory).",
         "Ray Train runs 3 workers fixed (an elastic one cannot load a ZeRO-3 checkpoint at another world "
         "size); it restarts all workers from its last checkpoint on each failure, and after a node loss "
         "waits for the node to come back. A failure the schedule names that does not apply at that moment "

@@ -74,7 +74,7 @@ def test_node_loss_shrinks_to_2_then_grows_back_to_3_with_an_exact_sample_ledger
 
     def add_node_back(controller: Any) -> None:
         ray_cluster.add_node(num_cpus=1)
-        wait_until_replacements_are_warm(controller)  # so the grow happens at the next checkpoint
+        wait_until_replacements_are_warm(controller)  # so the grow happens next
 
     t0 = time.monotonic()
     summary, run_dir, out = run(

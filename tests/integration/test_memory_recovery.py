@@ -135,7 +135,7 @@ def test_killed_worker_and_lost_node_recover_from_memory_losing_at_most_one_step
     hook = chain(
         ledger(records),
         at_step(5, kill_a_worker),  # checkpoints are at 4, 8, 12: step 5 is not one
-        at_step(6, wait_until_replacements_are_warm),  # so the replacement joins by a grow at step 8
+        at_step(6, wait_until_replacements_are_warm),  # so the replacement joins by a grow at step 7 or 8
         at_step(10, remove_a_node),
     )
     try:
@@ -148,7 +148,9 @@ def test_killed_worker_and_lost_node_recover_from_memory_losing_at_most_one_step
     # Killed right after step 5 was reported: its copy of step 5 may still have been on its way to
     # the buddy, and then step 4 (complete everywhere) is loaded; at most the step in flight is lost.
     assert shrink in ((2, "memory", 5), (2, "memory", 4)), out
-    assert grow == (3, "memory", 8), out  # grown from memory
+    # Grown from memory once the replacement is warm (after step 7): at step 7 or 8, whether step 8's
+    # checkpoint was already queued ("just checkpointed") or not (every rank's copy of the step).
+    assert grow[:2] == (3, "memory") and grow[2] in (7, 8), out
     assert starts[0]["buddies_off_node"] is True
     recovered = events(run_dir, "recovered")
     assert recovered[0]["recovered_from"] == "memory" and recovered[0]["steps_lost"] == 5 - shrink[2]

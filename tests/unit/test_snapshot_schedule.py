@@ -23,66 +23,79 @@ def _schedule(every: int = 1, share: float = 0.03) -> SnapshotSchedule:
     return SnapshotSchedule(cfg)
 
 
-class Ranks:
-    """Two ranks' cumulative memory reports, as workers send them with each step."""
-
-    def __init__(self) -> None:
-        self.stall, self.taken = [0.0, 0.0], [0, 0]
-
-    def after(self, stall_per_copy: float, copies: int = 1, *, slow_rank_only: bool = False) -> list[dict]:
-        for r in range(2):
-            self.taken[r] += copies
-            if r == 1 or not slow_rank_only:
-                self.stall[r] += stall_per_copy * copies
-        return [{"memory": {"stall_s": self.stall[r], "taken": self.taken[r], "off": ""}} for r in range(2)]
+REPORTS = [{"memory": {"off": ""}}, {"memory": {"off": ""}}]
 
 
-def test_costly_snapshots_are_spaced_out_and_marked_on_multiples_of_the_interval():
-    s, ranks = _schedule(), Ranks()
-    assert [s.due(n) for n in range(1, 5)] == [True] * 4
-    # Training waited 0.3 s per snapshot on the slower rank, against 3 s a step: 10%.
-    message = s.observe(ranks.after(0.3, slow_rank_only=True), step_s=3.0)
-    assert s.interval == 4 and message is not None and "every 4 step(s) (was 1)" in message
-    assert [n for n in range(1, 13) if s.due(n)] == [4, 8, 12]
+def simulate(s: SnapshotSchedule, steps: range, base: float, cost: float) -> list[str]:
+    """Drive the schedule as the pipeline does (each step submitted with its mark before the previous one
+    is reported); a step beside a copy takes `cost` longer. Returns the messages it gave."""
+    marks, said = {}, []
+    for j in steps:
+        marks[j + 1] = s.due(j + 1)
+        said.append(s.observe(j, REPORTS, base + (cost if marks.get(j) else 0.0)))
+    return [m for m in said if m]
 
 
-def test_the_interval_shrinks_only_when_half_of_it_would_do():
-    s, ranks = _schedule(), Ranks()
-    s.observe(ranks.after(0.3), step_s=3.0)
-    assert s.interval == 4
-    assert s.observe(ranks.after(0.25), step_s=3.0) is None  # a little cheaper: 4 stays
-    assert s.interval == 4
-    for _ in range(20):  # snapshots that hide behind the step: training hardly waits
-        s.observe(ranks.after(0.001), step_s=3.0)
+def test_costly_snapshots_are_spaced_out_until_they_cost_at_most_the_allowed_share():
+    s = _schedule()
+    # A copy slows the step beside it by 1 s of 3 s: one in 12 steps is under 3% of training time.
+    said = simulate(s, range(0, 40), base=3.0, cost=1.0)
+    assert s.interval == 12 and said and "every 12 step(s) (was 1)" in said[0]
+    assert "4.00s, one without 3.00s" in said[0]
+    assert [n for n in range(41, 80) if s.due(n)] == [48, 60, 72]
+
+
+def test_free_snapshots_stay_every_step_but_one_in_ten_measures_the_baseline():
+    s = _schedule()
+    simulate(s, range(0, 40), base=3.0, cost=0.0)
+    assert s.interval == 1
+    skipped = [n for n in range(41, 81) if not s.due(n)]
+    assert skipped == [50, 60, 70, 80]  # at most two steps lost to a failure right after one of these
+
+
+def test_the_interval_comes_back_down_when_snapshots_get_cheap():
+    s = _schedule()
+    simulate(s, range(0, 40), base=3.0, cost=1.0)
+    assert s.interval == 12
+    simulate(s, range(40, 400), base=3.0, cost=0.0)
     assert s.interval == 1
 
 
-def test_a_report_without_a_new_snapshot_changes_nothing():
-    s, ranks = _schedule(), Ranks()
-    reports = ranks.after(0.3)
-    s.observe(reports, step_s=3.0)
-    cost = s.cost_s
-    s.observe(reports, step_s=3.0)  # no copy started since: the same counts again
-    assert s.cost_s == cost == 0.3
+def test_a_new_attempt_measures_again_from_every_other_step():
+    s = _schedule()
+    simulate(s, range(0, 40), base=3.0, cost=1.0)
+    s.start_attempt()
+    assert s.samples == {True: 0, False: 0} and s.interval == 12
+    assert [s.due(n) for n in (48, 50)] == [True, False]  # interval 12 stays until measured otherwise
 
 
 def test_a_rank_whose_copies_do_not_fit_turns_snapshots_off_until_the_next_attempt():
     s = _schedule()
-    reports = Ranks().after(0.1)
-    reports[1]["memory"]["off"] = "in-memory snapshots need 800 MiB per rank"
-    message = s.observe(reports, step_s=3.0)
+    reports = [{"memory": {"off": ""}}, {"memory": {"off": "in-memory snapshots need 800 MiB per rank"}}]
+    s.due(1)
+    message = s.observe(0, reports, 3.0)
     assert message is not None and "off until the next restart" in message and "800 MiB" in message
     assert not any(s.due(n) for n in range(1, 10))
     s.start_attempt()
-    assert s.due(1)
+    assert s.due(2)
 
 
 def test_with_the_cost_rule_off_or_snapshots_off_the_interval_is_as_configured():
     fixed = _schedule(every=2, share=0.0)
-    fixed.observe(Ranks().after(5.0), step_s=1.0)
-    assert fixed.interval == 2 and [n for n in range(1, 7) if fixed.due(n)] == [2, 4, 6]
+    simulate(fixed, range(0, 40), base=1.0, cost=5.0)
+    assert fixed.interval == 2 and [n for n in range(41, 51) if fixed.due(n)] == [42, 44, 46, 48, 50]
+    every_step = _schedule(every=1, share=0.0)
+    assert all(every_step.due(n) for n in range(1, 30))  # no baseline steps when the rule is off
     off = _schedule(every=0)
-    assert off.observe(Ranks().after(0.1), step_s=1.0) is None and not any(off.due(n) for n in range(5))
+    assert not simulate(off, range(0, 10), base=1.0, cost=1.0) and not any(off.due(n) for n in range(5))
+
+
+def test_a_checkpoint_step_is_always_copied_so_that_its_save_writes_that_copy():
+    s = _schedule()
+    simulate(s, range(0, 40), base=3.0, cost=1.0)  # every 12 steps
+    assert not s.due(44) and s.due(44, checkpoint=True)
+    s.off = "too large"
+    assert not s.due(44, checkpoint=True)  # no copies at all: the save makes its own
 
 
 def test_snapshots_off_for_lack_of_memory_recover_from_disk_and_say_why(tmp_path: Path):
@@ -96,11 +109,3 @@ def test_snapshots_off_for_lack_of_memory_recover_from_disk_and_say_why(tmp_path
     assert said and "off until the next restart" in said[0]["message"] and said[0]["off"]
     (decision,) = r.events("decision")
     assert decision["recovered_from"] == "disk" and "900 MiB per rank" in decision["memory"]
-
-
-def test_a_checkpoint_step_is_always_copied_so_that_its_save_writes_that_copy():
-    s = _schedule()
-    s.observe(Ranks().after(0.3), step_s=3.0)  # every 4 steps
-    assert not s.due(6) and s.due(6, checkpoint=True)
-    s.off = "too large"
-    assert not s.due(6, checkpoint=True)  # no copies at all: the save makes its own

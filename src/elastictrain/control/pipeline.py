@@ -136,7 +136,7 @@ class StepPipeline:
             "tokens_per_s": gbs * self.cfg.data.seq_len / wall if wall > 0 else 0.0,
             "world_size": float(self.world_size),
         }
-        changed = self.snapshots.observe(results, wall)
+        changed = self.snapshots.observe(step, results, wall)
         if changed:
             s = self.snapshots
             self.recorder.event("snapshots", changed, step=self.step, interval=s.interval, off=s.off)

@@ -285,7 +285,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
             batches,
             world_size=spec.world_size,
             on_micro=lambda: self._set_mark("micro", step),
-            before_update=self.memory.before_step_update,
+            before_update=self.memory.before_update,
         )
         elapsed = time.perf_counter() - t0
         self._set_mark("done", step)

@@ -55,8 +55,6 @@ class WorkerMemory:
         self.delay_s = 0.0  # tests: a slow copy, to fail in the middle of one
         self.last_copy_s = 0.0
         self.last_replicate_s = 0.0
-        self.stall_s = 0.0  # training's own time spent waiting for copies and replications, in all
-        self.taken = 0  # copies started, in all (the controller divides the stall by them)
         self.error = ""
 
     # -- in an attempt --
@@ -85,17 +83,13 @@ class WorkerMemory:
             due = self._every > 0 and steps_done % self._every == 0
         if not due or self._every <= 0 or self.off:
             return
-        t0 = time.perf_counter()
         self.wait()  # one copy and one replication at a time
         key = SnapshotKey(*self._identity, steps_done)
         self._copying = key
-        self.taken += 1
         self._copied.clear()
         if self._inline:
             self._take(engine, key)
-            self.stall_s += time.perf_counter() - t0
             return
-        self.stall_s += time.perf_counter() - t0
         self._thread = threading.Thread(
             target=self._take, args=(engine, key), name="memory-snapshot", daemon=True
         )
@@ -104,12 +98,6 @@ class WorkerMemory:
     def before_update(self) -> None:
         """The optimizer is about to change the state: the copy in progress must be finished."""
         self._copied.wait()
-
-    def before_step_update(self) -> None:
-        """`before_update` inside a training step: the wait is counted as what snapshots cost training."""
-        t0 = time.perf_counter()
-        self._copied.wait()
-        self.stall_s += time.perf_counter() - t0
 
     def wait(self) -> None:
         """Let the copy and its replication end (before the next copy)."""
@@ -201,8 +189,6 @@ class WorkerMemory:
             "replicate_s": self.last_replicate_s,
             "held_bytes": self.store.nbytes(),
             "off": self.off,
-            "stall_s": self.stall_s,
-            "taken": self.taken,
         }
 
     # -- served to peers (the replica concurrency group) --
