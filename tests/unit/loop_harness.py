@@ -60,6 +60,9 @@ def make_run(tmp_path: Path, *overrides: str, capacity: int = 2, run_dir: RunDir
             "training.max_steps=12",
             "checkpoint.every_steps=4",
             "failure.max_failures=3",
+            # A fake step takes no time: no cost to measure, so every step is snapshotted (the schedule
+            # that spaces them out by their cost has its own tests: test_snapshot_schedule.py).
+            "checkpoint.memory_max_step_share=0",
             *overrides,
         ],
     )

@@ -71,7 +71,7 @@ def test_a_full_disk_during_a_background_write_skips_that_save_and_training_goes
 
 
 def test_a_hung_background_write_is_a_hang_and_its_checkpoint_is_dropped(tmp_path: Path):
-    r = make_run(tmp_path)
+    r = make_run(tmp_path, "checkpoint.memory_every_steps=0")  # the restart below is the disk's
     r.controller.callbacks.after_step.append(at_step(5, lambda c: r.group.save_hangs(rank=0)))
     summary = r.run()
     assert summary.status.value == "FINISHED" and summary.failures == 1
