@@ -1,7 +1,8 @@
 """How every cost grows with the model, 30M to 1B parameters (the `conf/llama-*.yaml` presets).
 
 For each size, in one process and side by side (all figures at world size 2 unless stated):
-  throughput     elastictrain's steady step against the deepspeed launcher's, same model and config;
+  throughput     elastictrain's steady step against the deepspeed launcher's, same model and config,
+                 neither checkpointing (elastictrain's in-memory snapshots as configured);
   cold start     command to first completed step: `elastictrain train` (a subprocess, as users run
                  it), the deepspeed launcher and Ray Train's TorchTrainer;
   checkpoint     elastictrain's pause (training stopped) and time to a committed checkpoint, against
@@ -119,10 +120,14 @@ def measure_size(size: str, tmp: Path, smoke: bool) -> dict[str, Any]:
     log(f"disk {out['disk']['write_fsync_bytes_per_s'] / 1e6:.0f} MB/s write, "
         f"{out['disk']['read_bytes_per_s'] / 1e6:.0f} MB/s read")  # fmt: skip
 
+    # Steady state as the launcher runs it: no checkpoint until the last step (checkpoints are measured
+    # by the next run); elastictrain's in-memory snapshots as configured (the defaults).
+    steady = baselines.elastictrain(2, w, tmp / "steady", 0, f"checkpoint.every_steps={w.steps}")
     every = max(1, w.steps // 2)  # a checkpoint mid-run, so steps follow it and its pause is seen
     et = baselines.elastictrain(2, w, tmp, 0, f"checkpoint.every_steps={every}")
     out["elastictrain"] = {
-        "step_s": steady_step_s(et["steps"], w),
+        "step_s": steady_step_s(steady["steps"], w),
+        "step_s_with_checkpoints": steady_step_s(et["steps"], w),
         "pause_s": [p["pause_s"] for p in et["pauses"]],
         "commit_s": [c["seconds"] for c in et["checkpoints"]],
         "checkpoint_bytes": [c.get("bytes") for c in et["checkpoints"]],
