@@ -3,16 +3,18 @@
 A rank's in-memory snapshot (worker/memory.py) is a copy of its slice of the state and a replica sent
 to its buddy, both in a thread beside the next step. Where they hide behind that step they cost
 nothing; where they do not (no idle core, the next optimizer update waits for the copy) that step
-takes longer. The controller measures exactly that: the wall time of steps that ran beside a copy
-against steps that did not, and spaces the snapshots out (`core.memory_snapshots.snapshot_interval`)
-until they take at most `checkpoint.memory_max_step_share` of the training time, never more often
-than `checkpoint.memory_every_steps`. To measure both kinds of step, an attempt starts with a
-snapshot every other step, and while snapshots are taken every step, one step in `PROBE_EVERY` goes
-without (a failure right after it loses two steps instead of one). Each step is sent with
-its mark, so a change of interval reaches every rank at the same step. A checkpoint's step is always
-marked: the checkpoint's background write then writes that copy, and training does not stop for a
-copy of its own. A rank that finds its copies would not fit in host memory turns them off for the
-attempt and says so in its reports; the schedule then marks no step until the next attempt.
+takes longer, and the replica, sent after the copy, can reach into the step after it. The controller
+measures exactly that: the wall time of the two steps after a copy against steps with no copy or
+replica beside them; a snapshot costs twice the difference. It spaces the snapshots out
+(`core.memory_snapshots.snapshot_interval`) until they take at most
+`checkpoint.memory_max_step_share` of the training time, never more often than
+`checkpoint.memory_every_steps`. To measure both kinds of step, an attempt starts with a snapshot
+every third step, and while snapshots are taken every step, two in `PROBE_EVERY` go without (so that
+one step has nothing beside it; a failure right after them loses three steps, not one). Each step is
+sent with its mark, so a change of interval reaches every rank at the same step. A checkpoint's step
+is always marked: the checkpoint's background write then writes that copy, and training does not
+stop for a copy of its own. A rank that finds its copies would not fit in host memory turns them off
+for the attempt and says so in its reports; the schedule then marks no step until the next attempt.
 """
 
 from __future__ import annotations
@@ -34,17 +36,17 @@ class SnapshotSchedule:
         self.for_checkpoints = bool(ck.background_write)  # a checkpoint's save writes its step's copy
         self.interval = self.every  # steps between snapshots now (0: none)
         self.off = ""  # why snapshots are off in this attempt ("" while they are on)
-        self.step_s = {True: 0.0, False: 0.0}  # running mean wall time: beside a copy, and not
+        self.step_s = {True: 0.0, False: 0.0}  # running mean wall time: beside a copy or replica, and not
         self.samples = {True: 0, False: 0}
         self._marked: dict[int, bool] = {}  # steps done -> whether the state after them is copied
         self._first = True  # the first step of an attempt pays for the new engine: not measured
 
     @property
     def cost_s(self) -> float:
-        """What one snapshot adds to the step it runs beside (0 until both kinds were measured)."""
+        """What one snapshot adds to the two steps it runs beside (0 until both kinds were measured)."""
         if min(self.samples.values()) < MIN_SAMPLES:
             return 0.0
-        return max(0.0, self.step_s[True] - self.step_s[False])
+        return 2 * max(0.0, self.step_s[True] - self.step_s[False])
 
     def start_attempt(self) -> None:
         """A new attempt (world size, slices, maybe nodes): the memory check runs again on its workers,
@@ -61,9 +63,9 @@ class SnapshotSchedule:
         elif checkpoint and self.for_checkpoints:
             marked = True
         elif self.interval == 1 and self.max_share > 0 and min(self.samples.values()) < MIN_SAMPLES:
-            marked = steps_done % 2 == 0  # until both kinds of step are measured: every other one
-        elif self.interval == 1 and self.max_share > 0 and steps_done % PROBE_EVERY == 0:
-            marked = False  # the baseline step
+            marked = steps_done % 3 == 0  # until both kinds of step are measured: every third one
+        elif self.interval == 1 and self.max_share > 0 and steps_done % PROBE_EVERY in (0, 1):
+            marked = False  # so that the step after these has nothing beside it: the baseline
         else:
             marked = steps_done % self.interval == 0
         self._marked[steps_done] = marked
@@ -71,7 +73,9 @@ class SnapshotSchedule:
 
     def observe(self, step: int, results: list[dict[str, Any]], step_s: float) -> str | None:
         """Take step `step`'s reports and wall time into account; a message when the schedule changed."""
-        beside_copy = self._marked.pop(step, False)  # the copy of the state after `step` steps ran beside it
+        # The copy of the state after `step` steps ran beside this step, its replica maybe into the next.
+        after_previous = self._marked.pop(step - 1, False)
+        beside_copy = self._marked.get(step, False) or after_previous
         if self.every <= 0 or self.off:
             return None
         off = next((m["off"] for r in results if (m := r.get("memory") or {}).get("off")), "")
@@ -93,8 +97,9 @@ class SnapshotSchedule:
             old, self.interval = self.interval, wanted
             return (
                 f"in-memory snapshots every {wanted} step(s) (was {old}): a step beside a copy takes "
-                f"{self.step_s[True]:.2f}s, one without {base:.2f}s; at most {self.max_share:.0%} of "
-                "training time (checkpoint.memory_max_step_share)"
+                f"{self.step_s[True]:.2f}s, one without {base:.2f}s, so a snapshot costs "
+                f"{self.cost_s:.2f}s; at most {self.max_share:.0%} of training time "
+                "(checkpoint.memory_max_step_share)"
             )
         return None
 

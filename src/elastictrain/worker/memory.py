@@ -88,10 +88,11 @@ class WorkerMemory:
         self._copying = key
         self._copied.clear()
         if self._inline:
-            self._take(engine, key)
+            self._take(engine, key, None)
             return
+        stream = _copy_stream(engine)  # on a GPU: the copy's own CUDA stream, after this step's kernels
         self._thread = threading.Thread(
-            target=self._take, args=(engine, key), name="memory-snapshot", daemon=True
+            target=self._take, args=(engine, key, stream), name="memory-snapshot", daemon=True
         )
         self._thread.start()
 
@@ -137,7 +138,7 @@ class WorkerMemory:
         if future is not None:
             future.set_result(snap.raw if snap is not None else None)
 
-    def _take(self, engine: Any, key: SnapshotKey) -> None:
+    def _take(self, engine: Any, key: SnapshotKey, stream: Any) -> None:
         from elastictrain.checkpoint.rank_snapshot import take_snapshot
         from elastictrain.checkpoint.zero_state import fragments_of
 
@@ -150,7 +151,8 @@ class WorkerMemory:
                 return
             if self.delay_s:
                 time.sleep(self.delay_s)
-            raw = take_snapshot(engine)
+            with _on_stream(stream):  # device-to-host into pinned memory beside the next step's kernels
+                raw = take_snapshot(engine)
             assert raw is not None  # no memory bound given
             pieces = fragments_of(raw.plan.pieces)
             snap = Snapshot(key, raw.tensors(), pieces, raw.scalars, copy_s=time.perf_counter() - t0, raw=raw)
@@ -291,3 +293,25 @@ class SnapshotPeer:
     def inject_snapshot_delay(self, seconds: float) -> None:
         """Tests: every later copy starts `seconds` late, so a failure can strike in the middle of one."""
         self.memory.delay_s = float(seconds)
+
+
+def _copy_stream(engine: Any) -> Any:
+    """On a GPU, a CUDA stream for the copy that starts after the kernels queued so far (this step's
+    update): the copy then overlaps the next step's kernels instead of queueing behind them. None on CPU."""
+    import torch
+
+    if not torch.cuda.is_available() or getattr(engine, "device", None) is None:
+        return None
+    if torch.device(engine.device).type != "cuda":
+        return None
+    stream = torch.cuda.Stream(device=engine.device)
+    stream.wait_stream(torch.cuda.current_stream(engine.device))
+    return stream
+
+
+def _on_stream(stream: Any) -> Any:
+    import contextlib
+
+    import torch
+
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
