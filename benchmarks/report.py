@@ -27,18 +27,19 @@ def _status(t: dict[str, Any]) -> str:
 # Why a target can be missed and what would close it: shown under the table for each missed row.
 WHY = {
     # The scale benchmark's rows first: its names also contain the generic keys below.
-    "throughput / deepspeed launcher": "measured on this machine at 30M (2 ranks, nothing else running): "
-    "with checkpoint.memory_every_steps=0 elastictrain's step is 3.16 s, the launcher's 3.18 s (1.00x); "
-    "with the default in-memory snapshot after every step it is 3.52 s, and the benchmark's run, which "
-    "also writes a disk checkpoint, 3.92 s. The per-step copy and its replication to the buddy compete "
-    "with training for the 2 cores. Closing it: an interval chosen from the measured copy cost (the "
-    "issue's 3% rule) instead of a fixed 1, and the copy overlapped on a free core or a CUDA stream.",
-    "peak memory / bound": "the in-memory snapshots are most of the excess and the bound does not count "
-    "them: at 30M, 2 ranks, the peak per rank is 1.60 GiB with checkpoint.memory_every_steps=0 and "
-    "3.11 GiB with the default 1 (the rank's own copies and its buddy's replica). The rest is DeepSpeed's "
-    "buffers (reduce and prefetch buckets, the /dev/shm all-reduce buffers) and the allocator's caching, "
-    "which the deepspeed launcher's ranks show too. Closing it: count the snapshots in core.memory's "
-    "estimate, and hold one copy plus the buddy's instead of double buffers where memory is short.",
+    "throughput / deepspeed launcher": "the in-memory snapshots' copies and replicas compete with the 2 "
+    "ranks for the 2 cores. At 30M the schedule measured a step beside a copy at 4.0 s against 3.2-3.5 s "
+    "without and spaced the copies out to every 5-10 steps; the steps without a copy were still slower "
+    "than the launcher's 3.05 s (the replica reaching into them, the checkpoint writer). With "
+    "checkpoint.memory_every_steps=0 the step was 3.16 s against the launcher's 3.18 s (1.00x). At 125M "
+    "the snapshots were turned off for lack of memory after their first copy, which fell inside the 3 "
+    "measured steps. Closing it: idle cores or a GPU (the copy is a device-to-host transfer on its own "
+    "stream), and more measured steps at the larger sizes.",
+    "peak memory / bound": "the memory runs have no in-memory snapshots (checkpoint.max_host_memory_mb=0 "
+    "turns them off) and stream their checkpoints; what is left above the ZeRO-3 bound is DeepSpeed's "
+    "buffers (reduce-scatter and prefetch buckets, the /dev/shm all-reduce buffers), the allocator's "
+    "caching and the data, which the deepspeed launcher's ranks show too (their peaks are in scale.json). "
+    "Closing it: smaller buckets (deepspeed.extra) and counting them in core.memory's estimate.",
     "throughput": "elastictrain's driver reports every step and queues at most two steps per actor "
     "(PIPELINE_DEPTH in control/pipeline.py); a slower driver or a busier machine shows here. Closing "
     "it: deeper pipelining, or reporting every k steps.",
@@ -67,20 +68,26 @@ WHY = {
     "checkpoint.memory_every_steps=2 or more.",
     "memory recovery: per-step CPU cost": "the copy is a memcpy of the rank's slice; a miss would mean "
     "the copy's Python overhead (one tensor per parameter and field) dominates a very short step.",
-    "goodput": "most of the loss is capacity, not recovery: after a worker or node is lost the run "
-    "goes on at world size 2 of 3 until a replacement is warm and joins at the next disk checkpoint "
-    "(checkpoint.every_steps). Closing it: growing at any step from the in-memory snapshots (not done yet).",
+    "goodput": "after a worker or node is lost the run goes on at the smaller world size until a "
+    "replacement is warm (a cold start of the actor: tens of seconds on 2 cores), then grows at the "
+    "next step from memory; a node added back costs the same wait. Closing it: keep spare warm actors.",
     "reshard": "the universal route pays a conversion subprocess; elastictrain reads each rank's slices "
     "directly. A miss would mean reading the fragment files is slower than the disk allows.",
-    "checkpoint pause / durable": "the pause is the snapshot: one contiguous copy per (sub-group, field) of "
-    "the rank's state into host memory, at memory speed, against a durable save bounded by the disk's "
-    "fsync bandwidth; on a shared 2-core machine the copy also waits for the cores. Closing it: copy while "
-    "the next step's forward runs (a CUDA stream into pinned memory on GPUs, a thread on a free core).",
-    "commit bandwidth": "commit counts from the queued snapshot to the committed manifest: the writes, then "
-    "the next step's report that carries their outcome, then the manifest and its read-back. Closing it: "
-    "report a finished write out of band instead of with the next step.",
-    "recovery, fixed part": "the fixed part is detection, the new attempt's engine build (the model under "
-    "zero.Init, DeepSpeed's optimizer set-up) and a step: the engine build grows with the model too.",
+    "checkpoint pause / durable": "met where in-memory snapshots are on (30M: the checkpoint's write takes "
+    "the step's in-memory copy, made in a thread beside the next step: the pause is bookkeeping). Where "
+    "they are off (125M here: 8 copies of a 767 MiB slice do not fit the memory budget) the pause is the "
+    "checkpoint's own host copy at memory speed against a durable save bounded by the disk. Closing it: "
+    "one copy in memory for the checkpoint alone, made beside the next step as the snapshots are.",
+    "commit bandwidth": "commit counts from the queued snapshot to the committed manifest: the writes (a "
+    "writer thread at nice 10 hashing and fsyncing while 2 ranks keep the 2 cores busy), then the next "
+    "step's report that carries their outcome (a step is 3-14 s here), then the manifest and its "
+    "read-back. Closing it: a spare core for the writer, and a finished write reported out of band "
+    "instead of with the next step.",
+    "recovery, fixed part": "kill to first completed step includes that step (3.4 s at 30M, 12-14 s at "
+    "125M) and the new attempt's engine build; at 125M the state came from disk (snapshots off for lack "
+    "of memory) and at 30M a survivor stuck in a gloo collective was replaced, so the run waited for a "
+    "new worker's cold start (the gloo limit in the README). Closing it: NCCL's abortable collectives "
+    "on GPUs, and measuring the restart without the step.",
     "controller iteration": "most of an iteration is building one frozen WorkerObservation per worker in "
     "Python. Closing it: keep the observations in arrays (or update them incrementally) and scan only "
     "the workers whose state changed.",
