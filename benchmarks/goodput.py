@@ -9,12 +9,12 @@ and 3 workers fixed: a ZeRO-3 checkpoint cannot be loaded at another world size 
 elastic Ray Train job could not resume after a node loss (recovery.json); at a fixed size it waits
 for the node to come back.
 
-Each system's fault-free step time comes from a calibration run of `CALIBRATION_STEPS` steps without
-failures (two disk checkpoints included: its wall time from the first step to the last over the
-steps between). Goodput = steps done with failures x that step time / the wall time from the first
-completed step to the last (cold starts excluded alike). For a run that reaches its final step this
-is the fault-free time to the final step over the wall time with failures; a peer run stopped at its
-time limit is measured up to where it got.
+Each system's fault-free step time is taken from its own run: the mean interval between consecutive
+steps of one attempt at the full world size (3), which includes its disk checkpoints and in-memory
+snapshots and leaves out restarts and steps at a smaller size. Goodput = steps done with failures x
+that step time / the wall time from the first completed step to the last (cold starts excluded
+alike): for a run that reaches its final step, the fault-free time to the final step over the wall
+time with failures; a peer run stopped at its time limit is measured up to where it got.
 
 The duration is `GOODPUT_MINUTES` (environment; default 15): the number of steps is set from
 elastictrain's calibration so that its fault-free run would take that long.
@@ -42,7 +42,7 @@ from benchmarks.common import (
 )
 
 EVERY = 20  # disk checkpoint interval (steps): recovery comes from memory, the disk is the fallback
-CALIBRATION_STEPS = 2 * EVERY + 1  # two checkpoints' pauses inside, as in the long runs
+CALIBRATION_STEPS = 2 * EVERY + 1  # sizes the run: two checkpoints' pauses inside, as in the long runs
 KINDS = ("worker_killed", "node_removed", "node_added")
 
 
@@ -160,14 +160,28 @@ def _ray_train(
 
 
 def _step_s(calibration: dict[str, Any]) -> float:
-    """Fault-free wall seconds per step: from the first completed step to the last, over the steps between."""
+    """Wall seconds per step of a run without failures: first completed step to last, over the steps."""
     line = calibration["timeline"]
     return (line[-1][0] - line[0][0]) / max(1, line[-1][1] - line[0][1])
 
 
-def _goodput(run: dict[str, Any], step_s: float) -> float | None:
+def fault_free_step_s(run: dict[str, Any]) -> float | None:
+    """Seconds per step at the full world size, from the run itself: the mean interval between
+    consecutive steps of one attempt at the largest world size (disk checkpoints and snapshots
+    included, restarts and steps at a smaller size not): what the same run costs without failures."""
     line = run["timeline"]
-    if len(line) < 2 or line[-1][0] <= 0:
+    full = max((ws for _, _, ws in line), default=0)
+    gaps = [
+        b[0] - a[0]
+        for a, b in zip(line, line[1:], strict=False)
+        if b[1] == a[1] + 1 and a[2] == b[2] == full and a[0] > 0
+    ]
+    return sum(gaps) / len(gaps) if gaps else None
+
+
+def _goodput(run: dict[str, Any], step_s: float | None) -> float | None:
+    line = run["timeline"]
+    if not step_s or len(line) < 2 or line[-1][0] <= 0:
         return None
     return (line[-1][1] - line[0][1]) * step_s / (line[-1][0] - line[0][0])
 
@@ -186,8 +200,6 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
 
         ray.shutdown()
         cluster.shutdown()
-    peer_calibration = _ray_train(w, tmp / "ray-train-calibrate", CALIBRATION_STEPS, [], 1800.0)
-    peer_step_s = _step_s(peer_calibration) if len(peer_calibration["timeline"]) > 1 else None
     limit = 3 * minutes * 60 + 600  # a peer that stalls is measured up to where it got
     runs = []
     for rep in range(reps):
@@ -195,15 +207,21 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
         runs.append({"rep": rep, "with_failures": faulty[rep], "ray_train": peer})
         print(f"  goodput rep {rep}: elastictrain {faulty[rep]['seconds']:.0f}s, Ray Train "
               f"{peer['seconds']}s for {steps} steps", flush=True)  # fmt: skip
-    et = [_goodput(r["with_failures"], step_s) for r in runs]
-    rt = [_goodput(r["ray_train"], peer_step_s) if peer_step_s else None for r in runs]
+    et = [_goodput(r["with_failures"], fault_free_step_s(r["with_failures"])) for r in runs]
+    rt = [_goodput(r["ray_train"], fault_free_step_s(r["ray_train"])) for r in runs]
+    peer_step_s = fault_free_step_s(runs[-1]["ray_train"])
     lost = [
         e["steps_lost"] for r in runs for e in r["with_failures"]["recovered"] if e["steps_lost"] is not None
     ]
     metrics = {
         "goodput": sorted(et)[len(et) // 2] if None not in et else None,
         "ray_train_goodput": sorted(rt)[len(rt) // 2] if None not in rt else None,
-        "step_s": {"elastictrain": step_s, "ray_train": peer_step_s},
+        # Fault-free seconds per step, from each run's own steps at full size; elastictrain's calibration.
+        "step_s": {
+            "elastictrain": fault_free_step_s(runs[-1]["with_failures"]),
+            "ray_train": peer_step_s,
+            "elastictrain_calibration": step_s,
+        },
         "minutes": minutes,
         "steps": steps,
         "failures_injected": len(runs[-1]["with_failures"]["failures"]),
@@ -229,8 +247,9 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
         ),
     ]
     notes = [
-        "goodput: steps done with failures x the system's fault-free seconds per step (its calibration run, "
-        f"{CALIBRATION_STEPS} steps with two checkpoints) / the wall time from the first step to the last.",
+        "goodput: steps done with failures x the system's fault-free seconds per step (the mean interval "
+        "between consecutive steps at the full world size in the same run) / the wall time from the first "
+        "step to the last. elastictrain's calibration run (no failures) only sets the number of steps.",
         "recoveries include grows (a node added back is joined as soon as its worker is warm, from memory).",
         "Ray Train runs 3 workers fixed (an elastic one cannot load a ZeRO-3 checkpoint at another world "
         "size); it restarts all workers from its last checkpoint on each failure, and after a node loss "
