@@ -55,6 +55,7 @@ def test_in_memory_snapshots_are_kept_only_where_their_copies_fit_the_memory_bud
     try:
         for step in range(3):
             results = ray.get([a.train_step.remote(step, True) for a in probes.active], timeout=300)
+        ray.get([a.snapshot_now.remote() for a in probes.active], timeout=120)  # the last copy is complete
         held = [
             [h for h in hs if h["attempt"] == probes.attempt]  # a worker keeps earlier attempts' too
             for hs in ray.get([a.memory_holdings.remote() for a in probes.active], timeout=60)
