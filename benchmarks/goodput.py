@@ -200,7 +200,7 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
 
         ray.shutdown()
         cluster.shutdown()
-    limit = 3 * minutes * 60 + 600  # a peer that stalls is measured up to where it got
+    limit = 1.6 * minutes * 60 + 300  # a peer that stalls is measured up to where it got
     runs = []
     for rep in range(reps):
         peer = _ray_train(w, tmp / f"ray-train-faulty-rep{rep}", steps, plan, limit)
