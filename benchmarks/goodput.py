@@ -191,9 +191,11 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
     cluster = _cluster()
     try:
         calibration = _run(w, tmp / "calibrate", CALIBRATION_STEPS, [], cluster)
-        step_s = _step_s(calibration)
-        steps = max(EVERY, int(minutes * 60 / step_s))
-        plan = schedule(minutes * 60 * 1.1)  # the run with failures takes a little longer
+        # The calibration's steady steps (its first ones include the snapshot schedule's start), plus a
+        # tenth: the run should last at least `minutes` without failures.
+        step_s = fault_free_step_s(calibration) or _step_s(calibration)
+        steps = max(EVERY, int(1.1 * minutes * 60 / step_s))
+        plan = schedule(minutes * 60 * 1.2)  # the run with failures takes a little longer
         faulty = [_run(w, tmp / f"faulty-rep{rep}", steps, plan, cluster) for rep in range(reps)]
     finally:
         import ray

@@ -138,8 +138,11 @@ class StepPipeline:
         }
         changed = self.snapshots.observe(step, results, wall)
         if changed:
-            s = self.snapshots
-            self.recorder.event("snapshots", changed, step=self.step, interval=s.interval, off=s.off)
+            s, fields = self.snapshots, {"interval": self.snapshots.interval, "off": self.snapshots.off}
+            if s.off or s.changes == 1:  # said in the terminal once; later moves only in events.jsonl
+                self.recorder.event("snapshots", changed, step=self.step, **fields)
+            else:
+                self.recorder.quiet_event("snapshots", step=self.step, message=changed, **fields)
         if self.recovering_since is not None:
             metrics["recovery_seconds"] = now - self.recovering_since
             metrics["steps_lost"] = float(self.lost_steps)

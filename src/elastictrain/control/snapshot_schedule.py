@@ -40,6 +40,7 @@ class SnapshotSchedule:
         self.samples = {True: 0, False: 0}
         self._marked: dict[int, bool] = {}  # steps done -> whether the state after them is copied
         self._first = True  # the first step of an attempt pays for the new engine: not measured
+        self.changes = 0  # interval changes so far
 
     @property
     def cost_s(self) -> float:
@@ -91,10 +92,11 @@ class SnapshotSchedule:
             return None
         base = self.step_s[False]
         wanted = snapshot_interval(self.cost_s, base, every=self.every, max_share=self.max_share)
-        # Longer at once when snapshots cost too much; shorter only when half would do, so that noise in
-        # the timings does not move the interval back and forth.
-        if wanted > self.interval or wanted * 2 <= self.interval:
+        # Longer once snapshots cost a quarter more than allowed; shorter only when half would do, so that
+        # noise in the timings does not move the interval back and forth.
+        if wanted > 1.25 * self.interval or wanted * 2 <= self.interval:
             old, self.interval = self.interval, wanted
+            self.changes += 1
             return (
                 f"in-memory snapshots every {wanted} step(s) (was {old}): a step beside a copy takes "
                 f"{self.step_s[True]:.2f}s, one without {base:.2f}s, so a snapshot costs "
