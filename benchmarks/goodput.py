@@ -141,6 +141,7 @@ def _ray_train(
     }
     w = dataclasses.replace(w, measured_steps=steps - w.warmup_steps)  # elastictrain's LR schedule
     peer = run_peer("ray_train", 3, w, tmp, spec_extra=spec, timeout_s=limit_s)
+    ended = time.time()
     lines, done = peer.steps, peer.step_records()
     error = (peer.driver_out or {}).get("error") or (
         None if peer.returncode == 0 else f"exit {peer.returncode}"
@@ -149,9 +150,12 @@ def _ray_train(
         return {"steps": steps, "timeline": [], "seconds": None, "failures": [], "error": error}
     t0 = done[0]["time"]
     failures = [{**f, "time": f["time"] - t0} for f in _read_lines(tmp / "failures.jsonl")]
+    timeline = [(r["time"] - t0, r["step"], r["world_size"]) for r in done]
+    if timeline[-1][1] < steps:  # stopped at the time limit: the wall time runs to where it stopped
+        timeline.append((ended - t0, timeline[-1][1], 0))
     return {
         "steps": steps,
-        "timeline": [(r["time"] - t0, r["step"], r["world_size"]) for r in done],
+        "timeline": timeline,
         "seconds": done[-1]["time"] - t0,
         "failures": failures,
         "restarts": sum(1 for r in lines if r.get("event") == "attempt_start") - 1,

@@ -118,7 +118,14 @@ def main() -> None:
     if spec.get("cluster_nodes"):
         from ray.cluster_utils import Cluster
 
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+        # No exit hooks: they register a SIGTERM handler, which Python allows only in the main thread, and the
+        # goodput schedule adds nodes from another one (main() shuts the cluster down; the harness kills
+        # this process group at its time limit).
+        cluster = Cluster(
+            initialize_head=True,
+            shutdown_at_exit=False,
+            head_node_args={"num_cpus": 0, "include_dashboard": False},
+        )
         for _ in range(int(spec["cluster_nodes"])):
             cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
