@@ -1,6 +1,6 @@
 """In-memory snapshots of a rank's state: held on the worker, served to peers, read back resharded.
 
-A snapshot is exactly what a rank file holds (`snapshot_local_state`: fragments of the fp32 weights and
+A snapshot is exactly what a rank file holds (`rank_snapshot.take_snapshot`: fragments of the fp32 weights and
 of each elementwise optimizer state, tagged with global offsets, plus scalars), kept in host memory
 instead of written. Fragments do not depend on the world size, so a new attempt at any size loads
 its slices from them through `MemoryReader`, the in-memory twin of `FragmentReader`, with the same

@@ -47,18 +47,6 @@ def _optimizer_name(engine: Any) -> str:
     return type(inner).__name__
 
 
-def snapshot_local_state(engine: Any) -> tuple[dict[str, torch.Tensor], dict[str, Fragment], dict[str, Any]]:
-    """This rank's fragments as CPU tensors named 'param::field', their positions, and scalar state.
-
-    The tensors are views into one host buffer (checkpoint/rank_snapshot.py), laid out as the file.
-    """
-    from elastictrain.checkpoint.rank_snapshot import take_snapshot
-
-    snap = take_snapshot(engine)
-    assert snap is not None  # no memory bound given
-    return snap.tensors(), fragments_of(snap.plan.pieces), snap.scalars
-
-
 def fragments_of(pieces: list[LocalSlice]) -> dict[str, Fragment]:
     return {p.name: Fragment(p.start, p.length, p.numel, p.shape) for p in pieces}
 

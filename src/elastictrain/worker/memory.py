@@ -106,6 +106,17 @@ class WorkerMemory:
             self._thread.join()
             self._thread = None
 
+    def snapshot_last_step(self, engine: Any) -> dict[str, Any]:
+        """Copy the state after the last step unless that copy was started; wait for it and its replica."""
+        if self.live_key() != self._copying:
+            self.after_step(engine, self._steps_done, True)
+        self.wait()
+        return {
+            "step": self._steps_done,
+            "held": self.store.find(self.live_key()) is not None,
+            "off": self.off,
+        }
+
     def live_key(self) -> SnapshotKey:
         """The key a snapshot of the state after the last step has."""
         return SnapshotKey(*self._identity, self._steps_done)
@@ -280,11 +291,7 @@ class SnapshotPeer:
     def snapshot_now(self) -> dict[str, Any]:
         """Copy the state after the last step to memory, unless that copy was started, and replicate it
         (the controller grows at this step: the new attempt loads it). Runs between steps."""
-        m = self.memory
-        if m.live_key() != m._copying:
-            m.after_step(self.engine, m._steps_done, True)
-        m.wait()
-        return {"step": m._steps_done, "held": m.store.find(m.live_key()) is not None, "off": m.off}
+        return self.memory.snapshot_last_step(self.engine)
 
     def memory_holdings(self) -> list[dict[str, Any]]:
         """Every complete snapshot this worker holds: its own rank's and its buddy's."""
