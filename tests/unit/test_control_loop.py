@@ -34,6 +34,23 @@ def test_a_rank_dying_at_a_step_restarts_from_the_last_checkpoint_on_the_survivo
     assert r.committed_step() == 12
 
 
+def test_after_a_failure_survivors_abort_their_collectives_before_leaving_but_not_after_a_clean_run(
+    tmp_path: Path,
+):
+    r = make_run(tmp_path, "scaling.min_workers=1", "scaling.max_workers=3", capacity=3)
+    attempts: list = []
+    r.controller.callbacks.after_attempt_start.append(lambda c: attempts.append(list(c.active)))
+    r.group.die_at_step(rank=2, step=6)
+    assert r.run().status.value == "FINISHED"
+    first, last = attempts[0], attempts[-1]
+    for w in first[:2]:  # the survivors: abort (their control thread), then leave, then the next attempt
+        calls = w.calls[w.calls.index("train_step") :]
+        assert calls.index("abort_collectives") < calls.index("teardown")
+    for w in last:  # the last attempt ends cleanly: its workers leave without aborting
+        since_setup = w.calls[len(w.calls) - w.calls[::-1].index("setup") :]
+        assert "teardown" in since_setup and "abort_collectives" not in since_setup
+
+
 def test_a_dead_worker_whose_node_is_gone_is_node_lost_found_with_one_cluster_query(tmp_path: Path):
     r = make_run(tmp_path, "scaling.min_workers=1")
 

@@ -401,6 +401,9 @@ class FakeGroup:
     def _memory_holdings(self, w: FakeWorker) -> list[dict[str, Any]]:
         return w.own + w.replicas
 
+    def _abort_collectives(self, w: FakeWorker) -> int:
+        return 0
+
     def _teardown(self, w: FakeWorker) -> dict[str, float]:
         if w.writer is not None:
             w.writer.finish()

@@ -15,6 +15,7 @@ from elastictrain.core.policy import Failure
 log = logging.getLogger(__name__)
 
 TEARDOWN_TIMEOUT_S = 5.0  # a survivor that cannot leave its attempt in this time is replaced
+ABORT_TIMEOUT_S = 2.0  # for the survivors' control threads to abort their process groups
 HAND_OFF_TIMEOUT_S = 30.0  # for a replaced survivor to pass its in-memory snapshots on
 
 
@@ -91,14 +92,26 @@ def remove_at_fault(group: Group, failure: Failure) -> None:
 
 
 def teardown(
-    group: Group, active: Sequence[Any], recorder: RunRecorder, step: int, *, hand_off: bool = False
+    group: Group,
+    active: Sequence[Any],
+    recorder: RunRecorder,
+    step: int,
+    *,
+    hand_off: bool = False,
+    abort: bool = False,
 ) -> None:
     """Tear the attempt down on every surviving worker; a worker that cannot is replaced.
 
-    With `hand_off`, a worker about to be replaced first sends its in-memory snapshots (its control
-    thread answers while its training thread is stuck) to a survivor that left cleanly.
+    With `abort` (after a failure), every survivor first aborts its process groups from its control
+    thread: one blocked in a collective with a rank that is gone (in a ring, even one waiting on a
+    live rank that already left) is released in a second, rather than replaced after the teardown
+    timeout, which would cost a new actor's start. With `hand_off`, a worker about to be replaced
+    first sends its in-memory snapshots (its control thread answers while its training thread is
+    stuck) to a survivor that left cleanly.
     """
     survivors = [w for w in group.workers if w in active]
+    if abort and survivors:
+        group.gather(group.call(survivors, "abort_collectives", control=True), ABORT_TIMEOUT_S)
     replies = group.gather(group.call(survivors, "teardown"), TEARDOWN_TIMEOUT_S)
     stuck: dict[str, str] = {}
     for w in survivors:

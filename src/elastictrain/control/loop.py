@@ -339,7 +339,7 @@ class Controller:
         )
         remove_at_fault(self.group, failure)
         self.saves.settle(failure, self.step)
-        self._teardown()
+        self._teardown(abort=True)
         self.store.clean_partials()  # a snapshot queued when the failure struck left its staging folder
         ckpt = self.resume.latest()
         decision = decide_after_failure(
@@ -380,8 +380,10 @@ class Controller:
         latest = self.resume.latest()
         return int(latest.manifest["step"]) if latest else 0
 
-    def _teardown(self) -> None:
-        teardown(self.group, self.active, self.recorder, self.step, hand_off=self.memory.every > 0)
+    def _teardown(self, *, abort: bool = False) -> None:
+        teardown(
+            self.group, self.active, self.recorder, self.step, hand_off=self.memory.every > 0, abort=abort
+        )
         self.active = []
 
     # ------------------------------------------------------------------ helpers

@@ -23,7 +23,9 @@ from elastictrain.core.data_order import derive_seed, micro_batch_positions, sam
 from elastictrain.core.schedule import learning_rate
 from elastictrain.storage import as_path
 from elastictrain.worker.attempt import AttemptSpec
+from elastictrain.worker.collective_sockets import CollectiveSockets
 from elastictrain.worker.dist import (
+    abort_collectives,
     destroy_process_group,
     remove_shm_buffers,
     reset_zero_counters,
@@ -54,6 +56,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         self.worker_id = worker_id
         self.use_gpu = use_gpu
+        self.sockets = CollectiveSockets()  # the attempt's gloo connections, half-closed on leaving
         self.spec: AttemptSpec | None = None
         self.engine: Any = None
         self.dataset: Any = None  # any map-style dataset: len() and [i]
@@ -128,6 +131,11 @@ class TrainWorker(SnapshotPeer, FaultHooks):
             "where": where,
         }
 
+    def abort_collectives(self) -> int:
+        """Called on the control thread after a failure: a training thread blocked in a collective
+        whose peer is gone raises now, so this worker can leave the attempt and be kept."""
+        return abort_collectives(self.use_gpu, self.sockets)
+
     def _set_mark(self, phase: str, step: int) -> None:
         with self._lock:
             self._mark = (phase, step, time.time())
@@ -161,6 +169,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         )
         if self.use_gpu:
             torch.cuda.set_device(0)  # Ray gives each actor exactly one visible GPU
+        self.sockets.start()
         deepspeed.init_distributed(
             dist_backend=spec.backend,
             auto_mpi_discovery=False,
@@ -186,6 +195,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
             model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=spec.ds_config,
         )
+        self.sockets.stop()
         timings["engine_s"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()
@@ -247,7 +257,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
     def _abandon_attempt(self) -> None:
         self.engine = None
         gc.collect()
-        destroy_process_group(self.use_gpu)
+        destroy_process_group(self.use_gpu, self.sockets)
 
     def _train_step(self, step: int) -> dict[str, Any]:
         from elastictrain.worker.data import collate_items, to_device
@@ -383,7 +393,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
             swap = nvme_paths(self.spec.ds_config)  # this rank's own (`<nvme_path>/<run_id>/rank-N`)
         self.engine = None
         gc.collect()
-        destroy_process_group(self.use_gpu)
+        destroy_process_group(self.use_gpu, self.sockets)
         if addr_port is not None:
             remove_shm_buffers(*addr_port)
         for folder in swap:  # swap files are worthless once the engine is gone; the rank may change

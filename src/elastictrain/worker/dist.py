@@ -9,6 +9,7 @@ import glob
 import os
 
 from elastictrain.worker.attempt import AttemptSpec
+from elastictrain.worker.collective_sockets import CollectiveSockets
 
 
 def reset_zero_counters() -> None:
@@ -35,14 +36,28 @@ def zero_stage(spec: AttemptSpec) -> int:
     return int(spec.ds_config.get("zero_optimization", {}).get("stage", 0))
 
 
-def destroy_process_group(use_gpu: bool) -> None:
+def abort_collectives(use_gpu: bool, sockets: CollectiveSockets) -> int:
+    """Release every collective this rank takes part in, and the peers waiting on it in one.
+
+    NCCL's communicators are aborted (a kernel waiting on a dead peer never returns otherwise); gloo's
+    connections are half-closed (worker/collective_sockets.py), so that a collective blocked on this
+    rank raises on every peer, and this rank's own raises once they do the same. Returns the number
+    of connections closed.
+    """
     import torch.distributed as dist
 
+    if use_gpu and dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):  # best effort; destroy still runs
+            dist.distributed_c10d._abort_process_group()  # type: ignore[attr-defined]
+        return 0
+    return sockets.half_close()
+
+
+def destroy_process_group(use_gpu: bool, sockets: CollectiveSockets) -> None:
+    import torch.distributed as dist
+
+    abort_collectives(use_gpu, sockets)  # peers still waiting on this rank must not wait for a timeout
     if dist.is_available() and dist.is_initialized():
-        if use_gpu:
-            # A communicator whose peer died must be aborted, not waited on.
-            with contextlib.suppress(Exception):  # best effort; destroy below still runs
-                dist.distributed_c10d._abort_process_group()  # type: ignore[attr-defined]
         try:
             import deepspeed.comm as ds_comm
 
