@@ -144,7 +144,7 @@ class Target:
     name: str
     value: float | None  # the figure (a ratio, or seconds/bytes where stated in `unit`)
     target: float
-    direction: str  # ">=" or "<="
+    direction: str  # ">=", "<=", ">" or "<"
     unit: str = "x"
     note: str = ""
 
@@ -152,7 +152,12 @@ class Target:
         met = None
         missed_by = None
         if self.value is not None and math.isfinite(self.value):
-            met = self.value >= self.target if self.direction == ">=" else self.value <= self.target
+            met = {
+                ">=": self.value >= self.target,
+                ">": self.value > self.target,
+                "<=": self.value <= self.target,
+                "<": self.value < self.target,
+            }[self.direction]
             if not met:
                 # How far off, as a fraction of the target (0.25 = 25% short of / over it).
                 missed_by = abs(self.value - self.target) / abs(self.target) if self.target else None
