@@ -296,7 +296,12 @@ def plot(result: dict[str, Any], out: Path) -> None:
             )
     ax.set_xlabel("s since the first step")
     ax.set_ylabel("steps done")
-    ax.set_title(f"goodput: elastictrain {m['goodput']}, Ray Train {m.get('ray_train_goodput')}")
+
+    def shown(g: float | None) -> str:
+        return "n/a" if g is None else f"{g:.2f}"
+
+    ours, theirs = shown(m["goodput"]), shown(m.get("ray_train_goodput"))
+    ax.set_title(f"goodput: elastictrain {ours}, Ray Train {theirs}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=90)
