@@ -23,7 +23,11 @@ _LISTEN = "0A"  # the state /proc/net/tcp gives a listening socket
 def _socket_inodes() -> dict[int, int]:
     """This process's socket file descriptors -> their inodes."""
     out: dict[int, int] = {}
-    for name in os.listdir("/proc/self/fd"):
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # no /proc (not Linux): nothing is recorded, and leaving falls back to the timeout
+        return out
+    for name in names:
         with contextlib.suppress(OSError, ValueError):
             link = os.readlink(f"/proc/self/fd/{name}")
             if link.startswith("socket:["):

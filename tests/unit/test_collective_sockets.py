@@ -1,0 +1,38 @@
+"""The connections opened while process groups are made are found, and half-closed without the listener."""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+import pytest
+
+from elastictrain.worker.collective_sockets import CollectiveSockets
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def test_connections_made_while_recording_are_half_closed_and_the_peer_reads_end_of_file():
+    before = socket.create_server(("127.0.0.1", 0))  # a server that existed before: not recorded
+    old_client = socket.create_connection(before.getsockname())
+    old_conn, _ = before.accept()
+    sockets = CollectiveSockets()
+    sockets.start()
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    conn, _ = server.accept()
+    late = socket.create_connection(before.getsockname())  # outbound in the window: recorded too
+    late_conn, _ = before.accept()  # accepted by a server that existed before (Ray's kind): not
+    sockets.stop()
+    try:
+        assert sockets.half_close() == 3  # client, conn and late; not the new listener, not late_conn
+        conn.settimeout(5)
+        client.settimeout(5)
+        assert conn.recv(1) == b"" and client.recv(1) == b""  # each end saw the other's half-close
+        late_conn.sendall(b"x")
+        late.settimeout(5)
+        assert late.recv(1) == b"x"  # late_conn was left open for writing
+        assert sockets.half_close() == 0  # once
+    finally:
+        for s in (before, old_client, old_conn, server, client, conn, late, late_conn):
+            s.close()
