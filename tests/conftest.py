@@ -16,6 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from elastictrain.worker.ops import prefer_environment_tools
+
+# As every elastictrain process does: engines built in a test process load the ops `make setup` built.
+prefer_environment_tools()
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -1,14 +1,17 @@
-"""Every elastictrain process finds the environment's own tools (ninja) first on PATH."""
+"""Every elastictrain process finds the environment's own tools (ninja) first on PATH, and its own
+DeepSpeed op cache."""
 
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from elastictrain.worker.ops import prefer_environment_tools
+from elastictrain.worker import ops
+from elastictrain.worker.ops import own_extensions_dir, prefer_environment_tools
 
 
 def test_the_interpreters_bin_folder_goes_first_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -17,3 +20,30 @@ def test_the_interpreters_bin_folder_goes_first_once(monkeypatch: pytest.MonkeyP
     prefer_environment_tools()
     prefer_environment_tools()
     assert os.environ["PATH"].split(os.pathsep) == [bin_dir, "/usr/bin", "/bin"]
+
+
+def test_deepspeed_ops_are_cached_per_environment_unless_the_user_says_where(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    prefer_environment_tools()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(own_extensions_dir())
+    assert own_extensions_dir().parent == Path.home() / ".cache" / "torch_extensions"
+    assert f"py{sys.version_info.major}{sys.version_info.minor}" in own_extensions_dir().name
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/somewhere/else")
+    prefer_environment_tools()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == "/somewhere/else"
+
+
+def test_two_deepspeed_installs_do_not_share_an_op_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two checkouts' environments compile the same op from different paths: sharing one cache, each
+    # took the other's build for stale and rebuilt every op.
+    def install_at(folder: str) -> Path:
+        spec = SimpleNamespace(origin=f"{folder}/site-packages/deepspeed/__init__.py")
+        monkeypatch.setattr(ops.importlib.util, "find_spec", lambda name: spec)
+        return own_extensions_dir()
+
+    first, second = install_at("/work/main/.venv/lib"), install_at("/check/work/main/.venv/lib")
+    assert first != second
+    assert install_at("/work/main/.venv/lib") == first

@@ -1,11 +1,15 @@
-"""Build DeepSpeed's JIT-compiled ops once (they are cached in ~/.cache/torch_extensions).
+"""Build DeepSpeed's JIT-compiled ops once, into a cache of this environment's own.
 
 A first NVMe-offload run otherwise spends minutes compiling inside the first training step; doing it
-at install time keeps that cost out of runs, tests and benchmarks.
+at install time keeps that cost out of runs, tests and benchmarks. The cache lies under
+~/.cache/torch_extensions/elastictrain-<key> (one per DeepSpeed install) unless TORCH_EXTENSIONS_DIR
+says where.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
 import sys
 import time
@@ -15,7 +19,8 @@ OPS = ("CPUAdamBuilder", "AsyncIOBuilder", "ShareMemCommBuilder")
 
 
 def prefer_environment_tools() -> None:
-    """Put this interpreter's bin folder first on PATH, once per process.
+    """Put this interpreter's bin folder first on PATH, and give DeepSpeed's ops this environment's own
+    cache (`own_extensions_dir`, unless TORCH_EXTENSIONS_DIR is set), once per process.
 
     DeepSpeed's ops are compiled and checked with the `ninja` found on PATH. The environment's ninja
     (a dependency of DeepSpeed) and a system one differ in version, and each takes the other's build
@@ -26,6 +31,23 @@ def prefer_environment_tools() -> None:
     parts = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p]
     if not parts or parts[0] != bin_dir:
         os.environ["PATH"] = os.pathsep.join([bin_dir, *(p for p in parts if p != bin_dir)])
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(own_extensions_dir()))
+
+
+def own_extensions_dir() -> Path:
+    """Where this environment's DeepSpeed ops are compiled and cached.
+
+    torch's default cache (~/.cache/torch_extensions/py311_cpu) is shared by every environment of the
+    user. Two checkouts, each with its own virtual environment, compile the same op from sources at
+    their own paths; each takes the other's build for stale, so every alternation rebuilt every op
+    (3-4 minutes on 2 cores, every rank waiting on the build lock). One cache per DeepSpeed install
+    (its folder, hashed) and Python version ends that; a second install builds once.
+    """
+    spec = importlib.util.find_spec("deepspeed")  # finds the package without importing it
+    where = str(Path(spec.origin).parent) if spec and spec.origin else sys.prefix
+    key = hashlib.sha256(where.encode()).hexdigest()[:12]
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return Path.home() / ".cache" / "torch_extensions" / f"elastictrain-{python}-{key}"
 
 
 def build_ops(use_gpu: bool = False) -> dict[str, str]:
