@@ -63,9 +63,10 @@ def test_in_memory_snapshots_are_kept_only_where_their_copies_fit_the_memory_bud
     finally:
         probes.teardown()
     offs = [r["memory"]["off"] for r in results]
+    cpu = [r["memory"]["cpu_s"] for r in results]  # a snapshot's CPU seconds (the schedule's measure)
     if max_mb is None:  # half the available memory: the tiny model's copies fit, the last two are held
-        assert offs == ["", ""]
+        assert offs == ["", ""] and all(c > 0 for c in cpu)
         assert [sorted(h["step"] for h in hs) for hs in held] == [[2, 3], [2, 3]]
     else:  # 1 MiB: the first copy measured the slice, was dropped, and nothing is held or copied again
         assert all("in-memory snapshots need" in o and "1 MiB checkpointing may use" in o for o in offs)
-        assert held == [[], []]
+        assert held == [[], []] and cpu == [0.0, 0.0]

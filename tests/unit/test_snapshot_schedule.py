@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
 from pathlib import Path
 
 from loop_harness import make_run
@@ -10,14 +12,16 @@ from omegaconf import OmegaConf
 from elastictrain.control.snapshot_schedule import SnapshotSchedule
 
 
-def _schedule(every: int = 1, share: float = 0.03) -> SnapshotSchedule:
+def _schedule(every: int = 1, share: float = 0.03, use_gpu: bool = True) -> SnapshotSchedule:
+    """GPU workers by default: their snapshots are measured by step times (CPU workers' by CPU time)."""
     cfg = OmegaConf.create(
         {
             "checkpoint": {
                 "memory_every_steps": every,
                 "memory_max_step_share": share,
                 "background_write": True,
-            }
+            },
+            "scaling": {"use_gpu": use_gpu},
         }
     )
     return SnapshotSchedule(cfg)
@@ -26,15 +30,22 @@ def _schedule(every: int = 1, share: float = 0.03) -> SnapshotSchedule:
 REPORTS = [{"memory": {"off": ""}}, {"memory": {"off": ""}}]
 
 
-def simulate(s: SnapshotSchedule, steps: range, base: float, cost: float) -> list[str]:
+def simulate(
+    s: SnapshotSchedule,
+    steps: range,
+    base: float,
+    cost: float,
+    reports: list[dict] = REPORTS,
+    noise: Callable[[int], float] = lambda step: 0.0,
+) -> list[str]:
     """Drive the schedule as the pipeline does (each step submitted with its mark before the previous one
     is reported); a snapshot adds `cost` in all, half to the step beside its copy and half to the next
-    (its replica). Returns the messages the schedule gave."""
+    (its replica), and step `j` `noise(j)` more. Returns the messages the schedule gave."""
     marks, said = {}, []
     for j in steps:
         marks[j + 1] = s.due(j + 1)
         extra = cost / 2 * (bool(marks.get(j)) + bool(marks.get(j - 1)))
-        said.append(s.observe(j, REPORTS, base + extra))
+        said.append(s.observe(j, reports, base + extra + noise(j)))
     return [m for m in said if m]
 
 
@@ -111,3 +122,21 @@ def test_snapshots_off_for_lack_of_memory_recover_from_disk_and_say_why(tmp_path
     assert said and "off until the next restart" in said[0]["message"] and said[0]["off"]
     (decision,) = r.events("decision")
     assert decision["recovered_from"] == "disk" and "900 MiB per rank" in decision["memory"]
+
+
+def test_on_cpu_workers_a_snapshot_costs_its_cpu_time_and_step_time_noise_does_not_move_the_interval():
+    s = _schedule(use_gpu=False)
+    # The busiest worker reports 0.4 CPU seconds per snapshot (copy, replica sent, buddy's replica kept);
+    # steps of 3.2 s move by up to +-10% (a busy 2-core machine), far more than a snapshot's 3% share.
+    reports = [{"memory": {"off": "", "cpu_s": 0.3}}, {"memory": {"off": "", "cpu_s": 0.4}}]
+    rng = random.Random(7)
+    said = simulate(s, range(0, 300), 3.2, 0.0, reports, noise=lambda j: rng.uniform(-0.32, 0.32))
+    assert s.interval == 5  # ceil(0.4 / (0.03 * 3.2)): at most 3% of training time
+    assert len(said) == 1 and "0.40 CPU seconds on the busiest worker" in said[0]
+    assert "every 5 step(s) (was 1)" in said[0]
+
+
+def test_on_cpu_workers_without_reported_cpu_time_the_step_times_decide():
+    s = _schedule(use_gpu=False)
+    simulate(s, range(0, 40), base=3.0, cost=1.0)
+    assert s.interval == 12  # as on GPU workers: a copy slows two steps by 1 s of 3 s

@@ -3,9 +3,13 @@
 A rank's in-memory snapshot (worker/memory.py) is a copy of its slice of the state and a replica sent
 to its buddy, both in a thread beside the next step. Where they hide behind that step they cost
 nothing; where they do not (no idle core, the next optimizer update waits for the copy) that step
-takes longer, and the replica, sent after the copy, can reach into the step after it. The controller
-measures exactly that: the wall time of the two steps after a copy against steps with no copy or
-replica beside them; a snapshot costs twice the difference. It spaces the snapshots out
+takes longer, and the replica, sent after the copy, can reach into the step after it. On CPU workers
+(every core trains) a snapshot costs training the CPU time its copy, its replica's sending and the
+buddy's keeping of it take: the workers measure those threads' CPU time and report it, a steady figure
+where step times on a busy machine move by more than the 3% to be resolved. On GPU workers (idle host
+cores, copies beside the kernels) the controller measures the wall time of the two steps after a copy
+against steps with no copy or replica beside them; a snapshot costs twice the difference (also the
+fallback where no CPU time is reported). It spaces the snapshots out
 (`core.memory_snapshots.snapshot_interval`) until they take at most
 `checkpoint.memory_max_step_share` of the training time, never more often than
 `checkpoint.memory_every_steps`. To measure both kinds of step, an attempt starts with a snapshot
@@ -38,22 +42,34 @@ class SnapshotSchedule:
         self.off = ""  # why snapshots are off in this attempt ("" while they are on)
         self.step_s = {True: 0.0, False: 0.0}  # running mean wall time: beside a copy or replica, and not
         self.samples = {True: 0, False: 0}
+        self.cpu_bound = not bool(config.scaling.use_gpu)  # a snapshot's CPU time is training's loss
+        self.cpu_s = 0.0  # running mean of one snapshot's CPU seconds on the busiest worker (0: none yet)
         self._marked: dict[int, bool] = {}  # steps done -> whether the state after them is copied
         self._first = True  # the first step of an attempt pays for the new engine: not measured
         self.changes = 0  # interval changes so far
 
     @property
     def cost_s(self) -> float:
-        """What one snapshot adds to the two steps it runs beside (0 until both kinds were measured)."""
+        """What one snapshot costs training (0 until measured): its CPU time on CPU workers, else what it
+        adds to the two steps it runs beside."""
+        if self.cpu_bound and self.cpu_s > 0:
+            return self.cpu_s
         if min(self.samples.values()) < MIN_SAMPLES:
             return 0.0
         return 2 * max(0.0, self.step_s[True] - self.step_s[False])
+
+    def _measured(self) -> bool:
+        """Steps without a copy measured, and a snapshot's cost (its CPU time or steps beside one)."""
+        if self.samples[False] < MIN_SAMPLES:
+            return False
+        return (self.cpu_bound and self.cpu_s > 0) or self.samples[True] >= MIN_SAMPLES
 
     def start_attempt(self) -> None:
         """A new attempt (world size, slices, maybe nodes): the memory check runs again on its workers,
         and step times are measured again (they depend on the world size)."""
         self.off = ""
         self.step_s, self.samples = {True: 0.0, False: 0.0}, {True: 0, False: 0}
+        self.cpu_s = 0.0
         self._marked, self._first = {}, True
 
     def due(self, steps_done: int, *, checkpoint: bool = False) -> bool:
@@ -63,7 +79,7 @@ class SnapshotSchedule:
             marked = False
         elif checkpoint and self.for_checkpoints:
             marked = True
-        elif self.interval == 1 and self.max_share > 0 and min(self.samples.values()) < MIN_SAMPLES:
+        elif self.interval == 1 and self.max_share > 0 and not self._measured():
             marked = steps_done % 3 == 0  # until both kinds of step are measured: every third one
         elif self.interval == 1 and self.max_share > 0 and steps_done % PROBE_EVERY in (0, 1):
             marked = False  # so that the step after these has nothing beside it: the baseline
@@ -88,7 +104,10 @@ class SnapshotSchedule:
             return None
         self.step_s[beside_copy] = _smooth(self.step_s[beside_copy], step_s)
         self.samples[beside_copy] += 1
-        if self.max_share <= 0 or min(self.samples.values()) < MIN_SAMPLES:
+        cpu = max(((r.get("memory") or {}).get("cpu_s") or 0.0 for r in results), default=0.0)
+        if cpu > 0:
+            self.cpu_s = _smooth(self.cpu_s, cpu)
+        if self.max_share <= 0 or not self._measured():
             return None
         base = self.step_s[False]
         wanted = snapshot_interval(self.cost_s, base, every=self.every, max_share=self.max_share)
@@ -97,10 +116,15 @@ class SnapshotSchedule:
         if wanted > 1.25 * self.interval or wanted * 2 <= self.interval:
             old, self.interval = self.interval, wanted
             self.changes += 1
+            measured = (
+                f"a snapshot takes {self.cpu_s:.2f} CPU seconds on the busiest worker"
+                if self.cpu_bound and self.cpu_s > 0
+                else f"a step beside a copy takes {self.step_s[True]:.2f}s, one without {base:.2f}s, so "
+                f"a snapshot costs {self.cost_s:.2f}s"
+            )
             return (
-                f"in-memory snapshots every {wanted} step(s) (was {old}): a step beside a copy takes "
-                f"{self.step_s[True]:.2f}s, one without {base:.2f}s, so a snapshot costs "
-                f"{self.cost_s:.2f}s; at most {self.max_share:.0%} of training time "
+                f"in-memory snapshots every {wanted} step(s) (was {old}): {measured}, a step "
+                f"{base:.2f}s; at most {self.max_share:.0%} of training time "
                 "(checkpoint.memory_max_step_share)"
             )
         return None

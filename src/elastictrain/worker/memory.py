@@ -55,6 +55,9 @@ class WorkerMemory:
         self.delay_s = 0.0  # tests: a slow copy, to fail in the middle of one
         self.last_copy_s = 0.0
         self.last_replicate_s = 0.0
+        # CPU seconds of the last copy, of sending its replica, and of keeping the buddy's last replica:
+        # on CPU workers each one is taken from training (control/snapshot_schedule.py).
+        self.cpu_s = {"copy": 0.0, "replicate": 0.0, "hold": 0.0}
         self.error = ""
 
     # -- in an attempt --
@@ -155,7 +158,7 @@ class WorkerMemory:
 
         snap: Snapshot | None = None
         try:
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             budget = None if self._checked else self._budget()  # before the copy takes its share
             if budget is not None and budget <= 0:  # no memory for checkpoints at all: not even one copy
                 self._checked, self.off = True, "checkpoint.max_host_memory_mb=0 leaves snapshots no memory"
@@ -174,6 +177,7 @@ class WorkerMemory:
                     snap = None
                     return  # dropped: no copy is kept or replicated in this attempt
             self.last_copy_s = snap.copy_s
+            self.cpu_s["copy"] = time.thread_time() - cpu0
             with self._lock:
                 self.store.add_own(snap)  # complete: only now may it stand for this rank
         except Exception as e:  # noqa: BLE001 - a failed copy leaves the last complete one in place
@@ -188,18 +192,25 @@ class WorkerMemory:
     def _replicate(self, snap: Snapshot) -> None:
         import ray
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             call = self._buddy.hold_replica.options(concurrency_group=REPLICA_GROUP)
             ray.get(call.remote(snap.to_wire()), timeout=REPLICATE_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - a lost buddy: the controller sees its failure itself
             self.error = f"replica of step {snap.key.step} not held: {type(e).__name__}: {e}"
         self.last_replicate_s = time.perf_counter() - t0
+        self.cpu_s["replicate"] = time.thread_time() - cpu0
+
+    def hold_replica(self, wire: dict[str, Any]) -> None:
+        cpu0 = time.thread_time()
+        self.store.add_replica(Snapshot.from_wire(wire))
+        self.cpu_s["hold"] = time.thread_time() - cpu0
 
     def report(self) -> dict[str, Any]:
         return {
             "copy_s": self.last_copy_s,
             "replicate_s": self.last_replicate_s,
+            "cpu_s": sum(self.cpu_s.values()),  # what one snapshot costs this worker's process in CPU
             "held_bytes": self.store.nbytes(),
             "off": self.off,
         }
@@ -268,7 +279,7 @@ class SnapshotPeer:
 
     def hold_replica(self, wire: dict[str, Any]) -> None:
         """Keep a buddy's snapshot (sent after each of its copies)."""
-        self.memory.store.add_replica(Snapshot.from_wire(wire))
+        self.memory.hold_replica(wire)
 
     def snapshot_meta(self, key: SnapshotKey) -> dict[str, Any]:
         return self.memory.meta(key)
