@@ -164,9 +164,12 @@ class Snapshot:
 
 
 @torch.no_grad()
-def take_snapshot(engine: Any, max_bytes: float = float("inf")) -> Snapshot | None:
-    """Copy the rank's state into one host buffer; None (nothing kept) when it would exceed `max_bytes`."""
-    found = Walked()
+def take_snapshot(
+    engine: Any, max_bytes: float = float("inf"), found: Walked | None = None
+) -> Snapshot | None:
+    """Copy the rank's state into one host buffer; None when it would exceed `max_bytes`, decided from
+    the plan before anything is allocated (`found.plan` then says how large it would have been)."""
+    found = found if found is not None else Walked()
     buffer: torch.Tensor | None = None
     for group, opened in _walk(engine, found):
         plan = found.plan

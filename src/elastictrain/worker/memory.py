@@ -27,7 +27,7 @@ from elastictrain.checkpoint.memory_snapshot import (
     SnapshotStore,
     keys_to_fetch,
 )
-from elastictrain.core.memory_snapshots import snapshots_unaffordable
+from elastictrain.core.memory_snapshots import SLICES_HELD, snapshots_unaffordable
 from elastictrain.worker.attempt import MemorySource
 
 REPLICA_GROUP = "replica"  # the actors' concurrency group for replicas and serving snapshots
@@ -153,7 +153,7 @@ class WorkerMemory:
             future.set_result(snap.raw if snap is not None else None)
 
     def _take(self, engine: Any, key: SnapshotKey, stream: Any) -> None:
-        from elastictrain.checkpoint.rank_snapshot import take_snapshot
+        from elastictrain.checkpoint.rank_snapshot import Walked, take_snapshot
         from elastictrain.checkpoint.zero_state import fragments_of
 
         snap: Snapshot | None = None
@@ -165,17 +165,21 @@ class WorkerMemory:
                 return
             if self.delay_s:
                 time.sleep(self.delay_s)
+            # The attempt's first copy is refused before its buffer is allocated where the copies a worker
+            # holds would not fit: at 1B parameters one copy alone is gigabytes a loaded host may not have.
+            found = Walked()
+            limit = float("inf") if budget is None else budget / SLICES_HELD
             with _on_stream(stream):  # device-to-host into pinned memory beside the next step's kernels
-                raw = take_snapshot(engine)
-            assert raw is not None  # no memory bound given
-            pieces = fragments_of(raw.plan.pieces)
-            snap = Snapshot(key, raw.tensors(), pieces, raw.scalars, copy_s=time.perf_counter() - t0, raw=raw)
+                raw = take_snapshot(engine, limit, found)
             if budget is not None:
                 self._checked = True
-                self.off = snapshots_unaffordable(snap.nbytes, budget) or ""
-                if self.off:
-                    snap = None
-                    return  # dropped: no copy is kept or replicated in this attempt
+                assert found.plan is not None
+                self.off = snapshots_unaffordable(found.plan.data_bytes, budget) or ""
+                if self.off or raw is None:
+                    return  # nothing is copied, kept or replicated in this attempt
+            assert raw is not None
+            pieces = fragments_of(raw.plan.pieces)
+            snap = Snapshot(key, raw.tensors(), pieces, raw.scalars, copy_s=time.perf_counter() - t0, raw=raw)
             self.last_copy_s = snap.copy_s
             self.cpu_s["copy"] = time.thread_time() - cpu0
             with self._lock:
