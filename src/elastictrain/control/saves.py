@@ -38,7 +38,7 @@ class PendingSave:
     step: int
     names: list[str]  # one file per rank, in rank order
     engine_state: dict[str, Any]
-    started: float
+    started: float  # when the checkpoint's step ended (its state exists): the time to commit counts from here
     manifest: dict[str, Any]  # the run's manifest fields (manifest.py)
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # written so far, by name
 
@@ -50,7 +50,6 @@ class QueuedSave:
     step: int
     staging: Path | None  # None: the staging folder could not be made (error says why)
     calls: Calls
-    started: float
     error: str = ""
 
 
@@ -94,17 +93,19 @@ class SaveCoordinator:
 
         `current` is the loop's step now (steps before `step` may still be running)."""
         self.finish(current)  # one save in flight: bounds host memory to one snapshot per rank
-        started = self.clock()
         try:
             staging = self.store.begin(step)
         except OSError as e:
-            return QueuedSave(step, None, {}, started, str(e))
+            return QueuedSave(step, None, {}, str(e))
         background = bool(self.cfg.checkpoint.background_write)
         calls = self.group.call(self._workers, "save_shard", str(staging), background)
-        return QueuedSave(step, staging, calls, started)
+        return QueuedSave(step, staging, calls)
 
     def collect(self, save: QueuedSave, step: int) -> None:
         """Collect the queued snapshots (after the segment's last step); commit if every file is written."""
+        # The checkpoint's step was just reported: its state exists from now. The time to commit is
+        # counted from here, not from the queueing, which came steps earlier (steps are queued ahead).
+        step_ended = self.clock()
         if save.staging is None:
             self._failed(None, save.error, save.step, step)
             return
@@ -127,7 +128,7 @@ class SaveCoordinator:
             step=step,
             names=[r["name"] for r in ordered],
             engine_state=ordered[0]["engine_state"],
-            started=save.started,
+            started=step_ended,
             manifest=self._manifest(step, ordered[0]["engine_state"]),
             files={r["name"]: r["file"] for r in ordered if r.get("file")},
         )
@@ -314,7 +315,7 @@ class SaveCoordinator:
             written = "streamed from the live state: a snapshot would exceed checkpoint.max_host_memory_mb"
         self.recorder.event(
             "checkpoint",
-            f"checkpoint {committed.tag} committed {seconds:.2f}s after it was queued (written {written})"
+            f"checkpoint {committed.tag} committed {seconds:.2f}s after its step (written {written})"
             + (f" (removed {', '.join(removed)})" if removed else ""),
             step=pending.step,
             committed_at_step=step,

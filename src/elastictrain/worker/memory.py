@@ -77,6 +77,7 @@ class WorkerMemory:
         self._every, self._buddy, self._inline = every, buddy, inline
         self._budget = budget or (lambda: float("inf"))
         self._checked, self.off = False, ""
+        self.cpu_s = dict.fromkeys(self.cpu_s, 0.0)  # measured anew at this attempt's slice size
 
     def after_step(self, engine: Any, steps_done: int, due: bool | None = None) -> None:
         """The state after `steps_done` steps is final: copy it (in a thread unless inline) when `due`
