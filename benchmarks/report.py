@@ -28,18 +28,20 @@ def _status(t: dict[str, Any]) -> str:
 WHY = {
     # The scale benchmark's rows first: its names also contain the generic keys below.
     "throughput / deepspeed launcher": "the in-memory snapshots' copies and replicas compete with the 2 "
-    "ranks for the 2 cores. At 30M the schedule measured a step beside a copy at 4.0 s against 3.2-3.5 s "
-    "without and spaced the copies out to every 5-10 steps; the steps without a copy were still slower "
-    "than the launcher's 3.05 s (the replica reaching into them, the checkpoint writer). With "
-    "checkpoint.memory_every_steps=0 the step was 3.16 s against the launcher's 3.18 s (1.00x). At 125M "
-    "the snapshots were turned off for lack of memory after their first copy, which fell inside the 3 "
-    "measured steps. Closing it: idle cores or a GPU (the copy is a device-to-host transfer on its own "
-    "stream), and more measured steps at the larger sizes.",
+    "ranks for the 2 cores. The schedule charges each snapshot the CPU time its copy, its replica's sending "
+    "and the buddy's keeping of it take (0.40-0.46 s at 30M, reported by the workers) and spaces them out "
+    "to stay within 3% of training time (every 5-6 steps at 30M: 0.98x of the launcher in this run). At "
+    "125M the snapshots are turned off for lack of memory after their first copy, and the steps measured "
+    "are few (3 steps of 9-14 s that vary by 20% between single runs). Closing it: idle cores or a GPU "
+    "(the copy is a device-to-host transfer on its own stream), and more measured steps at the larger sizes.",
     "peak memory / bound": "the memory runs have no in-memory snapshots (checkpoint.max_host_memory_mb=0 "
-    "turns them off) and stream their checkpoints; what is left above the ZeRO-3 bound is DeepSpeed's "
-    "buffers (reduce-scatter and prefetch buckets, the /dev/shm all-reduce buffers), the allocator's "
-    "caching and the data, which the deepspeed launcher's ranks show too (their peaks are in scale.json). "
-    "Closing it: smaller buckets (deepspeed.extra) and counting them in core.memory's estimate.",
+    "turns them off) and stream their checkpoints. The deepspeed launcher's ranks peak at the same memory "
+    "on the same model (their peaks are in scale.json: 1.62 GB against elastictrain's 1.62 GB at 30M), so "
+    "what is above the ZeRO-3 bound is DeepSpeed's and torch's, not elastictrain's: DeepSpeed's buffers "
+    "(reduce-scatter and prefetch buckets, the /dev/shm all-reduce buffers) and, growing with the model, "
+    "glibc's malloc keeping freed tensors in the heap (at 350M, MALLOC_MMAP_THRESHOLD_=131072 halves the "
+    "peak, 8.5 to 4.4 GB per rank, at a 50% slower step; README, Model sizes). Closing it: a different "
+    "allocator (jemalloc, not on these machines) or counting the allocator's share in core.memory.",
     "throughput": "elastictrain's driver reports every step and queues at most two steps per actor "
     "(PIPELINE_DEPTH in control/pipeline.py); a slower driver or a busier machine shows here. Closing "
     "it: deeper pipelining, or reporting every k steps.",
@@ -78,16 +80,18 @@ WHY = {
     "they are off (125M here: 8 copies of a 767 MiB slice do not fit the memory budget) the pause is the "
     "checkpoint's own host copy at memory speed against a durable save bounded by the disk. Closing it: "
     "one copy in memory for the checkpoint alone, made beside the next step as the snapshots are.",
-    "commit bandwidth": "commit counts from the queued snapshot to the committed manifest: the writes (a "
-    "writer thread at nice 10 hashing and fsyncing while 2 ranks keep the 2 cores busy), then the next "
-    "step's report that carries their outcome (a step is 3-14 s here), then the manifest and its "
-    "read-back. Closing it: a spare core for the writer, and a finished write reported out of band "
-    "instead of with the next step.",
-    "recovery, fixed part": "kill to first completed step includes that step (3.4 s at 30M, 12-14 s at "
-    "125M) and the new attempt's engine build; at 125M the state came from disk (snapshots off for lack "
-    "of memory) and at 30M a survivor stuck in a gloo collective was replaced, so the run waited for a "
-    "new worker's cold start (the gloo limit in the README). Closing it: NCCL's abortable collectives "
-    "on GPUs, and measuring the restart without the step.",
+    "commit bandwidth": "commit counts from the checkpoint's step (its state exists) to the committed "
+    "manifest. A write started mid-run ends within the next step, but the controller learns of it with "
+    "that step's report, so the commit takes about one step (4.3 s at 30M, where the bytes take under a "
+    "second at the disk's speed); the end-of-run checkpoint, with no step after it, commits in 0.9-1.2 s at "
+    "30M. The writer's priority does not matter here (nice 0, 10 and 19 measured at 30M: the same step "
+    "time and commit). Closing it: a finished write reported out of band (a long-poll on a concurrency "
+    "group of its own, the controller waking on it while it waits for a step) instead of with the next step.",
+    "recovery, fixed part": "kill to first completed step includes that step (3 s at 30M, 9-14 s at "
+    "125M) and the new attempt's engine at the new size (process group, model under zero.Init, "
+    "DeepSpeed's initialize: 2.0 s at 30M) and its load (0.4 s from memory at 30M); at 125M the state "
+    "comes from disk (snapshots off for lack of memory). Closing it: keeping the engine across a resize "
+    "and only re-partitioning, and measuring the restart without the step.",
     "controller iteration": "most of an iteration is building one frozen WorkerObservation per worker in "
     "Python. Closing it: keep the observations in arrays (or update them incrementally) and scan only "
     "the workers whose state changed.",

@@ -59,7 +59,7 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
     )
     notes = [
         f"world size {WORLD_SIZE}, fp32 on CPU with gloo; samples/s as in the throughput benchmark.",
-        "checkpoint_commit_s: end-of-run checkpoint, queued to committed (the `checkpoint` event).",
+        "checkpoint_commit_s: end-of-run checkpoint, from its step to committed (the `checkpoint` event).",
         "peak_rss_bytes: the largest worker's peak resident memory.",
     ]
     return Result("zero_stages", smoke, reps, metrics, [], runs, notes, info)
