@@ -142,7 +142,10 @@ def measure_size(size: str, tmp: Path, smoke: bool) -> dict[str, Any]:
         "ray_train_s": ray_train_cold_start(w, tmp / "ray-train"),
     }
     log(f"cold start {out['cold_start']}")
-    out["reshard"] = reshard_loads(w, tmp, save, frag_bytes)
+    try:
+        out["reshard"] = reshard_loads(w, tmp, save, frag_bytes)
+    except RuntimeError as e:  # e.g. 3 ranks of 350M do not fit this machine: a finding, the rest goes on
+        out["reshard"] = {"outcome": "failed", "error": str(e)[:2000], "bytes": frag_bytes}
     log(f"reshard {out['reshard']}")
     try:
         out["recovery"] = elastictrain_recovery(w, tmp / "recovery")
@@ -297,14 +300,15 @@ def size_metrics(r: dict[str, Any]) -> dict[str, Any]:
         "deepspeed_save_checkpoint_s": ds["save_checkpoint_s"],
         "checkpoint_bytes": ck_bytes,
         "reshard_2_to_3_vs_disk_read": ratio(
-            ratio(rs["bytes"], rs["load_2_to_3_s"]), disk["read_bytes_per_s"]
+            ratio(rs["bytes"], rs.get("load_2_to_3_s")), disk["read_bytes_per_s"]
         ),
         "reshard_3_to_2_vs_disk_read": ratio(
-            ratio(rs["bytes"], rs["load_3_to_2_s"]), disk["read_bytes_per_s"]
+            ratio(rs["bytes"], rs.get("load_3_to_2_s")), disk["read_bytes_per_s"]
         ),
-        "reshard_2_to_3_s": rs["load_2_to_3_s"],
-        "reshard_3_to_2_s": rs["load_3_to_2_s"],
-        "universal_route_2_to_3_s": (rs["ds_to_universal_s"] or math.nan)
+        "reshard_2_to_3_s": rs.get("load_2_to_3_s"),
+        "reshard_3_to_2_s": rs.get("load_3_to_2_s"),
+        "reshard_error": rs.get("error"),
+        "universal_route_2_to_3_s": (rs.get("ds_to_universal_s") or math.nan)
         + (rs.get("universal_load_2_to_3_s") or math.nan),
         "recovery_s": r["recovery"].get("death_to_first_step_s"),
         "recovery_fixed_s": _fixed_part(r),
@@ -333,7 +337,11 @@ def size_targets(size: str, m: dict[str, Any]) -> list[Target]:
         ),
         Target(f"{size}: commit bandwidth / disk write bandwidth", m["commit_vs_disk_write"], 0.5, ">="),
         Target(
-            f"{size}: reshard 2->3 load / disk read bandwidth", m["reshard_2_to_3_vs_disk_read"], 0.5, ">="
+            f"{size}: reshard 2->3 load / disk read bandwidth",
+            m["reshard_2_to_3_vs_disk_read"],
+            0.5,
+            ">=",
+            note=f"the load failed: {m['reshard_error'][:300]}" if m.get("reshard_error") else "",
         ),
         Target(
             f"{size}: reshard 3->2 load / disk read bandwidth", m["reshard_3_to_2_vs_disk_read"], 0.5, ">="
