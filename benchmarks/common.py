@@ -237,12 +237,12 @@ def free_port() -> int:
 
 
 def peer_env() -> dict[str, str]:
-    from elastictrain.worker.ops import own_extensions_dir
+    from elastictrain.worker.ops import prefer_environment_tools
 
+    # The environment's ninja first on PATH and the op cache elastictrain built, as its own processes
+    # have them (worker/ops.py).
+    prefer_environment_tools()
     env = dict(os.environ)
-    # The environment's ninja first, as elastictrain's own processes have it (worker/ops.py).
-    env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(own_extensions_dir()))  # the ops elastictrain built
     env.update(
         DS_ACCELERATOR="cpu",
         OMP_NUM_THREADS="1",  # as elastictrain's one-CPU actors and Ray Train's workers get

@@ -49,10 +49,15 @@ class SnapshotSchedule:
         self.changes = 0  # interval changes so far
 
     @property
+    def by_cpu(self) -> bool:
+        """Whether a snapshot's cost is its CPU time: on CPU workers, once the workers reported it."""
+        return self.cpu_bound and self.cpu_s > 0
+
+    @property
     def cost_s(self) -> float:
         """What one snapshot costs training (0 until measured): its CPU time on CPU workers, else what it
         adds to the two steps it runs beside."""
-        if self.cpu_bound and self.cpu_s > 0:
+        if self.by_cpu:
             return self.cpu_s
         if min(self.samples.values()) < MIN_SAMPLES:
             return 0.0
@@ -62,7 +67,7 @@ class SnapshotSchedule:
         """Steps without a copy measured, and a snapshot's cost (its CPU time or steps beside one)."""
         if self.samples[False] < MIN_SAMPLES:
             return False
-        return (self.cpu_bound and self.cpu_s > 0) or self.samples[True] >= MIN_SAMPLES
+        return self.by_cpu or self.samples[True] >= MIN_SAMPLES
 
     def start_attempt(self) -> None:
         """A new attempt (world size, slices, maybe nodes): the memory check runs again on its workers,
@@ -118,7 +123,7 @@ class SnapshotSchedule:
             self.changes += 1
             measured = (
                 f"a snapshot takes {self.cpu_s:.2f} CPU seconds on the busiest worker"
-                if self.cpu_bound and self.cpu_s > 0
+                if self.by_cpu
                 else f"a step beside a copy takes {self.step_s[True]:.2f}s, one without {base:.2f}s, so "
                 f"a snapshot costs {self.cost_s:.2f}s"
             )
