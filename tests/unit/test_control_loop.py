@@ -51,6 +51,30 @@ def test_after_a_failure_survivors_abort_their_collectives_before_leaving_but_no
         assert "teardown" in since_setup and "abort_collectives" not in since_setup
 
 
+def test_a_worker_killed_for_memory_shrinks_the_run_instead_of_restarting_at_the_size_that_ran_out(
+    tmp_path: Path,
+):
+    r = make_run(tmp_path, "scaling.min_workers=1", "scaling.max_workers=3", capacity=3)
+    r.group.killed_for_memory_at_step(rank=2, step=6)
+    summary = r.run()
+    assert summary.status.value == "FINISHED" and summary.failures == 1
+    (failure,) = r.events("failure")
+    assert failure["kind"] == "out_of_memory" and "Memory on the node" in failure["message"]
+    (ceiling,) = r.events("memory_ceiling")
+    assert ceiling["max_workers"] == 2
+    # A slot is free again (the killed actor's), yet the run neither restarts at 3 nor grows back to it.
+    assert summary.world_sizes == [3, 2] and not r.events("grow")
+    assert r.committed_step() == 12
+
+
+def test_a_worker_killed_for_memory_at_the_minimum_size_ends_the_run_saying_what_to_change(tmp_path: Path):
+    r = make_run(tmp_path, "scaling.min_workers=2", "scaling.max_workers=2", capacity=3)
+    r.group.killed_for_memory_at_step(rank=0, step=6)
+    summary = r.run()
+    assert summary.status.value == "FAILED" and summary.message.startswith("out of memory")
+    assert "deepspeed.offload_optimizer" in summary.message and r.status == "FAILED"
+
+
 def test_a_dead_worker_whose_node_is_gone_is_node_lost_found_with_one_cluster_query(tmp_path: Path):
     r = make_run(tmp_path, "scaling.min_workers=1")
 

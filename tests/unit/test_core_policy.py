@@ -9,6 +9,7 @@ from elastictrain.core.policy import (
     Restart,
     ScalingRules,
     Wait,
+    ceiling_after_out_of_memory,
     decide_after_failure,
     decide_grow,
     decide_start,
@@ -112,3 +113,26 @@ def test_a_warmup_error_seen_twice_ends_the_run_one_seen_once_does_not():
     assert repeated_warmup_error([("w0", "OSError: a"), ("w1", "ValueError: b")]) is None
     reason = repeated_warmup_error([("w0", "ValueError: too short"), ("w1", "ValueError: too short")])
     assert reason is not None and "(w0, w1)" in reason and "ValueError: too short" in reason
+
+
+def test_a_worker_killed_for_memory_lowers_the_ceiling_below_the_size_that_ran_out():
+    lowered = ceiling_after_out_of_memory(RULES, world_size=3)
+    assert isinstance(lowered, ScalingRules) and lowered.max_workers == 2 and lowered.min_workers == 2
+    killed = Failure("out_of_memory", ("w2",), 12, "killed by Ray's memory monitor")
+    decision = decide_after_failure(lowered, killed, 1, capacity=3, now=0.0)
+    assert isinstance(decision, Restart) and decision.world_size == 2  # a slot is free, but not used
+    assert decide_grow(lowered, 2, capacity=3) is None  # nor grown back into
+
+
+def test_out_of_memory_at_the_minimum_size_ends_the_run_naming_what_lowers_memory_per_rank():
+    decision = ceiling_after_out_of_memory(RULES, world_size=2)
+    assert isinstance(decision, Fail)
+    assert "killed at world size 2" in decision.reason and "scaling.min_workers=2" in decision.reason
+    assert "deepspeed.offload_optimizer" in decision.reason
+
+
+def test_out_of_memory_is_not_a_deterministic_error_when_it_recurs_at_the_same_step():
+    killed = Failure("out_of_memory", ("w2",), 12, "killed by Ray's memory monitor during step")
+    rules = ScalingRules(1, 3, 24, 4, max_failures=5, wait_for_capacity_s=60.0)
+    decision = decide_after_failure(rules, killed, 2, capacity=2, now=0.0, earlier=[killed])
+    assert isinstance(decision, Restart)

@@ -12,13 +12,15 @@ from typing import Any, Protocol
 # A call's outcome when it has no value: the actor's process died, its whole node went away, the
 # method raised, or no answer came within the gather's timeout.
 DIED, NODE_LOST, RAISED, TIMED_OUT = "died", "node_lost", "raised", "timed_out"
+# The actor's process was killed by Ray's memory monitor: its node ran short of memory.
+OUT_OF_MEMORY = "out_of_memory"
 
 
 @dataclass(frozen=True)
 class Reply:
     worker_id: str
     value: Any = None
-    error: str = ""  # "" when the call returned; else DIED, NODE_LOST, RAISED or TIMED_OUT
+    error: str = ""  # "" when the call returned; else DIED, NODE_LOST, OUT_OF_MEMORY, RAISED or TIMED_OUT
     detail: str = ""  # the error's text (a worker's traceback ends with "Type: message")
     node_id: str = ""
 

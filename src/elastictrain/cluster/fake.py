@@ -13,6 +13,7 @@ run's. A scenario is scripted before or during the run:
     group.die_in_save(rank=0)                     # its process dies taking the next snapshot
     group.add_capacity(2)                         # two more reservations are placed
     group.copy_unfinished(rank=1, step=6)         # its in-memory copy of step 6 never completes
+    group.killed_for_memory_at_step(rank=1, step=5)  # Ray's memory monitor kills it running step 5
 
 Workers keep in-memory snapshots as real ones do (the last two of their own rank and of their
 buddy's, after every `checkpoint.memory_every_steps` step); a step does not complete while a peer of
@@ -24,97 +25,22 @@ TIMED_OUT, at once: the fake never waits.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from elastictrain.cluster.calls import DIED, NODE_LOST, RAISED, TIMED_OUT, Calls, Reply
+from elastictrain.cluster.calls import DIED, NODE_LOST, OUT_OF_MEMORY, RAISED, TIMED_OUT, Calls, Reply
+from elastictrain.cluster.fake_worker import (
+    ENOSPC,
+    FakeDied,
+    FakeFault,
+    FakeHung,
+    FakeKilledForMemory,
+    FakeWorker,
+    FakeWrite,
+)
 
-ENOSPC = "OSError: [Errno 28] No space left on device"
-
-
-class _Died(Exception):
-    pass
-
-
-class _Hung(Exception):
-    pass
-
-
-@dataclass
-class _Write:
-    staging: str
-    name: str
-    rank: int
-    state: str = "writing"  # writing, done, error
-    error: str = ""
-    hangs: bool = False
-    drop: bool = False
-    file: dict[str, Any] | None = None
-
-    def finish(self) -> None:
-        """The background write ends (unless scripted to hang)."""
-        if self.state != "writing" or self.hangs:
-            return
-        if self.error:
-            self.state = "error"
-            return
-        data = f"{self.name} of {self.staging}".encode()
-        path = Path(self.staging) / self.name
-        if not self.drop:
-            path.write_bytes(data)
-        self.file = {"name": self.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        self.state = "done"
-
-    def report(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"staging": self.staging, "state": self.state, "write_s": 0.0}
-        if self.state == "done":
-            out["file"] = self.file
-        elif self.state == "error":
-            out["error"] = self.error
-        return out
-
-
-@dataclass
-class FakeWorker:
-    worker_id: str
-    node_id: str
-    warm: bool = False
-    info: dict[str, Any] = field(default_factory=dict)
-    dead: bool = False
-    hung: bool = False
-    spec: Any = None
-    writer: _Write | None = None
-    step: int = -1
-    calls: list[str] = field(default_factory=list)  # every method called, in order
-    polls: int = 0  # looks at its warm-up so far
-    own: list[dict[str, Any]] = field(default_factory=list)  # in-memory snapshots, as memory_holdings says
-    replicas: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def actor(self) -> FakeWorker:  # what a buddy is reached through
-        return self
-
-    @property
-    def actor_id(self) -> str:
-        return f"actor-{self.worker_id}"
-
-    def __hash__(self) -> int:
-        return hash(self.worker_id)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, FakeWorker) and other.worker_id == self.worker_id
-
-
-@dataclass
-class _Fault:
-    kind: str  # die, hang, raise (at a step); write_error, save_hangs, drop_file (at the next write)
-    rank: int
-    step: int = -1
-    detail: str = ""
+__all__ = ["ENOSPC", "FakeGroup", "FakeWorker"]
 
 
 class FakeGroup:
@@ -128,7 +54,7 @@ class FakeGroup:
         self._nodes = nodes or capacity  # workers are spread over this many nodes, round-robin
         self._lost_nodes: set[str] = set()
         self._ids = itertools.count()
-        self._faults: list[_Fault] = []
+        self._faults: list[FakeFault] = []
         self.removed: list[str] = []
         self.node_queries = 0  # cluster queries made (one per check, not one per worker)
         self.warmup_errors: list[tuple[str, str]] = []
@@ -148,28 +74,31 @@ class FakeGroup:
         self._warmup_error = error
 
     def die_at_step(self, rank: int, step: int) -> None:
-        self._faults.append(_Fault("die", rank, step))
+        self._faults.append(FakeFault("die", rank, step))
+
+    def killed_for_memory_at_step(self, rank: int, step: int) -> None:
+        self._faults.append(FakeFault("oom", rank, step))
 
     def hang_at_step(self, rank: int, step: int) -> None:
-        self._faults.append(_Fault("hang", rank, step))
+        self._faults.append(FakeFault("hang", rank, step))
 
     def raise_at_step(self, rank: int, step: int, error: str = "RuntimeError: boom") -> None:
-        self._faults.append(_Fault("raise", rank, step, error))
+        self._faults.append(FakeFault("raise", rank, step, error))
 
     def write_fails(self, rank: int, error: str = ENOSPC) -> None:
-        self._faults.append(_Fault("write_error", rank, detail=error))
+        self._faults.append(FakeFault("write_error", rank, detail=error))
 
     def save_hangs(self, rank: int) -> None:
-        self._faults.append(_Fault("save_hangs", rank))
+        self._faults.append(FakeFault("save_hangs", rank))
 
     def die_in_save(self, rank: int) -> None:
-        self._faults.append(_Fault("die_in_save", rank))
+        self._faults.append(FakeFault("die_in_save", rank))
 
     def drop_file(self, rank: int) -> None:
-        self._faults.append(_Fault("drop_file", rank))
+        self._faults.append(FakeFault("drop_file", rank))
 
     def copy_unfinished(self, rank: int, step: int) -> None:
-        self._faults.append(_Fault("copy_unfinished", rank, step))
+        self._faults.append(FakeFault("copy_unfinished", rank, step))
 
     def add_capacity(self, n: int) -> None:
         self.capacity += n
@@ -180,7 +109,7 @@ class FakeGroup:
             if w.node_id == worker.node_id:
                 self._died(w)
 
-    def _take(self, kind: str, rank: int, step: int = -1) -> _Fault | None:
+    def _take(self, kind: str, rank: int, step: int = -1) -> FakeFault | None:
         for f in self._faults:
             if f.kind == kind and f.rank == rank and f.step == step:
                 self._faults.remove(f)
@@ -287,10 +216,18 @@ class FakeGroup:
             return Reply(w.worker_id, error=TIMED_OUT, detail="no answer")
         try:
             return Reply(w.worker_id, getattr(self, f"_{method}")(w, *args))
-        except _Died:
+        except FakeDied:
             self._died(w)
             return Reply(w.worker_id, error=DIED, detail=f"The actor {w.worker_id} died")
-        except _Hung:
+        except FakeKilledForMemory:
+            self._died(w)
+            memory = "Memory on the node (IP: 127.0.0.1, ID: fake) was 23.1GB / 24.0GB (0.96)"
+            return Reply(
+                w.worker_id,
+                error=OUT_OF_MEMORY,
+                detail=f"Task was killed due to the node running low on memory.\n{memory}. Ray killed it.",
+            )
+        except FakeHung:
             w.hung = True
             return Reply(w.worker_id, error=TIMED_OUT, detail="no answer")
         except RuntimeError as e:
@@ -307,13 +244,15 @@ class FakeGroup:
     def _train_step(self, w: FakeWorker, step: int, snapshot: bool | None = None) -> dict[str, Any]:
         rank = w.spec.rank
         if self._take("die", rank, step):
-            raise _Died
+            raise FakeDied
+        if self._take("oom", rank, step):
+            raise FakeKilledForMemory
         if self._take("hang", rank, step):
-            raise _Hung
+            raise FakeHung
         fault = self._take("raise", rank, step)
         if fault:
             raise RuntimeError(fault.detail)
-        peer_dies = any(f.kind == "die" and f.step == step and f.rank != rank for f in self._faults)
+        peer_dies = any(f.kind in ("die", "oom") and f.step == step and f.rank != rank for f in self._faults)
         if peer_dies or getattr(w.spec, "attempt", None) in self._broken_attempts:
             raise RuntimeError("gloo: Connection closed by peer")  # its collective with the dead one fails
         if w.writer is not None:
@@ -348,9 +287,9 @@ class FakeGroup:
     def _save_shard(self, w: FakeWorker, staging: str, background: bool = False) -> dict[str, Any]:
         rank = w.spec.rank
         if self._take("die_in_save", rank):
-            raise _Died
+            raise FakeDied
         name = f"rank-{rank:05d}-of-{w.spec.world_size:05d}.safetensors"
-        write = _Write(staging, name, rank)
+        write = FakeWrite(staging, name, rank)
         fault = self._take("write_error", rank)
         write.error = fault.detail if fault else ""
         write.hangs = self._take("save_hangs", rank) is not None
@@ -408,6 +347,6 @@ class FakeGroup:
         if w.writer is not None:
             w.writer.finish()
             if w.writer.state == "writing":  # a hung write: the real actor's teardown waits on it
-                raise _Hung
+                raise FakeHung
         w.spec, w.writer = None, None
         return {"teardown_s": 0.0}

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from elastictrain.cluster.calls import DIED, NODE_LOST, RAISED, TIMED_OUT, Calls, Reply
+from elastictrain.cluster.calls import DIED, NODE_LOST, OUT_OF_MEMORY, RAISED, TIMED_OUT, Calls, Reply
 from elastictrain.worker.actor import TrainWorker
 
 log = logging.getLogger("elastictrain.workers")
@@ -257,6 +257,8 @@ def _reply(worker_id: str, ref: Any) -> Reply:
     """The outcome of a finished (or, if not finished, timed-out) call, without waiting."""
     try:
         return Reply(worker_id, ray.get(ref, timeout=0))
+    except OutOfMemoryError as e:  # the memory monitor killed the actor: not the worker's own error
+        return Reply(worker_id, error=OUT_OF_MEMORY, detail=str(e))
     except RayActorError as e:
         return Reply(worker_id, error=DIED, detail=str(e))
     except RayTaskError as e:

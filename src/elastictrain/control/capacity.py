@@ -14,6 +14,7 @@ from elastictrain.core.policy import (
     Restart,
     ScalingRules,
     Wait,
+    ceiling_after_out_of_memory,
     decide_grow,
     decide_start,
     repeated_warmup_error,
@@ -127,6 +128,22 @@ class Capacity:
         reason = repeated_warmup_error(self.group.warmup_errors)
         if reason:
             raise RunFailed(f"{reason}; fix it, then `elastictrain resume {self.recorder.run_dir.path}`")
+
+    def lower_ceiling(self, world_size: int, step: int) -> None:
+        """A worker was killed for memory at `world_size`: the run goes on below it (or ends, saying why)."""
+        lowered = ceiling_after_out_of_memory(self.rules, world_size)
+        if isinstance(lowered, Fail):
+            raise RunFailed(lowered.reason)
+        self.rules = lowered
+        self.recorder.event(
+            "memory_ceiling",
+            f"a worker ran out of memory at world size {world_size}: the run goes on at "
+            f"{lowered.max_workers} workers at most (scaling.max_workers={self.cfg.scaling.max_workers} "
+            "again after `elastictrain resume`)",
+            style="yellow",
+            step=step,
+            max_workers=lowered.max_workers,
+        )
 
     def grow_target(self, world_size: int, step: int) -> int | None:
         """A larger world size to move to now (warm workers for it are there), or None."""

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from elastictrain.cluster.calls import DIED, NODE_LOST, RAISED, TIMED_OUT, Calls, Group, Reply
+from elastictrain.cluster.calls import DIED, NODE_LOST, OUT_OF_MEMORY, RAISED, TIMED_OUT, Calls, Group, Reply
 from elastictrain.control.errors import AttemptFailed
 from elastictrain.control.record import RunRecorder
 from elastictrain.core.membership import WorkerObservation, stalled_workers
@@ -28,6 +28,16 @@ def gather_results(group: Group, calls: Calls, step: int, *, timeout_s: float, p
 
 
 def classify(group: Group, replies: dict[str, Reply], step: int, phase: str, timeout_s: float) -> Failure:
+    killed = {wid: r.detail for wid, r in replies.items() if r.error == OUT_OF_MEMORY}
+    if killed:
+        return Failure(
+            "out_of_memory",
+            tuple(killed),
+            step,
+            f"killed by Ray's memory monitor during {phase}: {', '.join(killed)} "
+            f"({memory_report(next(iter(killed.values())))})",
+            detail=next(iter(killed.values())),
+        )
     dead = [wid for wid, r in replies.items() if r.error in (DIED, NODE_LOST)]
     if dead:
         lost_nodes = {replies[w].node_id for w in dead if replies[w].error == NODE_LOST}
@@ -144,6 +154,14 @@ def teardown(
 
 def is_disk_full(text: str) -> bool:
     return any(s in text for s in ("No space left on device", "Errno 28", "Disk quota exceeded", "Errno 122"))
+
+
+def memory_report(text: str) -> str:
+    """The sentence of Ray's out-of-memory message that says how full the node was."""
+    for sentence in text.replace("\n", " ").split(". "):
+        if "Memory on the node" in sentence:
+            return sentence.strip().rstrip(".")
+    return short(text) if text.strip() else "the node ran short of memory"
 
 
 def is_collective_error(text: str) -> bool:

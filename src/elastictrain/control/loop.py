@@ -72,7 +72,6 @@ class Controller:
         self.recorder = RunRecorder(run_dir, tracker, reporter)
         self.resume = ResumePoints(self.store, dict(config.model.hf_config), self.recorder)
         self.capacity = Capacity(config, group, self.recorder, clock=clock)
-        self.rules = self.capacity.rules
         self.saves = SaveCoordinator(config, group, self.store, self.recorder, self.resume, clock=clock)
         self.pipeline = StepPipeline(
             config, group, self.recorder, self.saves, self.capacity, after_step=self._after_step, clock=clock
@@ -187,7 +186,7 @@ class Controller:
     # ------------------------------------------------------------------ start an attempt
     def _start_attempt(self, size: int) -> None:
         self.attempt += 1
-        plan = plan_batch(self.rules.global_batch_size, self.rules.micro_batch_size, size)
+        plan = plan_batch(self.capacity.rules.global_batch_size, self.capacity.rules.micro_batch_size, size)
         assert plan is not None
         # Survivors keep their ranks' order; newly warm workers follow.
         warm = self.group.warm_workers
@@ -275,7 +274,7 @@ class Controller:
         while self.step < max_steps:
             segment_end = min(max_steps, (self.step // every + 1) * every)
             # Below max_workers every checkpoint may be followed by a grow: then no step is queued past it.
-            resize_may_follow = self.world_size < self.rules.max_workers
+            resize_may_follow = self.world_size < self.capacity.rules.max_workers
             # With in-memory snapshots a grow need not wait for the checkpoint: any step will do.
             anywhere = self._grow_is_ready if resize_may_follow and self.memory.live() else None
             save, ahead = self.pipeline.run_segment(
@@ -342,8 +341,10 @@ class Controller:
         self._teardown(abort=True)
         self.store.clean_partials()  # a snapshot queued when the failure struck left its staging folder
         ckpt = self.resume.latest()
+        if failure.kind == "out_of_memory":
+            self.capacity.lower_ceiling(self.world_size, self.step)
         decision = decide_after_failure(
-            self.rules,
+            self.capacity.rules,
             failure,
             self.recorder.failures,
             self.capacity.slots(),

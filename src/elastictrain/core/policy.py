@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from elastictrain.core.batch import plan_batch
 
-FAILURE_KINDS = ("worker_died", "node_lost", "step_error", "hang", "setup_error")
+FAILURE_KINDS = ("worker_died", "node_lost", "out_of_memory", "step_error", "hang", "setup_error")
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,27 @@ def decide_after_failure(
             f"at step {failure.step}: {failure.message})"
         )
     return decide_start(rules, capacity, now, None)
+
+
+def ceiling_after_out_of_memory(rules: ScalingRules, world_size: int) -> ScalingRules | Fail:
+    """Rules for the rest of the run after a worker was killed for memory at `world_size`.
+
+    Ranks that share a node share its memory, so the run goes on at the largest smaller size that
+    splits the global batch, and does not grow back to the size that ran out (until it is resumed).
+    Where each rank has a node of its own a smaller size does not help, and the next kill lowers the
+    ceiling again until scaling.min_workers, where the run ends with what to change.
+    """
+    lowered = replace(rules, max_workers=world_size - 1)
+    if lowered.max_workers >= rules.min_workers and lowered.smallest_workable() is not None:
+        return lowered
+    return Fail(
+        f"out of memory (rule: a size at which a worker was killed for memory is not tried again): "
+        f"a worker was killed at world size {world_size} and no smaller size in "
+        f"[scaling.min_workers={rules.min_workers}, {world_size - 1}] splits "
+        f"training.global_batch_size={rules.global_batch_size} exactly; lower the memory per rank "
+        "(deepspeed.offload_optimizer=cpu or nvme, deepspeed.offload_param=nvme, a smaller "
+        "training.micro_batch_size, deepspeed.activation_checkpointing=true) or give the workers more memory"
+    )
 
 
 def decide_grow(rules: ScalingRules, world_size: int, capacity: int) -> int | None:

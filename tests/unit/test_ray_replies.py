@@ -1,0 +1,43 @@
+"""How a Ray call's outcome becomes a typed reply: the exceptions are Ray's own, raised by `ray.get`."""
+
+from __future__ import annotations
+
+import pytest
+from ray.exceptions import ActorDiedError, GetTimeoutError, OutOfMemoryError
+
+import elastictrain.cluster.worker_group as worker_group
+from elastictrain.cluster.calls import DIED, OUT_OF_MEMORY, TIMED_OUT
+
+RAY_OOM_MESSAGE = (
+    "Task was killed due to the node running low on memory.\n"
+    "Memory on the node (IP: 10.0.0.7, ID: 5f3c) where the task (actor ID: 9a1b, name=TrainWorker.__init__, "
+    "pid=2071, memory used=7.9GB) was running was 22.9GB / 24.0GB (0.954), which exceeds the memory usage "
+    "threshold of 0.95. Ray killed this worker (ID: 77aa) because it was the most recently scheduled task"
+)
+
+
+@pytest.mark.parametrize(
+    ("raised", "error"),
+    [
+        (OutOfMemoryError(RAY_OOM_MESSAGE), OUT_OF_MEMORY),
+        (ActorDiedError(), DIED),
+        (GetTimeoutError("not yet"), TIMED_OUT),
+    ],
+)
+def test_a_worker_killed_by_rays_memory_monitor_is_told_apart_from_a_death_and_a_raised_error(
+    monkeypatch: pytest.MonkeyPatch, raised: Exception, error: str
+):
+    def get(ref: object, timeout: float) -> object:
+        raise raised
+
+    monkeypatch.setattr(worker_group.ray, "get", get)
+    reply = worker_group._reply("w1", object())
+    assert reply.error == error
+
+
+def test_the_out_of_memory_failure_names_how_full_the_node_was():
+    from elastictrain.control.failures import memory_report
+
+    assert memory_report(RAY_OOM_MESSAGE).startswith("Memory on the node (IP: 10.0.0.7")
+    assert "22.9GB / 24.0GB" in memory_report(RAY_OOM_MESSAGE)
+    assert memory_report("") == "the node ran short of memory"
