@@ -264,7 +264,7 @@ def check_memory_on_nodes(config: Any, timeout_s: float = 60.0) -> Any:
     if not known:
         return estimate
     slots = [_slots(n.get("Resources", {}), config) for n, _ in known]
-    fit = memory_shortfall([mem for _, mem in known], slots, estimate.host_bytes, s.min_workers)
+    fit = memory_shortfall([mem for _, mem in known], slots, estimate.host_need, s.min_workers)
     if fit is not None:
         biggest = max(mem for _, mem in known)
         raise PreflightError(

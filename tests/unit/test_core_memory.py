@@ -77,3 +77,28 @@ def test_in_memory_snapshots_are_counted_apart_as_copies_of_the_ranks_slice() ->
     assert off.snapshot_bytes == 0 and on.host_bytes == off.host_bytes  # optional: never a refusal
     assert on.snapshot_bytes == SLICES_HELD * 12 * B // 2  # fp32 weights + 2 moments, over 2 ranks
     assert "in-memory snapshots up to" in on.describe() and "in-memory" not in off.describe()
+
+
+def test_cpu_runs_also_need_what_the_allocator_keeps_of_the_steps_freed_temporaries() -> None:
+    from elastictrain.core.memory import RETAINED_BYTES
+
+    cpu = _est()
+    assert cpu.retained_bytes == RETAINED_BYTES["none"] * B // 2
+    assert cpu.host_need == cpu.host_bytes + cpu.retained_bytes  # the bound itself is unchanged
+    assert "freed step temporaries the allocator keeps" in cpu.describe()
+    # Less with the optimizer on NVMe (its temporaries live in the swap buffers), none on a GPU.
+    assert _est(offload_optimizer="nvme").retained_bytes == RETAINED_BYTES["nvme"] * B // 2
+    gpu = _est(use_gpu=True)
+    assert gpu.retained_bytes == 0 and gpu.host_need == gpu.host_bytes
+
+
+def test_a_1b_model_without_offload_is_refused_on_a_24_gib_two_slot_machine_but_with_nvme_it_fits() -> None:
+    params, layer = 953_000_000, 65_536_000  # the 1B preset (its embedding is the largest layer)
+    args = dict(zero_stage=3, precision="fp32", baseline_bytes=int(0.9 * GIB))
+    plain = estimate_rank_memory(params, layer, 2, **args)
+    nvme = estimate_rank_memory(params, layer, 2, offload_optimizer="nvme", **args)
+    node = [int(23.4 * GIB)]
+    # The bound alone (8.3 GiB a rank) let this run start here; it ran out of memory in its first step.
+    assert memory_shortfall(node, [2], plain.host_bytes, wanted=2) is None
+    assert memory_shortfall(node, [2], plain.host_need, wanted=2) == 1
+    assert memory_shortfall(node, [2], nvme.host_need, wanted=2) is None

@@ -22,6 +22,15 @@ counts it; the caller passes ZeRO-3's live-parameter bound where larger), the ho
 swap stages through (`swap_buffer_bytes`), and the runtime's own baseline per process (Python, torch,
 DeepSpeed, the Ray actor).
 
+On a CPU-only machine one more term counts, apart from the bound above (`retained_bytes`): memory the
+host allocator keeps after a step frees its temporaries (the optimizer step's and ZeRO's fp32 partition
+copies). glibc's malloc returns little of it: the peak resident memory of a 350M run at 2 ranks was 8.5
+GB against a 4.1 GB estimate, 4.4 GB with MALLOC_MMAP_THRESHOLD_=131072 (which returns freed memory
+at once but slowed steps by a third; jemalloc likewise: 6.4 GB, a quarter slower). Measured per
+parameter of a rank's share (scale benchmark, 30M-1B): 22-28 bytes with the optimizer in process
+memory, 19 with it offloaded to the host, 5-15 with it on NVMe; the lower ends are used, so that a
+configuration that fits is never refused.
+
 In-memory snapshots (`checkpoint.memory_every_steps`) come on top, counted apart: a worker holds up to
 `SLICES_HELD` copies of its rank's slice (fp32 weights and Adam's moments, 12 bytes per parameter over
 the ranks that share them). They are optional: a worker whose copies do not fit the memory
@@ -42,6 +51,9 @@ MOMENT_BYTES = 8  # Adam's two fp32 moments
 MASTER_BYTES = 4  # the optimizer's fp32 copy of the weights, where it keeps one
 GRAD_BYTES = 4  # ZeRO's partitioned gradients are fp32
 SNAPSHOT_BYTES = 4 + MOMENT_BYTES  # per parameter in an in-memory snapshot: fp32 weights and moments
+# Freed step temporaries that glibc's malloc keeps, per parameter of a rank's share, on CPU-only runs
+# (by where the optimizer steps; measured: see the module's docstring).
+RETAINED_BYTES = {"none": 20, "cpu": 18, "nvme": 5}
 
 
 @dataclass(frozen=True)
@@ -55,9 +67,20 @@ class MemoryEstimate:
     nvme_bytes: int  # swapped to deepspeed.nvme_path
     bytes_per_param: int  # model states per parameter before dividing by the world size
     snapshot_bytes: int = 0  # in-memory snapshots' copies, on the host, beyond host_bytes (0: off)
+    retained_bytes: int = 0  # freed temporaries the host allocator keeps (CPU-only runs), beyond host_bytes
+
+    @property
+    def host_need(self) -> int:
+        """What the host must have for each rank: the bound plus what the allocator keeps."""
+        return self.host_bytes + self.retained_bytes
 
     def describe(self) -> str:
         where = f"{self.host_bytes / GIB:.2f} GiB host"
+        if self.retained_bytes:
+            where += (
+                f" (+ {self.retained_bytes / GIB:.2f} GiB of freed step temporaries the allocator keeps: "
+                f"{self.host_need / GIB:.2f} GiB needed)"
+            )
         if self.device_bytes:
             where = f"{self.device_bytes / GIB:.2f} GiB accelerator + " + where
         if self.nvme_bytes:
@@ -104,12 +127,14 @@ def estimate_rank_memory(
     # Offloaded optimizers step on the host, so the fp32 gradient partitions live there too.
     places["device" if opt_place == "device" else "host"] += grads
     layer = largest_layer_params * 4
+    retained = 0.0
     if use_gpu:
         device = places["device"] + layer
         host = places["host"] + baseline_bytes + swap_buffer_bytes
     else:
         device = 0.0
         host = places["device"] + places["host"] + layer + baseline_bytes + swap_buffer_bytes
+        retained = params * RETAINED_BYTES.get(offload_optimizer, 0) * (share if zero_stage >= 1 else 1.0)
     return MemoryEstimate(
         params=params,
         world_size=world_size,
@@ -117,6 +142,7 @@ def estimate_rank_memory(
         host_bytes=int(host),
         nvme_bytes=int(places["nvme"]),
         bytes_per_param=weight_bytes + GRAD_BYTES + optimizer_bytes,
+        retained_bytes=int(retained),
         snapshot_bytes=int(
             SLICES_HELD * params * SNAPSHOT_BYTES * (share if zero_stage >= 1 else 1.0)
             if memory_snapshots
