@@ -101,3 +101,34 @@ def test_a_worker_lost_while_the_checkpoint_is_written_drops_it_and_restarts_fro
     assert committed[-1] == "step-000012" and "step-000004" in committed, "saved again after the restart"
     assert not [p for p in rd.checkpoints_dir.iterdir() if p.name.startswith(".")], "no staging left behind"
     assert rd.read_info().last_step == 12
+
+
+def test_a_checkpoint_whose_writes_end_while_the_next_step_hangs_is_committed_and_restarted_from(
+    ray_local, tmp_path
+):
+    # A write that ends is noticed by its own call (a watch), not by the next step's report: here that
+    # report never comes (rank 1 hangs in step 4), yet step-000004 is committed and the restart loads it.
+    # Told only by step reports, the driver would drop it at the hang (rank 1's file unreported).
+    cfg = tiny_config(
+        tmp_path / "run",
+        "scaling.min_workers=1",
+        "scaling.max_workers=2",
+        "checkpoint.memory_every_steps=0",  # disk recovery only
+        "failure.hang_timeout_s=30",
+    )
+
+    def hang_rank_1_in_step_4(controller: Any) -> None:
+        ray.get(controller.active[1].actor.inject_fault.remote("hang", 4))
+
+    summary, rd, out = run(cfg, hook=at_step(1, hang_rank_1_in_step_4), tracking=False)
+    assert summary.status.value == "FINISHED", out
+    events = rd.read_events()
+    failure = next(e for e in events if e["event"] == "failure")
+    assert failure["kind"] == "hang" and failure["step"] == 4, failure
+    first = next(e for e in events if e["event"] == "checkpoint")
+    assert first["tag"] == "step-000004" and first["committed_at_step"] == 4, first
+    assert events.index(first) < events.index(failure), "committed while step 4 hung"
+    assert not [e for e in events if e["event"] == "checkpoint_abandoned"], out
+    decision = next(e for e in events if e["event"] == "decision")
+    assert "step-000004" in decision["message"], decision
+    assert rd.read_info().last_step == 12

@@ -5,7 +5,7 @@ Ray-free, so the loop (and its unit tests, with the fake group of cluster/fake.p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -70,8 +70,11 @@ class Group(Protocol):
     def progress(self, timeout_s: float = 5.0) -> dict[str, dict[str, Any] | None]: ...
     def shutdown(self) -> None: ...
 
-    def call(self, workers: Sequence[Any], method: str, *args: Any, control: bool = False) -> Calls:
-        """`method(*args)` on every worker; `control` answers even mid-step (a separate thread)."""
+    def call(
+        self, workers: Sequence[Any], method: str, *args: Any, control: bool = False, watch: bool = False
+    ) -> Calls:
+        """`method(*args)` on every worker; `control` answers even mid-step (a separate thread);
+        `watch` too, on threads of its own, for calls that wait long (a write's end)."""
         ...
 
     def call_each(self, workers: Sequence[Any], method: str, args: Sequence[tuple[Any, ...]]) -> Calls:
@@ -79,9 +82,17 @@ class Group(Protocol):
         ...
 
     def gather(
-        self, calls: Calls, timeout_s: float, *, stop_on_error: bool = False, grace_s: float = 3.0
+        self,
+        calls: Calls,
+        timeout_s: float,
+        *,
+        stop_on_error: bool = False,
+        grace_s: float = 3.0,
+        tick: Callable[[], None] | None = None,
     ) -> dict[str, Reply]:
         """Every call's reply, waiting up to timeout_s; the unanswered ones are TIMED_OUT.
+
+        `tick()` runs at least once a second while it waits (the driver's other duties, mid-step).
 
         With stop_on_error the first error ends the wait after grace_s more for the others: the
         first error seen may be a survivor's broken collective, the root cause arrives just after.

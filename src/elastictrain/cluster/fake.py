@@ -26,7 +26,7 @@ TIMED_OUT, at once: the fake never waits.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from elastictrain.cluster.calls import DIED, NODE_LOST, OUT_OF_MEMORY, RAISED, TIMED_OUT, Calls, Reply
@@ -190,15 +190,27 @@ class FakeGroup:
         self.pending.clear()
 
     # -- calls --
-    def call(self, workers: Sequence[Any], method: str, *args: Any, control: bool = False) -> Calls:
+    def call(
+        self, workers: Sequence[Any], method: str, *args: Any, control: bool = False, watch: bool = False
+    ) -> Calls:
+        if watch:  # a long wait's reply, as it stands when the call is made (see _watch_save_status)
+            return {w.worker_id: self._run(w, f"watch_{method}", args, True) for w in workers}
         return {w.worker_id: self._run(w, method, args, control) for w in workers}
 
     def call_each(self, workers: Sequence[Any], method: str, args: Sequence[tuple[Any, ...]]) -> Calls:
         return {w.worker_id: self._run(w, method, a, False) for w, a in zip(workers, args, strict=True)}
 
     def gather(
-        self, calls: Calls, timeout_s: float, *, stop_on_error: bool = False, grace_s: float = 3.0
+        self,
+        calls: Calls,
+        timeout_s: float,
+        *,
+        stop_on_error: bool = False,
+        grace_s: float = 3.0,
+        tick: Callable[[], None] | None = None,
     ) -> dict[str, Reply]:
+        if tick is not None:
+            tick()  # once: the replies are all there already
         replies = dict(calls)
         if any(r.error == DIED for r in replies.values()):
             alive = self.nodes_alive()
@@ -315,6 +327,14 @@ class FakeGroup:
         if write is None or write.staging != staging:
             return {"staging": staging, "state": "error", "error": "no such write on this worker"}
         write.finish()  # waiting for it lets it end
+        return write.report()
+
+    def _watch_save_status(self, w: FakeWorker, staging: str, wait_s: float = 0.0) -> dict[str, Any]:
+        """A watch on the write: its state now, as if its wait ran out (a fake write ends only with the
+        rank's next step, or when a save_status waits for it)."""
+        write = w.writer
+        if write is None or write.staging != staging:
+            return {"staging": staging, "state": "error", "error": "no such write on this worker"}
         return write.report()
 
     def _snapshot(self, w: FakeWorker, steps_done: int) -> None:

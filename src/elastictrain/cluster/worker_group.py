@@ -12,7 +12,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -77,7 +77,7 @@ class WorkerGroup:
         self._ids = itertools.count()
         self._prefix = name_prefix
         # "replica": buddies' snapshots arrive and are served beside training (worker/memory.py).
-        self._actor_cls = ray.remote(concurrency_groups={"control": 2, "replica": 2})(TrainWorker)
+        self._actor_cls = ray.remote(concurrency_groups={"control": 2, "replica": 2, "watch": 2})(TrainWorker)
         self.warmup_errors: list[tuple[str, str]] = []  # warm-ups that raised (the loop may end the run)
 
     # -- reservations --
@@ -193,11 +193,19 @@ class WorkerGroup:
         return out
 
     # -- calls --
-    def call(self, workers: Sequence[WorkerHandle], method: str, *args: Any, control: bool = False) -> Calls:
+    def call(
+        self,
+        workers: Sequence[WorkerHandle],
+        method: str,
+        *args: Any,
+        control: bool = False,
+        watch: bool = False,
+    ) -> Calls:
         calls: Calls = {}
+        lane = "control" if control else "watch" if watch else None
         for w in workers:
             fn = getattr(w.actor, method)
-            calls[w.worker_id] = (fn.options(concurrency_group="control") if control else fn).remote(*args)
+            calls[w.worker_id] = (fn.options(concurrency_group=lane) if lane else fn).remote(*args)
         return calls
 
     def call_each(
@@ -206,7 +214,13 @@ class WorkerGroup:
         return {w.worker_id: getattr(w.actor, method).remote(*a) for w, a in zip(workers, args, strict=True)}
 
     def gather(
-        self, calls: Calls, timeout_s: float, *, stop_on_error: bool = False, grace_s: float = 3.0
+        self,
+        calls: Calls,
+        timeout_s: float,
+        *,
+        stop_on_error: bool = False,
+        grace_s: float = 3.0,
+        tick: Callable[[], None] | None = None,
     ) -> dict[str, Reply]:
         pending = {ref: wid for wid, ref in calls.items()}
         replies: dict[str, Reply] = {}
@@ -216,7 +230,10 @@ class WorkerGroup:
             if stop_on_error:  # one at a time, to notice the first error at once
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(1.0, left))
             else:
-                ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=left)
+                wait_s = left if tick is None else min(1.0, left)
+                ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
+            if tick is not None:
+                tick()
             for ref in ready:
                 wid = pending.pop(ref)
                 replies[wid] = _reply(wid, ref)

@@ -19,9 +19,18 @@ ABORT_TIMEOUT_S = 2.0  # for the survivors' control threads to abort their proce
 HAND_OFF_TIMEOUT_S = 30.0  # for a replaced survivor to pass its in-memory snapshots on
 
 
-def gather_results(group: Group, calls: Calls, step: int, *, timeout_s: float, phase: str) -> dict[str, Any]:
-    """Results of one call on every active worker; raises AttemptFailed naming the root cause."""
-    replies = group.gather(calls, timeout_s, stop_on_error=True)
+def gather_results(
+    group: Group,
+    calls: Calls,
+    step: int,
+    *,
+    timeout_s: float,
+    phase: str,
+    tick: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """Results of one call on every active worker; raises AttemptFailed naming the root cause.
+    `tick()` runs at least once a second meanwhile."""
+    replies = group.gather(calls, timeout_s, stop_on_error=True, tick=tick)
     if all(r.ok for r in replies.values()):
         return {wid: replies[wid].value for wid in calls}
     raise AttemptFailed(classify(group, replies, step, phase, timeout_s))

@@ -103,7 +103,12 @@ class StepPipeline:
 
     def _gather_and_report(self, step: int, calls: Calls) -> None:
         results = gather_results(
-            self.group, calls, step, timeout_s=self.cfg.failure.hang_timeout_s, phase="step"
+            self.group,
+            calls,
+            step,
+            timeout_s=self.cfg.failure.hang_timeout_s,
+            phase="step",
+            tick=lambda: self.saves.poll_writes(self.step),  # a checkpoint commits once written
         )
         self._report(step, list(results.values()))
 

@@ -2,7 +2,9 @@
 
 One save at a time. Its snapshot calls queue on every actor behind the segment's last step; each
 rank then writes its file (in a background thread with `checkpoint.background_write`) and reports
-`done` with a later step's result. The checkpoint is committed once every rank's file is in. Until
+`done` with a later step's result, or sooner through a watch: a call on each rank that returns when
+its write ends, looked at every second while the driver waits for a step. The checkpoint is committed
+once every rank's file is in. Until
 then the previous committed checkpoint is what a restart loads: a failure mid-write costs at most
 this interval, never a torn checkpoint.
 """
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.checkpoint.store import CheckpointError, CheckpointStore, Committed, verify
-from elastictrain.cluster.calls import Calls, Group
+from elastictrain.cluster.calls import TIMED_OUT, Calls, Group
 from elastictrain.control.errors import AttemptFailed
 from elastictrain.control.evaluation import best_checkpoint
 from elastictrain.control.failures import gather_results, is_disk_full, short
@@ -28,6 +30,7 @@ from elastictrain.core.policy import Failure
 
 SETTLE_SAVE_WAIT_S = 30.0  # after a failure, how long survivors' background writes may take to end
 STOP_SAVE_WAIT_S = 10.0  # on Ctrl-C/SIGTERM: the whole stop must fit a pod's 30 s grace period
+WATCH_WAIT_S = 10.0  # a watch on a rank's write answers when it ends, or after this (then is renewed)
 
 
 @dataclass
@@ -81,6 +84,7 @@ class SaveCoordinator:
         self._workers: list[Any] = []  # the attempt's workers, in rank order
         self._manifest: ManifestFields | None = None
         self._streamed = False  # the pending save's ranks streamed their files (no room for a snapshot)
+        self._watch: Calls = {}  # per worker: a call that returns when its write into pending ends
 
     # -- the attempt the saves belong to --
     def attach(self, workers: Sequence[Any], manifest: ManifestFields) -> None:
@@ -134,7 +138,38 @@ class SaveCoordinator:
         )
         # A rank whose snapshot would exceed checkpoint.max_host_memory_mb streamed its file inline.
         self._streamed = any(r.get("mode") == "streamed" for r in ordered)
-        self._commit_if_written(step)
+        self._watch = {}
+        if not self._commit_if_written(step):
+            self._watch_writes([w for w, r in zip(self._workers, ordered, strict=True) if not r.get("file")])
+
+    # -- watch --
+    def _watch_writes(self, workers: Sequence[Any]) -> None:
+        assert self.pending is not None
+        staging = str(self.pending.staging)
+        self._watch.update(self.group.call(workers, "save_status", staging, WATCH_WAIT_S, watch=True))
+
+    def poll_writes(self, step: int) -> None:
+        """Writes that ended since the last look (without waiting): the checkpoint commits as soon as
+        its last file is in, mid-step, not with the report of the step after."""
+        pending = self.pending
+        if pending is None:
+            self._watch = {}
+            return
+        if not self._watch:
+            return
+        ranks = {w.worker_id: rank for rank, w in enumerate(self._workers)}
+        results, renew = [], []
+        for wid, reply in self.group.gather(self._watch, 0.0).items():
+            if reply.error == TIMED_OUT:
+                continue  # still waiting for the write to end
+            del self._watch[wid]
+            if reply.ok and wid in ranks:  # a lost worker is the step's gather's to report
+                results.append({"rank": ranks[wid], "save": reply.value})
+                if reply.value.get("state") == "writing":
+                    renew.append(self._workers[ranks[wid]])
+        self._note_writes(step, results)
+        if renew and self.pending is pending:
+            self._watch_writes(renew)
 
     # -- observe --
     def observe(self, step: int, results: list[dict[str, Any]]) -> None:
