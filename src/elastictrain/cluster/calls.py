@@ -92,7 +92,7 @@ class Group(Protocol):
     ) -> dict[str, Reply]:
         """Every call's reply, waiting up to timeout_s; the unanswered ones are TIMED_OUT.
 
-        `tick()` runs at least once a second while it waits (the driver's other duties, mid-step).
+        `tick()` runs every fraction of a second while it waits (the driver's other duties, mid-step).
 
         With stop_on_error the first error ends the wait after grace_s more for the others: the
         first error seen may be a survivor's broken collective, the root cause arrives just after.

@@ -24,6 +24,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from elastictrain.cluster.calls import DIED, NODE_LOST, OUT_OF_MEMORY, RAISED, TIMED_OUT, Calls, Reply
 from elastictrain.worker.actor import TrainWorker
 
+# How often gather runs its `tick` while it waits: a checkpoint whose write ended is committed within
+# this (a look costs one non-blocking ray.wait).
+TICK_S = 0.2
+
 log = logging.getLogger("elastictrain.workers")
 
 
@@ -225,12 +229,13 @@ class WorkerGroup:
         pending = {ref: wid for wid, ref in calls.items()}
         replies: dict[str, Reply] = {}
         deadline = time.monotonic() + timeout_s
+        period = 1.0 if tick is None else TICK_S
         while pending:
             left = max(0.0, deadline - time.monotonic())
             if stop_on_error:  # one at a time, to notice the first error at once
-                ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(1.0, left))
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(period, left))
             else:
-                wait_s = left if tick is None else min(1.0, left)
+                wait_s = left if tick is None else min(period, left)
                 ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
             if tick is not None:
                 tick()

@@ -29,7 +29,7 @@ def gather_results(
     tick: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Results of one call on every active worker; raises AttemptFailed naming the root cause.
-    `tick()` runs at least once a second meanwhile."""
+    `tick()` runs every fraction of a second meanwhile."""
     replies = group.gather(calls, timeout_s, stop_on_error=True, tick=tick)
     if all(r.ok for r in replies.values()):
         return {wid: replies[wid].value for wid in calls}
