@@ -40,8 +40,11 @@ WHY = {
     "what is above the ZeRO-3 bound is DeepSpeed's and torch's, not elastictrain's: DeepSpeed's buffers "
     "(reduce-scatter and prefetch buckets, the /dev/shm all-reduce buffers) and, growing with the model, "
     "glibc's malloc keeping freed tensors in the heap (at 350M, MALLOC_MMAP_THRESHOLD_=131072 halves the "
-    "peak, 8.5 to 4.4 GB per rank, at a 50% slower step; README, Model sizes). Closing it: a different "
-    "allocator (jemalloc, not on these machines) or counting the allocator's share in core.memory.",
+    "peak, 8.5 to 4.4 GB per rank, at a 50% slower step; jemalloc, the copy Ray ships, 6.4 GB at a 25% "
+    "slower step; README, Model sizes). The estimate printed at start now counts the allocator's share "
+    "on CPU-only runs (the bound drawn here does not: it is the target's). Closing it: an allocator that "
+    "keeps a step's transients without the page faults of returning them (on a VM where each fault is "
+    "costly), or fewer transients (DeepSpeed's CPU Adam in place of torch's on the device path).",
     "throughput": "elastictrain's driver reports every step and queues at most two steps per actor "
     "(PIPELINE_DEPTH in control/pipeline.py); a slower driver or a busier machine shows here. Closing "
     "it: deeper pipelining, or reporting every k steps.",
@@ -81,12 +84,12 @@ WHY = {
     "checkpoint's own host copy at memory speed against a durable save bounded by the disk. Closing it: "
     "one copy in memory for the checkpoint alone, made beside the next step as the snapshots are.",
     "commit bandwidth": "commit counts from the checkpoint's step (its state exists) to the committed "
-    "manifest. A write started mid-run ends within the next step, but the controller learns of it with "
-    "that step's report, so the commit takes about one step (4.3 s at 30M, where the bytes take under a "
-    "second at the disk's speed); the end-of-run checkpoint, with no step after it, commits in 0.9-1.2 s at "
-    "30M. The writer's priority does not matter here (nice 0, 10 and 19 measured at 30M: the same step "
-    "time and commit). Closing it: a finished write reported out of band (a long-poll on a concurrency "
-    "group of its own, the controller waking on it while it waits for a step) instead of with the next step.",
+    "manifest. Each rank's write is watched by a call of its own that returns when it ends (looked at "
+    "five times a second while the driver waits for a step), so a checkpoint commits when its last file "
+    "is in, not with the next step's report (30M: 1.0-1.2 s, was 4.3 s). The disk is shared and its "
+    "fsynced write bandwidth varies threefold between runs (372 MB/s to 1.04 GB/s at 30M), so compare "
+    "the ratio within one run. A miss means the write itself (copy into the page cache, sha256, fsync) "
+    "is slower than the disk; the writer's priority does not matter (nice 0, 10, 19 measured at 30M).",
     "recovery, fixed part": "kill to first completed step includes that step (3 s at 30M, 9-14 s at "
     "125M) and the new attempt's engine at the new size (process group, model under zero.Init, "
     "DeepSpeed's initialize: 2.0 s at 30M) and its load (0.4 s from memory at 30M); at 125M the state "

@@ -9,8 +9,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import glob
-import hashlib
-import json
 import logging
 import re
 import typing
@@ -26,7 +24,7 @@ from elastictrain.config.eval_check import eval_problems, pop_eval_data, set_eva
 from elastictrain.config.schema import Config, DataConfig
 from elastictrain.core.batch import workable_world_sizes
 from elastictrain.core.zero import stage_problems
-from elastictrain.redact import install_log_redaction, redact
+from elastictrain.redact import install_log_redaction
 from elastictrain.storage import as_path, is_url, url_problems
 from elastictrain.worker.token_index import index_problems
 
@@ -389,30 +387,3 @@ def _no_world_size_message(config: Config) -> str:
         f"cannot be split exactly; global batch sizes that work at every size in range: "
         f"{', '.join(map(str, nearby)) or 'none nearby'}"
     )
-
-
-def to_yaml(config: Config) -> str:
-    """The resolved config as written to config.yaml and MLflow: secrets masked (redact.py)."""
-    return OmegaConf.to_yaml(OmegaConf.create(redact(dataclasses.asdict(config))))
-
-
-def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
-    if isinstance(value, dict):
-        for k, v in value.items():
-            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
-    elif isinstance(value, list):
-        out[prefix] = json.dumps(value)
-    else:
-        out[prefix] = value
-
-
-def to_flat_dict(config: Config) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    _flatten(redact(dataclasses.asdict(config)), "", out)  # these become MLflow params: no secrets
-    return out
-
-
-def config_digest(config: Config) -> str:
-    # Of the masked config, so that the run's own config.yaml (masked) names the same run.
-    canonical = json.dumps(redact(dataclasses.asdict(config)), sort_keys=True, default=str)
-    return hashlib.sha256(canonical.encode()).hexdigest()
