@@ -90,11 +90,13 @@ WHY = {
     "fsynced write bandwidth varies threefold between runs (372 MB/s to 1.04 GB/s at 30M), so compare "
     "the ratio within one run. A miss means the write itself (copy into the page cache, sha256, fsync) "
     "is slower than the disk; the writer's priority does not matter (nice 0, 10, 19 measured at 30M).",
-    "recovery, fixed part": "kill to first completed step includes that step (3 s at 30M, 9-14 s at "
-    "125M) and the new attempt's engine at the new size (process group, model under zero.Init, "
-    "DeepSpeed's initialize: 2.0 s at 30M) and its load (0.4 s from memory at 30M); at 125M the state "
-    "comes from disk (snapshots off for lack of memory). Closing it: keeping the engine across a resize "
-    "and only re-partitioning, and measuring the restart without the step.",
+    "recovery, fixed part": "kill to first completed step, less the checkpoint's bytes at half the disk's "
+    "read bandwidth, still holds that first step (2.9 s of the 6.6 s at 30M; 9-14 s at 125M). At 30M "
+    "the rest: the death seen in 0.6 s, survivors torn down and the decision in 0.4 s, the new attempt's "
+    "engine at the new size in 2.2 s (process group, model under zero.Init, DeepSpeed's initialize) and "
+    "its load from the survivors' memory in 0.5 s, and the first step 0.6 s slower than a steady one. At "
+    "125M the state comes from disk (snapshots off for lack of memory). Closing it: keeping the engine "
+    "across a resize and only re-partitioning its state.",
     "controller iteration": "most of an iteration is building one frozen WorkerObservation per worker in "
     "Python. Closing it: keep the observations in arrays (or update them incrementally) and scan only "
     "the workers whose state changed.",
