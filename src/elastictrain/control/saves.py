@@ -3,10 +3,9 @@
 One save at a time. Its snapshot calls queue on every actor behind the segment's last step; each
 rank then writes its file (in a background thread with `checkpoint.background_write`) and reports
 `done` with a later step's result, or sooner through a watch: a call on each rank that returns when
-its write ends, looked at five times a second while the driver waits for a step. The checkpoint is committed
-once every rank's file is in. Until
-then the previous committed checkpoint is what a restart loads: a failure mid-write costs at most
-this interval, never a torn checkpoint.
+its write ends, looked at five times a second while the driver waits for a step. The checkpoint is
+committed once every rank's file is in. Until then the previous committed checkpoint is what a
+restart loads: a failure mid-write costs at most this interval, never a torn checkpoint.
 """
 
 from __future__ import annotations
