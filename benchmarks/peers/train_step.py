@@ -144,14 +144,22 @@ def _mean_over_ranks(value: float) -> float:
     return float(t.item()) / dist.get_world_size()
 
 
-def _save_fragments(engine: Any, out_dir: Path, rank: int, world_size: int, step: int) -> dict[str, Any]:
+def _save_fragments(
+    engine: Any, out_dir: Path, rank: int, world_size: int, max_host_memory_mb: float | None
+) -> dict[str, Any]:
     """elastictrain's checkpoint write, through the worker's own code (checkpoint/rank_save.py): the
-    snapshot the background path pauses for, its durable write, and the streamed synchronous path."""
+    snapshot the background path pauses for, its durable write, and the streamed synchronous path.
+    The snapshot is bounded as a worker bounds it (all ranks on this node): one that does not fit is
+    streamed instead, as the worker would (a 1B rank's 5.4 GiB copy ran this machine out of memory)."""
     from elastictrain.checkpoint.rank_save import prepare_rank_write
+    from elastictrain.worker.host_memory import snapshot_budget_bytes
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    budget = snapshot_budget_bytes(max_host_memory_mb, world_size)
     t0 = time.perf_counter()
-    write, info = prepare_rank_write(engine, out_dir, rank, world_size, snapshot=True)
+    write, info = prepare_rank_write(
+        engine, out_dir, rank, world_size, snapshot=True, max_snapshot_bytes=budget
+    )
     snapshot_s = time.perf_counter() - t0
     write.run()
     save_s = time.perf_counter() - t0
@@ -169,6 +177,7 @@ def _save_fragments(engine: Any, out_dir: Path, rank: int, world_size: int, step
         "stream_s": stream_s,
         "bytes": write.file["bytes"] if write.file else 0,
         "scalars": info["engine_state"],
+        "mode": info["mode"],
     }
 
 
@@ -263,7 +272,9 @@ def train(spec: dict[str, Any], rank: int, world_size: int, *, report: Any = Non
             engine.save_checkpoint(str(save_dir / "deepspeed"), tag=f"bench{i}", client_state={"step": step})
             ds_times.append(_max_over_ranks(time.perf_counter() - t0))
             dist.barrier()
-            frag = _save_fragments(engine, save_dir / f"fragments{i}", rank, world_size, step)
+            frag = _save_fragments(
+                engine, save_dir / f"fragments{i}", rank, world_size, cfg.checkpoint.max_host_memory_mb
+            )
             frag_times.append(_max_over_ranks(frag["save_s"]))
             snap_times.append(_max_over_ranks(frag["snapshot_s"]))
             stream_times.append(_max_over_ranks(frag["stream_s"]))
@@ -277,6 +288,7 @@ def train(spec: dict[str, Any], rank: int, world_size: int, *, report: Any = Non
             "elastictrain_snapshot_s": snap_times,
             "elastictrain_stream_s": stream_times,
             "fragment_bytes": frag["bytes"] * world_size,
+            "elastictrain_mode": frag["mode"],  # "snapshot", or "streamed" where a snapshot does not fit
             "deepspeed_tag": f"bench{last}",
             "deepspeed_bytes": _dir_bytes(save_dir / "deepspeed" / f"bench{last}") if rank == 0 else None,
             "fragments_dir": str(save_dir / f"fragments{last}"),
