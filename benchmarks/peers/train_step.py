@@ -161,7 +161,8 @@ def _save_fragments(
         engine, out_dir, rank, world_size, snapshot=True, max_snapshot_bytes=budget
     )
     snapshot_s = time.perf_counter() - t0
-    write.run()
+    if info["mode"] == "snapshot":  # a streamed write is done already: the snapshot did not fit
+        write.run()
     save_s = time.perf_counter() - t0
     streamed = out_dir.parent / f"{out_dir.name}-streamed"
     streamed.mkdir(parents=True, exist_ok=True)
