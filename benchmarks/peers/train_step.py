@@ -182,6 +182,16 @@ def _save_fragments(
     }
 
 
+def _remove_timed_copies(save_dir: Path, rep: int, *, last: bool) -> None:
+    """The streamed copy only timed a path; earlier repetitions' saves are not read again."""
+    import shutil
+
+    shutil.rmtree(save_dir / f"fragments{rep}-streamed", ignore_errors=True)
+    if not last:
+        shutil.rmtree(save_dir / "deepspeed" / f"bench{rep}", ignore_errors=True)
+        shutil.rmtree(save_dir / f"fragments{rep}", ignore_errors=True)
+
+
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -279,6 +289,9 @@ def train(spec: dict[str, Any], rank: int, world_size: int, *, report: Any = Non
             frag_times.append(_max_over_ranks(frag["save_s"]))
             snap_times.append(_max_over_ranks(frag["snapshot_s"]))
             stream_times.append(_max_over_ranks(frag["stream_s"]))
+            dist.barrier()
+            if rank == 0:  # only the last repetition's saves are read later: at 1B each copy is 11 GB
+                _remove_timed_copies(save_dir, i, last=i == int(spec["save_reps"]) - 1)
         dist.barrier()
         last = int(spec["save_reps"]) - 1
         if rank == 0:
