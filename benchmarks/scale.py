@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 import time
@@ -119,12 +120,21 @@ def measure_size(size: str, tmp: Path, smoke: bool) -> dict[str, Any]:
     out["disk"] = cold_disk_bandwidth(tmp, frag_bytes // 2)
     log(f"disk {out['disk']['write_fsync_bytes_per_s'] / 1e6:.0f} MB/s write, "
         f"{out['disk']['read_bytes_per_s'] / 1e6:.0f} MB/s read")  # fmt: skip
+    # Resharding reads the launcher run's saves; they go once read. At 1B each copy is 11 GB and the
+    # runs below hold up to three checkpoints and their NVMe swap files: kept all, they fill a 64 GB disk.
+    try:
+        out["reshard"] = reshard_loads(w, tmp, save, frag_bytes)
+    except RuntimeError as e:  # e.g. 3 ranks of 350M do not fit this machine: a finding, the rest goes on
+        out["reshard"] = {"outcome": "failed", "error": str(e)[:2000], "bytes": frag_bytes}
+    log(f"reshard {out['reshard']}")
+    _remove(Path(save["fragments_dir"]).parent, tmp / "fragments.ws3")
 
     # Steady state as the launcher runs it: no checkpoint until the last step (checkpoints are measured
     # by the next run); elastictrain's in-memory snapshots as configured (the defaults).
     steady = baselines.elastictrain(2, w, tmp / "steady", 0, f"checkpoint.every_steps={w.steps}")
     every = max(1, w.steps // 2)  # a checkpoint mid-run, so steps follow it and its pause is seen
     et = baselines.elastictrain(2, w, tmp, 0, f"checkpoint.every_steps={every}")
+    _remove(*(Path(r["run_dir"]) / "checkpoints" for r in (steady, et)))  # their events are read
     out["elastictrain"] = {
         "step_s": steady_step_s(steady["steps"], w),
         "step_s_with_checkpoints": steady_step_s(et["steps"], w),
@@ -143,11 +153,6 @@ def measure_size(size: str, tmp: Path, smoke: bool) -> dict[str, Any]:
     }
     log(f"cold start {out['cold_start']}")
     try:
-        out["reshard"] = reshard_loads(w, tmp, save, frag_bytes)
-    except RuntimeError as e:  # e.g. 3 ranks of 350M do not fit this machine: a finding, the rest goes on
-        out["reshard"] = {"outcome": "failed", "error": str(e)[:2000], "bytes": frag_bytes}
-    log(f"reshard {out['reshard']}")
-    try:
         out["recovery"] = elastictrain_recovery(w, tmp / "recovery")
     except RuntimeError as e:  # a run that failed is a finding of its own: recorded, the other parts go on
         out["recovery"] = {"outcome": "failed", "error": str(e)[:2000]}
@@ -157,6 +162,11 @@ def measure_size(size: str, tmp: Path, smoke: bool) -> dict[str, Any]:
     out["seconds"] = time.time() - out["started"]
     baselines.clear()
     return out
+
+
+def _remove(*paths: Path) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _steps(w: Workload) -> tuple[int, int, float]:

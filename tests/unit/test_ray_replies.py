@@ -41,3 +41,12 @@ def test_the_out_of_memory_failure_names_how_full_the_node_was():
     assert memory_report(RAY_OOM_MESSAGE).startswith("Memory on the node (IP: 10.0.0.7")
     assert "22.9GB / 24.0GB" in memory_report(RAY_OOM_MESSAGE)
     assert memory_report("") == "the node ran short of memory"
+    # As Ray 2.60 words it (from a real kill on this machine), the kill reason and store figures go.
+    ray_260 = (
+        "Task was killed due to the node running low on memory.\nMemory on the node (IP: 192.0.2.2, ID: "
+        "88890c6547a81a0ee297fb79fac5667ba68f6c0cb36338ce057b1cd3) was 18.57GB used / 23.54GB limit "
+        "(0.788682) OOM kill reason: Memory usage 19852529664B "
+        "exceeded threshold of 19715670016B (78.0% of 25276502016B limit) Object store memory usage: [- "
+        "objects spillable: 0]"
+    )
+    assert memory_report(ray_260).endswith("18.57GB used / 23.54GB limit (0.788682)")

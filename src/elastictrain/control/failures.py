@@ -169,7 +169,8 @@ def memory_report(text: str) -> str:
     """The sentence of Ray's out-of-memory message that says how full the node was."""
     for sentence in text.replace("\n", " ").split(". "):
         if "Memory on the node" in sentence:
-            return sentence.strip().rstrip(".")
+            # Ray 2.60 runs on into its kill reason and object store figures: the usage is what matters.
+            return sentence.split(" OOM kill reason")[0].strip().rstrip(".")
     return short(text) if text.strip() else "the node ran short of memory"
 
 
