@@ -31,11 +31,14 @@ def test_defaults_load_and_equal_the_embedded_default_file():
 
 
 @pytest.mark.parametrize(
-    "name", ["tiny-cpu.yaml", "gpu-llama-1b.yaml", "llama-30m.yaml", "llama-125m.yaml", "llama-350m.yaml"]
+    "name",
+    ["tiny-cpu.yaml", "gpu-llama-1b.yaml"] + [f"llama-{s}.yaml" for s in ("30m", "125m", "350m", "1b")],
 )
-def test_shipped_configs_load_and_validate(name):
+def test_shipped_configs_load_and_validate_and_every_end_of_their_worker_range_splits_the_batch(name):
     cfg = load_config(CONF / name)
-    assert valid_world_sizes(cfg)
+    sizes = valid_world_sizes(cfg)
+    # A max_workers the global batch does not split is never used: the range would promise what it is not.
+    assert sizes and sizes[0] == cfg.scaling.min_workers and sizes[-1] == cfg.scaling.max_workers, sizes
 
 
 def test_dotlist_overrides_apply_and_interpolations_resolve():
