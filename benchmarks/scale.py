@@ -155,11 +155,13 @@ def measure_size(size: str, tmp: Path, smoke: bool) -> dict[str, Any]:
         "ray_train_s": ray_train_cold_start(w, tmp / "ray-train"),
     }
     log(f"cold start {out['cold_start']}")
+    _remove(tmp / "cli", tmp / "ray-train")
     try:
         out["recovery"] = elastictrain_recovery(w, tmp / "recovery")
     except RuntimeError as e:  # a run that failed is a finding of its own: recorded, the other parts go on
         out["recovery"] = {"outcome": "failed", "error": str(e)[:2000]}
     log(f"recovery {out['recovery']}")
+    _remove(tmp / "recovery")  # its checkpoints (at 1B 11 GB each) are not read again
     out["memory"] = memory_modes(w, tmp / "memory", out["elastictrain"]["peak_rss_bytes"], smoke)
     log(f"memory {out['memory']}")
     out["seconds"] = time.time() - out["started"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -80,7 +81,12 @@ def memory_modes(w: Workload, tmp: Path, preset_peak: int | None, smoke: bool) -
         except PreflightError as e:
             out[mode] = {"refused": str(e)}
             continue
-        run = baselines.elastictrain(2, short, tmp, 0, *extra)
+        try:
+            run = baselines.elastictrain(2, short, tmp, 0, *extra)
+        except RuntimeError as e:  # e.g. a full disk at 1B: a finding, the other modes go on
+            out[mode] = {"outcome": "failed", "error": str(e)[:2000]}
+            continue
+        shutil.rmtree(Path(run["run_dir"]) / "checkpoints", ignore_errors=True)  # 11 GB each at 1B
         peak = max((m["peak_rss_bytes"] for m in run["memory"]), default=None)
         bound = estimate.host_bytes if estimate is not None else None
         out[mode] = {
