@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import subprocess
 import sys
 import time
@@ -48,6 +47,7 @@ from benchmarks.scale_parts import (
     cold_disk_bandwidth,
     elastictrain_recovery,
     memory_modes,
+    remove_folders,
     steady_step_s,
 )
 
@@ -127,17 +127,17 @@ def measure_size(size: str, tmp: Path, smoke: bool) -> dict[str, Any]:
     except RuntimeError as e:  # e.g. 3 ranks of 350M do not fit this machine: a finding, the rest goes on
         out["reshard"] = {"outcome": "failed", "error": str(e)[:2000], "bytes": frag_bytes}
     log(f"reshard {out['reshard']}")
-    _remove(Path(save["fragments_dir"]).parent, tmp / "fragments.ws3")
+    remove_folders(Path(save["fragments_dir"]).parent, tmp / "fragments.ws3")
 
     # Steady state as the launcher runs it: no checkpoint until the last step (checkpoints are measured
     # by the next run); elastictrain's in-memory snapshots as configured (the defaults).
     steady = baselines.elastictrain(2, w, tmp / "steady", 0, f"checkpoint.every_steps={w.steps}")
-    _remove(Path(steady["run_dir"]) / "checkpoints")  # its events are read; at 1B it is 11 GB
+    remove_folders(Path(steady["run_dir"]) / "checkpoints")  # its events are read; at 1B it is 11 GB
     # A checkpoint mid-run, so steps follow it and its pause is seen; not every step (at 1B three 11 GB
     # checkpoints and the swap files filled a 64 GB disk).
     every = max(2, w.steps // 2) if w.steps > 2 else 1
     et = baselines.elastictrain(2, w, tmp, 0, f"checkpoint.every_steps={every}")
-    _remove(Path(et["run_dir"]) / "checkpoints")
+    remove_folders(Path(et["run_dir"]) / "checkpoints")
     out["elastictrain"] = {
         "step_s": steady_step_s(steady["steps"], w),
         "step_s_with_checkpoints": steady_step_s(et["steps"], w),
@@ -155,23 +155,18 @@ def measure_size(size: str, tmp: Path, smoke: bool) -> dict[str, Any]:
         "ray_train_s": ray_train_cold_start(w, tmp / "ray-train"),
     }
     log(f"cold start {out['cold_start']}")
-    _remove(tmp / "cli", tmp / "ray-train")
+    remove_folders(tmp / "cli", tmp / "ray-train")
     try:
         out["recovery"] = elastictrain_recovery(w, tmp / "recovery")
     except RuntimeError as e:  # a run that failed is a finding of its own: recorded, the other parts go on
         out["recovery"] = {"outcome": "failed", "error": str(e)[:2000]}
     log(f"recovery {out['recovery']}")
-    _remove(tmp / "recovery")  # its checkpoints (at 1B 11 GB each) are not read again
+    remove_folders(tmp / "recovery")  # its checkpoints (at 1B 11 GB each) are not read again
     out["memory"] = memory_modes(w, tmp / "memory", out["elastictrain"]["peak_rss_bytes"], smoke)
     log(f"memory {out['memory']}")
     out["seconds"] = time.time() - out["started"]
     baselines.clear()
     return out
-
-
-def _remove(*paths: Path) -> None:
-    for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _steps(w: Workload) -> tuple[int, int, float]:

@@ -16,6 +16,12 @@ from benchmarks.throughput import step_times
 MODES = ("none", "cpu", "nvme")
 
 
+def remove_folders(*paths: Path) -> None:
+    """Folders a part has read what it needs from (at 1B its checkpoints fill the disk otherwise)."""
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def cold_disk_bandwidth(folder: Path, size: int) -> dict[str, float]:
     """Sequential write + fsync, then a read from a dropped page cache, of `size` bytes (>= 256 MiB)."""
     return disk_bandwidth(folder, size, floor=256 << 20, block_bytes=64 << 20, cold=True)
@@ -86,7 +92,7 @@ def memory_modes(w: Workload, tmp: Path, preset_peak: int | None, smoke: bool) -
         except RuntimeError as e:  # e.g. a full disk at 1B: a finding, the other modes go on
             out[mode] = {"outcome": "failed", "error": str(e)[:2000]}
             continue
-        shutil.rmtree(Path(run["run_dir"]) / "checkpoints", ignore_errors=True)  # 11 GB each at 1B
+        remove_folders(Path(run["run_dir"]) / "checkpoints")  # 11 GB each at 1B
         peak = max((m["peak_rss_bytes"] for m in run["memory"]), default=None)
         bound = estimate.host_bytes if estimate is not None else None
         out[mode] = {

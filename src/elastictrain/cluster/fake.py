@@ -323,11 +323,9 @@ class FakeGroup:
         return out
 
     def _save_status(self, w: FakeWorker, staging: str, wait_s: float = 0.0) -> dict[str, Any]:
-        write = w.writer
-        if write is None or write.staging != staging:
-            return {"staging": staging, "state": "error", "error": "no such write on this worker"}
-        write.finish()  # waiting for it lets it end
-        return write.report()
+        if w.writer is not None and w.writer.staging == staging:
+            w.writer.finish()  # waiting for it lets it end
+        return self._watch_save_status(w, staging)
 
     def _watch_save_status(self, w: FakeWorker, staging: str, wait_s: float = 0.0) -> dict[str, Any]:
         """A watch on the write: its state now, as if its wait ran out (a fake write ends only with the
