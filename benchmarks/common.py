@@ -476,7 +476,16 @@ def run_elastictrain(cfg: Any, hook: Any = None) -> Any:
         controller_hook=hook,
     )
     if summary.status.value != "FINISHED":
-        raise RuntimeError(f"elastictrain run {run_dir.path} ended {summary.status.value}: {summary.message}")
+        # What led there, kept in the message: benchmarks remove a failed run's folder (its checkpoints).
+        story = [
+            f"{e.get('time', '')[11:19]} {e['event']}: {str(e.get('message') or e.get('kind') or '')[:200]}"
+            for e in run_dir.read_events()
+            if e["event"] in ("attempt_started", "failure", "memory_ceiling", "decision", "checkpoint")
+        ]
+        raise RuntimeError(
+            f"elastictrain run {run_dir.path} ended {summary.status.value}: {summary.message}\n"
+            + "\n".join(story[-12:])
+        )
     return run_dir
 
 

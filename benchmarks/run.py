@@ -1,7 +1,7 @@
 """`make bench`: run the benchmarks side by side, write results/*.json, PNG plots and BENCHMARKS.md.
 
     python -m benchmarks.run [--only NAME[,NAME]] [--smoke] [--reps N] [--results DIR] [--markdown FILE]
-                             [--sizes 30m,125m,350m,1b] [--redo]
+                             [--sizes 30m,125m,350m,1b] [--redo] [--parts reshard,recovery]
 
 Benchmarks: throughput, checkpoint_stall, memory, reshard, recovery, memory_recovery, controller_scale,
 zero_stages; and, only when named with --only: goodput (a long run with failures injected) and scale
@@ -70,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--redo", action="store_true", help="scale: measure sizes already in scale.json again"
     )
+    parser.add_argument(
+        "--parts",
+        default="",
+        help="scale: measure these parts (reshard, recovery) of sizes in scale.json again, keeping the rest",
+    )
     args = parser.parse_args(argv)
 
     names = [n.strip() for n in args.only.split(",") if n.strip()] or [n for n in MODULES if n not in OPT_IN]
@@ -94,9 +99,19 @@ def main(argv: list[str] | None = None) -> int:
             if name == "controller_scale":
                 result = mod.run(reps, args.smoke)
             elif name == "scale":
-                result = scale.run(
-                    w, scratch, reps, args.smoke, sizes=args.sizes, redo=args.redo, results=args.results
-                )
+                try:
+                    result = scale.run(
+                        w,
+                        scratch,
+                        reps,
+                        args.smoke,
+                        sizes=args.sizes,
+                        redo=args.redo,
+                        results=args.results,
+                        parts=args.parts,
+                    )
+                except ValueError as e:  # --sizes or --parts naming what is not there: said, no traceback
+                    parser.error(str(e))
             else:
                 result = mod.run(w, scratch, reps, args.smoke)
             path = result.write(args.results)

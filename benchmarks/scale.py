@@ -20,10 +20,10 @@ part of them, and a later run skips the sizes already there (`--redo` measures t
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,9 @@ def measure_size(size: str, tmp: Path, smoke: bool) -> dict[str, Any]:
 
     t0 = time.time()
     ds = baselines.peer("deepspeed", 2, w, tmp, 0)
+    # The launcher's runs leave their NVMe swap files behind (elastictrain's workers remove theirs): at
+    # 1B 10.6 GB that, beside the checkpoints below, fill the disk.
+    remove_folders(nvme / "zero_stage_3")
     save = (ds.out or {})["save"]
     out["parameters"] = (ds.out or {}).get("parameters")
     out["deepspeed"] = {
@@ -127,7 +130,7 @@ def measure_size(size: str, tmp: Path, smoke: bool) -> dict[str, Any]:
     except RuntimeError as e:  # e.g. 3 ranks of 350M do not fit this machine: a finding, the rest goes on
         out["reshard"] = {"outcome": "failed", "error": str(e)[:2000], "bytes": frag_bytes}
     log(f"reshard {out['reshard']}")
-    remove_folders(Path(save["fragments_dir"]).parent, tmp / "fragments.ws3")
+    remove_folders(Path(save["fragments_dir"]).parent, tmp / "fragments.ws3", nvme / "zero_stage_3")
 
     # Steady state as the launcher runs it: no checkpoint until the last step (checkpoints are measured
     # by the next run); elastictrain's in-memory snapshots as configured (the defaults).
@@ -157,7 +160,7 @@ def measure_size(size: str, tmp: Path, smoke: bool) -> dict[str, Any]:
     log(f"cold start {out['cold_start']}")
     remove_folders(tmp / "cli", tmp / "ray-train")
     try:
-        out["recovery"] = elastictrain_recovery(w, tmp / "recovery")
+        out["recovery"] = elastictrain_recovery(w, tmp / "recovery", size)
     except RuntimeError as e:  # a run that failed is a finding of its own: recorded, the other parts go on
         out["recovery"] = {"outcome": "failed", "error": str(e)[:2000]}
     log(f"recovery {out['recovery']}")
@@ -218,12 +221,18 @@ def reshard_loads(w: Workload, tmp: Path, save: dict[str, Any], frag_bytes: int)
     reshard_checkpoint(fragments, 3, three)
     offline_s = time.perf_counter() - t0
     out: dict[str, Any] = {"ds_to_universal_s": convert_s, "offline_reshard_2_to_3_s": offline_s}
+    if conv.returncode != 0:  # the route that does not work at this size: why, in its own words
+        out["ds_to_universal_error"] = (conv.stderr or conv.stdout)[-1500:]
+    # A load runs no step: its batch only has to split over 2 and 3 ranks (the 1B preset's 4 does not).
+    gbs = next(int(o.split("=")[1]) for o in w.overrides if o.startswith("training.global_batch_size="))
+    batch = f"training.global_batch_size={gbs * 3 if gbs % 3 else gbs}"
+    loading = replace(w, overrides=(*w.overrides, batch))
     for src, ws, universal in ((fragments, 3, convert_s is not None), (three, 2, False)):
         drop_from_page_cache([*src.rglob("*"), *(ds_dir.rglob("*") if universal else [])])
         extra: dict[str, Any] = {"steps": 0, "load_fragments": str(src)}
         if universal:
             extra.update(load_universal=str(ds_dir), load_universal_tag=f"{tag}_universal")
-        load = run_peer("torchrun", ws, w, tmp / f"load-ws{ws}", spec_extra=extra)
+        load = run_peer("torchrun", ws, loading, tmp / f"load-ws{ws}", spec_extra=extra)
         peer_check(load, f"loading a checkpoint at world size {ws}")
         loads = load.out["load"]  # type: ignore[index]
         key = f"{'2_to_3' if ws == 3 else '3_to_2'}"
@@ -243,8 +252,10 @@ def run(
     sizes: str = "",
     redo: bool = False,
     results: Path | None = None,
+    parts: str = "",
 ) -> Result:
-    """`results`: the folder of scale.json (--results): read to resume, written after each size."""
+    """`results`: the folder of scale.json (--results): read to resume, written after each size.
+    `parts` ("reshard,recovery"): measure those parts of sizes in scale.json again, keeping the rest."""
     from benchmarks.common import RESULTS
 
     results = results or RESULTS
@@ -254,6 +265,19 @@ def run(
         raise ValueError(f"--sizes: unknown size(s) {unknown}; expected any of {', '.join(SIZES)}")
     done = {} if smoke else previous_sizes(results)
     for size in wanted:
+        if parts:
+            from benchmarks.scale_remeasure import PARTS, remeasure
+
+            names = [p.strip() for p in parts.split(",") if p.strip()]
+            if size not in done or not set(names) <= set(PARTS):
+                raise ValueError(
+                    f"--parts {parts}: expected any of {', '.join(PARTS)} of a size in scale.json "
+                    f"(measured: {', '.join(done) or 'none'})"
+                )
+            for name in names:
+                done[size][name] = remeasure(name, size, tmp / size)
+                save_partial(done, results)
+            continue
         if size in done and not redo:
             print(f"  scale {size}: measured before ({done[size].get('time', '?')}); --redo to measure again")
             continue
@@ -276,6 +300,11 @@ def save_partial(done: dict[str, Any], results: Path) -> None:
     summarize(done, False).write(results)
 
 
+def _sum_or_none(*parts: float | None) -> float | None:
+    """A route's total time, or None (not NaN: the JSON stays standard) where a part did not run."""
+    return None if any(p is None for p in parts) else sum(p for p in parts if p is not None)
+
+
 def summarize(done: dict[str, Any], smoke: bool) -> Result:
     rows = [done[s] for s in SIZES if s in done]
     metrics: dict[str, Any] = {}
@@ -296,6 +325,7 @@ def summarize(done: dict[str, Any], smoke: bool) -> Result:
 
 def size_metrics(r: dict[str, Any]) -> dict[str, Any]:
     et, ds, disk, rs = r["elastictrain"], r["deepspeed"], r["disk"], r["reshard"]
+    read_bw = rs.get("disk", disk)["read_bytes_per_s"]  # a reshard re-measured apart carries its disk's
     sync_save = r["elastictrain_save"]["streamed_sync_save_s"]
     commit = median(et["commit_s"])
     ck_bytes = median([b for b in et["checkpoint_bytes"] if b])
@@ -309,17 +339,14 @@ def size_metrics(r: dict[str, Any]) -> dict[str, Any]:
         "commit_vs_disk_write": ratio(ratio(ck_bytes, commit), disk["write_fsync_bytes_per_s"]),
         "deepspeed_save_checkpoint_s": ds["save_checkpoint_s"],
         "checkpoint_bytes": ck_bytes,
-        "reshard_2_to_3_vs_disk_read": ratio(
-            ratio(rs["bytes"], rs.get("load_2_to_3_s")), disk["read_bytes_per_s"]
-        ),
-        "reshard_3_to_2_vs_disk_read": ratio(
-            ratio(rs["bytes"], rs.get("load_3_to_2_s")), disk["read_bytes_per_s"]
-        ),
+        "reshard_2_to_3_vs_disk_read": ratio(ratio(rs["bytes"], rs.get("load_2_to_3_s")), read_bw),
+        "reshard_3_to_2_vs_disk_read": ratio(ratio(rs["bytes"], rs.get("load_3_to_2_s")), read_bw),
         "reshard_2_to_3_s": rs.get("load_2_to_3_s"),
         "reshard_3_to_2_s": rs.get("load_3_to_2_s"),
         "reshard_error": rs.get("error"),
-        "universal_route_2_to_3_s": (rs.get("ds_to_universal_s") or math.nan)
-        + (rs.get("universal_load_2_to_3_s") or math.nan),
+        "universal_route_2_to_3_s": _sum_or_none(
+            rs.get("ds_to_universal_s"), rs.get("universal_load_2_to_3_s")
+        ),
         "recovery_s": r["recovery"].get("death_to_first_step_s"),
         "recovery_fixed_s": _fixed_part(r),
         "recovery_error": r["recovery"].get("error"),

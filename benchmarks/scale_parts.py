@@ -31,8 +31,15 @@ def steady_step_s(records: list[dict[str, Any]], w: Workload) -> float:
     return median(step_times(records)[max(0, w.warmup_steps - 1) :])
 
 
-def elastictrain_recovery(w: Workload, tmp: Path) -> dict[str, Any]:
-    """3 workers, a checkpoint at step 2, the last worker killed after step 3: kill to first step at 2."""
+# World sizes (min, max) of the recovery run: one worker of `max` is killed; the run goes on at max - 1
+# where min allows, else once a replacement actor is warm. At 350M and 1B neither 3 ranks nor 1 (which
+# holds the whole model's state) fit this 24 GiB machine (Ray's memory monitor killed a rank of 3 and,
+# at 1B, the one rank left of 2), so those sizes stay at 2 and wait for the replacement.
+RECOVERY_WORLD_SIZES = {"350m": (2, 2), "1b": (2, 2)}
+
+
+def elastictrain_recovery(w: Workload, tmp: Path, size: str = "") -> dict[str, Any]:
+    """A checkpoint at step 2, the last worker killed after step 3: kill to first step at one fewer."""
     import ray
 
     from elastictrain.chaos import at_step
@@ -44,12 +51,13 @@ def elastictrain_recovery(w: Workload, tmp: Path) -> dict[str, Any]:
         t_fail.append(time.time())
         ray.kill(controller.active[-1].actor)
 
+    low, high = RECOVERY_WORLD_SIZES.get(size, (2, 3))
     cfg = load(
         config_overrides(
             w,
             tmp,
-            "scaling.min_workers=2",
-            "scaling.max_workers=3",
+            f"scaling.min_workers={low}",
+            f"scaling.max_workers={high}",
             "checkpoint.every_steps=2",
             "training.max_steps=5",
         )

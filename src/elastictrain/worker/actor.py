@@ -27,12 +27,13 @@ from elastictrain.worker.collective_sockets import CollectiveSockets
 from elastictrain.worker.dist import (
     abort_collectives,
     destroy_process_group,
+    release_engine,
     remove_shm_buffers,
     reset_zero_counters,
     zero_stage,
 )
 from elastictrain.worker.faults import FaultHooks
-from elastictrain.worker.host_memory import snapshot_budget_bytes
+from elastictrain.worker.host_memory import release_freed_memory, snapshot_budget_bytes
 from elastictrain.worker.memory import SnapshotPeer, WorkerMemory
 from elastictrain.worker.ops import prefer_environment_tools
 
@@ -180,21 +181,11 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         t1 = time.perf_counter()
         cfg = spec.config
         self._ensure_dataset(cfg)
-        torch.manual_seed(cfg.training.seed)  # identical random init on every rank
-        from elastictrain.worker.model import build_model, loss_function, preload_model_code
+        from elastictrain.worker.model import loss_function, new_engine
 
-        # zero.Init patches tensor construction; lazy imports inside it (torch._dynamo) then fail.
-        preload_model_code(cfg)
         reset_zero_counters()
-        for folder in nvme_paths(spec.ds_config):
-            os.makedirs(folder, exist_ok=True)
-        model = build_model(cfg, spec.ds_config, zero3=zero_stage(spec) == 3)
+        self.engine = new_engine(spec, zero3=zero_stage(spec) == 3)
         self.loss_fn = loss_function(cfg)
-        self.engine, *_ = deepspeed.initialize(
-            model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
-            config=spec.ds_config,
-        )
         self.sockets.stop()
         timings["engine_s"] = time.perf_counter() - t1
 
@@ -255,8 +246,12 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         raise StepFailed(error)
 
     def _abandon_attempt(self) -> None:
+        """Drop the engine (freed, its memory given back before a next one is built beside it) and the
+        process group."""
+        release_engine(self.engine)
         self.engine = None
         gc.collect()
+        release_freed_memory()
         destroy_process_group(self.use_gpu, self.sockets)
 
     def _train_step(self, step: int) -> dict[str, Any]:
@@ -391,9 +386,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         if self.spec is not None:
             addr_port = (self.spec.master_addr, self.spec.master_port)
             swap = nvme_paths(self.spec.ds_config)  # this rank's own (`<nvme_path>/<run_id>/rank-N`)
-        self.engine = None
-        gc.collect()
-        destroy_process_group(self.use_gpu, self.sockets)
+        self._abandon_attempt()
         if addr_port is not None:
             remove_shm_buffers(*addr_port)
         for folder in swap:  # swap files are worthless once the engine is gone; the rank may change

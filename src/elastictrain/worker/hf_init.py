@@ -21,13 +21,13 @@ a time, never the whole model.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 
 def _params_init_may_touch(module: Any, pretrained_model_class: type) -> list[Any]:
-    """The partitioned parameters `_init_weights(module)` may write: the module's and its children's.
+    """The parameters `_init_weights(module)` may write: the module's and its children's.
 
     Children's, because several architectures initialise a child's weight from the parent (GPT-2's
     `c_proj.weight` scaled by depth is set from its attention and MLP blocks). A child that is a
@@ -37,8 +37,21 @@ def _params_init_may_touch(module: Any, pretrained_model_class: type) -> list[An
     for child in module.children():
         if not isinstance(child, pretrained_model_class):
             found.update({id(p): p for p in child.parameters(recurse=False)})
-    # Parameters of a module still inside its own __init__ are not partitioned yet: nothing to gather.
-    return [p for p in found.values() if hasattr(p, "ds_id")]
+    return list(found.values())
+
+
+@contextmanager
+def _initialize_weights_replaced(replacement: Callable[[Any], Any]) -> Iterator[None]:
+    """transformers' per-module init step (`PreTrainedModel._initialize_weights`) replaced by
+    `replacement(original)` while the block runs."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    original = PreTrainedModel._initialize_weights
+    PreTrainedModel._initialize_weights = replacement(original)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        PreTrainedModel._initialize_weights = original  # type: ignore[method-assign]
 
 
 @contextmanager
@@ -47,22 +60,64 @@ def exact_hf_init_under_zero3() -> Iterator[None]:
     import deepspeed
     from transformers.modeling_utils import PreTrainedModel
 
-    original = PreTrainedModel._initialize_weights
+    def gathered(original: Any) -> Any:
+        def initialize_gathered(self: Any, module: Any, is_custom_code: bool = False) -> None:
+            if getattr(module, "_is_hf_initialized", False):
+                return  # already done (a sub-model initialised it): no gather
+            # Parameters of a module still inside its own __init__ are not partitioned: nothing to gather.
+            params = [p for p in _params_init_may_touch(module, PreTrainedModel) if hasattr(p, "ds_id")]
+            if not params:
+                original(self, module, is_custom_code)
+                return
+            # Every rank runs the init (same seed, same values) so their random streams stay equal;
+            # modifier_rank=0 makes rank 0's result the one kept.
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                original(self, module, is_custom_code)
 
-    def initialize_gathered(self: Any, module: Any, is_custom_code: bool = False) -> None:
-        if getattr(module, "_is_hf_initialized", False):
-            return  # already done (a sub-model initialised it): no gather
-        params = _params_init_may_touch(module, PreTrainedModel)
-        if not params:
-            original(self, module, is_custom_code)
-            return
-        # Every rank runs the init (same seed, same values) so their random streams stay equal;
-        # modifier_rank=0 makes rank 0's result the one kept.
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-            original(self, module, is_custom_code)
+        return initialize_gathered
 
-    PreTrainedModel._initialize_weights = initialize_gathered  # type: ignore[method-assign]
-    try:
+    with _initialize_weights_replaced(gathered):
         yield
+
+
+@contextmanager
+def skip_parameter_init() -> Iterator[None]:
+    """Build a transformers model without computing the parameter values a checkpoint will overwrite.
+
+    For an attempt that loads its state (a restart, a resize, a resume): the random init is work
+    thrown away, and under ZeRO-3 it is the costly kind (each module gathered, initialised on every
+    rank, rank 0's values broadcast; at 1B that is 4 GB gathered and broadcast). Torch's own
+    constructor-time init (`reset_parameters`) is skipped, and each parameter is marked as
+    transformers marks loaded ones (`_is_hf_initialized`), so `_init_weights` leaves it alone but still
+    computes the buffers (rotary `inv_freq`), which no checkpoint holds. Only for models whose every
+    parameter the checkpoint restores: not for LoRA's frozen base, not for a user's own model code.
+    """
+    import sys
+
+    from transformers import initialization
+    from transformers.modeling_utils import PreTrainedModel
+
+    def buffers_only(original: Any) -> Any:
+        def initialize_buffers_only(self: Any, module: Any, is_custom_code: bool = False) -> None:
+            for param in _params_init_may_touch(module, PreTrainedModel):
+                param._is_hf_initialized = True
+            original(self, module, is_custom_code)
+
+        return initialize_buffers_only
+
+    def skipped(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return tensor
+
+    patched: list[tuple[Any, str, Any]] = []
+    for module_name in initialization.TORCH_MODULES_TO_PATCH:
+        module = sys.modules.get(module_name)
+        for name in initialization.TORCH_INIT_FUNCTIONS:
+            if module is not None and hasattr(module, name):
+                patched.append((module, name, getattr(module, name)))
+                setattr(module, name, skipped)
+    try:
+        with _initialize_weights_replaced(buffers_only):
+            yield
     finally:
-        PreTrainedModel._initialize_weights = original  # type: ignore[method-assign]
+        for module, name, function in reversed(patched):
+            setattr(module, name, function)

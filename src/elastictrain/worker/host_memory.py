@@ -1,8 +1,10 @@
-"""How much host memory this node has, and how much of it one rank's checkpoint snapshot may take."""
+"""How much host memory this node has, how much of it one rank's checkpoint snapshot may take, and
+giving back what a dropped engine leaves with the allocator."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from pathlib import Path
 
 AUTO_SHARE = 0.5  # of the memory available at save time, split between the node's ranks
@@ -25,3 +27,17 @@ def snapshot_budget_bytes(max_host_memory_mb: float | None, ranks_on_node: int) 
     if available is None:
         return float("inf")  # no /proc: keep the background snapshot, as before the bound existed
     return AUTO_SHARE * available / max(1, ranks_on_node)
+
+
+def release_freed_memory() -> bool:
+    """Return the memory glibc's malloc keeps of freed objects to the system (False where not glibc).
+
+    Called once an attempt's engine is dropped. Without it a surviving rank keeps the old engine's
+    freed memory and builds the new engine beside it: at 1B with NVMe offload a survivor went from 8.0
+    to over 13 GB while a replacement rank built its own engine on the same 24 GiB node, and Ray's
+    memory monitor killed a rank.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return True
+    return False

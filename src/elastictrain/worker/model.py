@@ -61,8 +61,14 @@ def _enable_checkpointing(model: Any) -> None:
         model.config.use_cache = False
 
 
-def build_model(config: Any, ds_config: dict[str, Any], *, zero3: bool) -> torch.nn.Module:
-    """The model of `config.model`, its parameters partitioned by ZeRO-3 as they are created."""
+def build_model(
+    config: Any, ds_config: dict[str, Any], *, zero3: bool, restoring: bool = False
+) -> torch.nn.Module:
+    """The model of `config.model`, its parameters partitioned by ZeRO-3 as they are created.
+
+    `restoring`: the attempt loads every parameter from a checkpoint or a snapshot next, so a built-in
+    model skips computing its random init (a user's model code and LoRA's frozen base still run theirs).
+    """
     import deepspeed
 
     # A previous attempt's pretrained model must not change how this one initialises its weights.
@@ -74,11 +80,15 @@ def build_model(config: Any, ds_config: dict[str, Any], *, zero3: bool) -> torch
         if checkpointing:
             _enable_checkpointing(model)
     else:
-        from elastictrain.worker.hf_init import exact_hf_init_under_zero3
+        from elastictrain.worker.hf_init import exact_hf_init_under_zero3, skip_parameter_init
 
         # zero.Init partitions each module as it is built; without the second context transformers'
         # own weight init would write into empty partitions and be lost (see worker/hf_init.py).
-        init = exact_hf_init_under_zero3() if zero3 else contextlib.nullcontext()
+        init: Any = contextlib.nullcontext()
+        if restoring and not m.factory and not m.lora.enabled:
+            init = skip_parameter_init()  # every parameter is loaded next: no init to be exact about
+        elif zero3:
+            init = exact_hf_init_under_zero3()
         with init, deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=zero3):
             if m.factory:
                 from elastictrain.worker.user_code import user_model
@@ -93,6 +103,30 @@ def build_model(config: Any, ds_config: dict[str, Any], *, zero3: bool) -> torch
 
         model = apply_lora(model, m.lora, activation_checkpointing=checkpointing)
     return model
+
+
+def new_engine(spec: Any, *, zero3: bool) -> Any:
+    """The attempt's DeepSpeed engine around a newly built model (`spec`: worker.attempt.AttemptSpec)."""
+    import os
+
+    import deepspeed
+
+    from elastictrain.config.deepspeed_config import nvme_paths
+
+    cfg = spec.config
+    torch.manual_seed(cfg.training.seed)  # identical random init on every rank
+    # zero.Init patches tensor construction; lazy imports inside it (torch._dynamo) then fail.
+    preload_model_code(cfg)
+    for folder in nvme_paths(spec.ds_config):
+        os.makedirs(folder, exist_ok=True)
+    restoring = spec.memory is not None or spec.checkpoint_dir is not None
+    model = build_model(cfg, spec.ds_config, zero3=zero3, restoring=restoring)
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=spec.ds_config,
+    )
+    return engine
 
 
 def forget_hf_deepspeed_config() -> None:

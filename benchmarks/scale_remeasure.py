@@ -1,0 +1,55 @@
+"""Parts of a measured size run again on their own (`make bench ARGS="--only scale --sizes 1b
+--parts reshard,recovery"`), the size's other parts kept: for a part that failed in its size's run
+(at 1B the first loads met a batch that does not split over 3 ranks; the first recoveries ran out of
+memory). Each part keeps the time of its own run; resharding is compared with the disk measured in
+that run (the disk varies threefold between runs here).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks import baselines
+from benchmarks.common import Workload
+from benchmarks.scale_parts import cold_disk_bandwidth, elastictrain_recovery, remove_folders
+
+PARTS = ("reshard", "recovery")
+
+
+def remeasure(part: str, size: str, tmp: Path) -> dict[str, Any]:
+    from benchmarks import scale
+
+    nvme = tmp / "nvme"
+    nvme.mkdir(parents=True, exist_ok=True)
+    w = scale.workload_for(size, smoke=False)
+    w = replace(w, overrides=(*w.overrides, f"deepspeed.nvme_path={nvme}"))
+    out = _reshard(w, size, tmp, nvme) if part == "reshard" else _recovery(w, size, tmp)
+    out["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    print(f"  scale {size}: {part} {out}", flush=True)
+    return out
+
+
+def _reshard(w: Workload, size: str, tmp: Path, nvme: Path) -> dict[str, Any]:
+    from benchmarks import scale
+
+    save = (baselines.peer("deepspeed", 2, w, tmp, 0).out or {})["save"]
+    remove_folders(nvme / "zero_stage_3")  # the launcher's swap files
+    frag_bytes = save["fragment_bytes"]
+    disk = cold_disk_bandwidth(tmp, frag_bytes // 2)
+    print(f"  scale {size}: disk {disk['read_bytes_per_s'] / 1e6:.0f} MB/s read", flush=True)
+    reshard = scale.reshard_loads(w, tmp, save, frag_bytes)
+    remove_folders(Path(save["fragments_dir"]).parent, tmp / "fragments.ws3", nvme / "zero_stage_3")
+    baselines.clear()
+    return {**reshard, "disk": disk}
+
+
+def _recovery(w: Workload, size: str, tmp: Path) -> dict[str, Any]:
+    try:
+        return elastictrain_recovery(w, tmp / "recovery", size)
+    except RuntimeError as e:  # a finding, as in the size's own run
+        return {"outcome": "failed", "error": str(e)[:2000]}
+    finally:
+        remove_folders(tmp / "recovery")
