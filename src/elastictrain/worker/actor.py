@@ -248,6 +248,9 @@ class TrainWorker(SnapshotPeer, FaultHooks):
     def _abandon_attempt(self) -> None:
         """Drop the engine (freed, its memory given back before a next one is built beside it) and the
         process group."""
+        # An in-memory copy of the last step may still be reading the engine: it completes first (its
+        # replication may go on: a buddy on a lost node answers only once Ray notices).
+        self.memory.before_update()
         release_engine(self.engine)
         self.engine = None
         gc.collect()
@@ -378,9 +381,6 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         t0 = time.perf_counter()
         # A background write may still fill a staging folder the controller is about to drop or reuse.
         self._join_writer()
-        # The copy in progress completes (it reads the engine); its replication may go on: a buddy on a
-        # lost node answers only once Ray notices, and leaving must not wait for that.
-        self.memory.before_update()
         self._writer = None
         addr_port, swap = None, []
         if self.spec is not None:
