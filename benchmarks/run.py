@@ -1,7 +1,7 @@
 """`make bench`: run the benchmarks side by side, write results/*.json, PNG plots and BENCHMARKS.md.
 
     python -m benchmarks.run [--only NAME[,NAME]] [--smoke] [--reps N] [--results DIR] [--markdown FILE]
-                             [--sizes 30m,125m,350m,1b] [--redo] [--parts reshard,recovery]
+                             [--sizes 30m,125m,350m,1b] [--redo] [--parts reshard,recovery,checkpoint]
 
 Benchmarks: throughput, checkpoint_stall, memory, reshard, recovery, memory_recovery, controller_scale,
 zero_stages; and, only when named with --only: goodput (a long run with failures injected) and scale
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--parts",
         default="",
-        help="scale: measure these parts (reshard, recovery) of sizes in scale.json again, keeping the rest",
+        help="scale: measure these parts (reshard, recovery, checkpoint) of measured sizes again",
     )
     args = parser.parse_args(argv)
 

@@ -132,24 +132,7 @@ def measure_size(size: str, tmp: Path, smoke: bool) -> dict[str, Any]:
     log(f"reshard {out['reshard']}")
     remove_folders(Path(save["fragments_dir"]).parent, tmp / "fragments.ws3", nvme / "zero_stage_3")
 
-    # Steady state as the launcher runs it: no checkpoint until the last step (checkpoints are measured
-    # by the next run); elastictrain's in-memory snapshots as configured (the defaults).
-    steady = baselines.elastictrain(2, w, tmp / "steady", 0, f"checkpoint.every_steps={w.steps}")
-    remove_folders(Path(steady["run_dir"]) / "checkpoints")  # its events are read; at 1B it is 11 GB
-    # A checkpoint mid-run, so steps follow it and its pause is seen; not every step (at 1B three 11 GB
-    # checkpoints and the swap files filled a 64 GB disk).
-    every = max(2, w.steps // 2) if w.steps > 2 else 1
-    et = baselines.elastictrain(2, w, tmp, 0, f"checkpoint.every_steps={every}")
-    remove_folders(Path(et["run_dir"]) / "checkpoints")
-    out["elastictrain"] = {
-        "step_s": steady_step_s(steady["steps"], w),
-        "step_s_with_checkpoints": steady_step_s(et["steps"], w),
-        "pause_s": [p["pause_s"] for p in et["pauses"]],
-        "commit_s": [c["seconds"] for c in et["checkpoints"]],
-        "checkpoint_bytes": [c.get("bytes") for c in et["checkpoints"]],
-        "peak_rss_bytes": max((m["peak_rss_bytes"] for m in et["memory"]), default=None),
-        "setup_s": et["setup_s"],
-    }
+    out["elastictrain"] = elastictrain_checkpointing(w, tmp)
     log(f"elastictrain step {out['elastictrain']['step_s']:.2f}s, pauses {out['elastictrain']['pause_s']}")
 
     out["cold_start"] = {
@@ -255,7 +238,7 @@ def run(
     parts: str = "",
 ) -> Result:
     """`results`: the folder of scale.json (--results): read to resume, written after each size.
-    `parts` ("reshard,recovery"): measure those parts of sizes in scale.json again, keeping the rest."""
+    `parts` ("reshard,recovery,checkpoint"): measure those parts of measured sizes again, keeping the rest."""
     from benchmarks.common import RESULTS
 
     results = results or RESULTS
@@ -275,7 +258,11 @@ def run(
                     f"(measured: {', '.join(done) or 'none'})"
                 )
             for name in names:
-                done[size][name] = remeasure(name, size, tmp / size)
+                found = remeasure(name, size, tmp / size)
+                if name == "checkpoint":  # the checkpointing run's figures; the steady step stays the size's
+                    done[size]["elastictrain"].update(found)
+                else:
+                    done[size][name] = found
                 save_partial(done, results)
             continue
         if size in done and not redo:
@@ -298,6 +285,31 @@ def previous_sizes(results: Path) -> dict[str, Any]:
 
 def save_partial(done: dict[str, Any], results: Path) -> None:
     summarize(done, False).write(results)
+
+
+def elastictrain_checkpointing(w: Workload, tmp: Path) -> dict[str, Any]:
+    """elastictrain's steady step, and its step, pause and commit with checkpoints, at 2 ranks."""
+    # Steady state as the launcher runs it: no checkpoint until the last step (checkpoints are measured
+    # by the next run); elastictrain's in-memory snapshots as configured (the defaults).
+    steady = baselines.elastictrain(2, w, tmp / "steady", 0, f"checkpoint.every_steps={w.steps}")
+    remove_folders(Path(steady["run_dir"]) / "checkpoints")  # its events are read; at 1B it is 11 GB
+    return {"step_s": steady_step_s(steady["steps"], w), **elastictrain_checkpoint_run(w, tmp)}
+
+
+def elastictrain_checkpoint_run(w: Workload, tmp: Path) -> dict[str, Any]:
+    """A run with a checkpoint mid-run, so steps follow it and its pause is seen; not every step (at 1B
+    three 11 GB checkpoints and the swap files filled a 64 GB disk)."""
+    every = max(2, w.steps // 2) if w.steps > 2 else 1
+    et = baselines.elastictrain(2, w, tmp, 0, f"checkpoint.every_steps={every}")
+    remove_folders(Path(et["run_dir"]) / "checkpoints")
+    return {
+        "step_s_with_checkpoints": steady_step_s(et["steps"], w),
+        "pause_s": [p["pause_s"] for p in et["pauses"]],
+        "commit_s": [c["seconds"] for c in et["checkpoints"]],
+        "checkpoint_bytes": [c.get("bytes") for c in et["checkpoints"]],
+        "peak_rss_bytes": max((m["peak_rss_bytes"] for m in et["memory"]), default=None),
+        "setup_s": et["setup_s"],
+    }
 
 
 def _sum_or_none(*parts: float | None) -> float | None:

@@ -1,8 +1,10 @@
 """Parts of a measured size run again on their own (`make bench ARGS="--only scale --sizes 1b
 --parts reshard,recovery"`), the size's other parts kept: for a part that failed in its size's run
 (at 1B the first loads met a batch that does not split over 3 ranks; the first recoveries ran out of
-memory). Each part keeps the time of its own run; resharding is compared with the disk measured in
-that run (the disk varies threefold between runs here).
+memory), or after a change to what it measures. Each part keeps the time of its own run; resharding is
+compared with the disk measured in that run (the disk varies threefold between runs here). `checkpoint`
+runs the checkpointing run again (its step, pause, commit); the steady step, the launcher's figures and
+the disk stay the size run's.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from benchmarks import baselines
 from benchmarks.common import Workload
 from benchmarks.scale_parts import cold_disk_bandwidth, elastictrain_recovery, remove_folders
 
-PARTS = ("reshard", "recovery")
+PARTS = ("reshard", "recovery", "checkpoint")
 
 
 def remeasure(part: str, size: str, tmp: Path) -> dict[str, Any]:
@@ -26,7 +28,11 @@ def remeasure(part: str, size: str, tmp: Path) -> dict[str, Any]:
     nvme.mkdir(parents=True, exist_ok=True)
     w = scale.workload_for(size, smoke=False)
     w = replace(w, overrides=(*w.overrides, f"deepspeed.nvme_path={nvme}"))
-    out = _reshard(w, size, tmp, nvme) if part == "reshard" else _recovery(w, size, tmp)
+    if part == "checkpoint":
+        out = scale.elastictrain_checkpoint_run(w, tmp)
+        baselines.clear()
+    else:
+        out = _reshard(w, size, tmp, nvme) if part == "reshard" else _recovery(w, size, tmp)
     out["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     print(f"  scale {size}: {part} {out}", flush=True)
     return out

@@ -22,6 +22,7 @@ from elastictrain.checkpoint.store import verify
 pytestmark = pytest.mark.integration
 
 WRITE_DELAY_S = 4.0  # longer than the steps up to the next checkpoint take on a loaded CI machine
+COPY_DELAY_S = 4.0  # several times a step's forward and backward of the tiny model
 
 
 def slow_disk(controller: Any) -> None:
@@ -73,6 +74,34 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_it_holds_exactly_its
         assert not different, (
             f"{tag}: the background-written state differs from the synchronous save: {different[:5]}"
         )
+
+
+def slow_copy(controller: Any) -> None:
+    ray.get([w.actor.inject_snapshot_delay.remote(COPY_DELAY_S) for w in controller.active])
+
+
+def test_without_in_memory_snapshots_the_checkpoint_copy_runs_beside_the_next_step_and_holds_its_step(
+    ray_local, tmp_path
+):
+    """The state is copied beside the next step's forward and backward, whose update waits for it: a copy
+    made slower than them still holds exactly the checkpoint's step, and its wait counts as pause."""
+    cfg = tiny_config(tmp_path / "bg", "checkpoint.memory_every_steps=0", "checkpoint.keep_last=3")
+    losses: list[float] = []
+    summary, rd, out = run(cfg, hook=chain(record_losses(losses), at_step(1, slow_copy)), tracking=False)
+    assert summary.status.value == "FINISHED", out
+    pauses = {e["tag"]: e["pause_s"] for e in rd.read_events() if e["event"] == "checkpoint_pause"}
+    assert set(pauses) == {"step-000004", "step-000008"}, out
+    assert min(pauses.values()) >= COPY_DELAY_S / 2, pauses  # the update waited for the slow copy
+
+    sync_losses: list[float] = []
+    cfg_sync = tiny_config(tmp_path / "sync", "checkpoint.background_write=false", "checkpoint.keep_last=3")
+    summary_sync, rd_sync, out_sync = run(cfg_sync, hook=record_losses(sync_losses), tracking=False)
+    assert summary_sync.status.value == "FINISHED", out_sync
+    assert losses == sync_losses
+    for tag in ("step-000004", "step-000008", "step-000012"):
+        a, b = checkpoint_tensors(rd.checkpoints_dir / tag), checkpoint_tensors(rd_sync.checkpoints_dir / tag)
+        assert a.keys() == b.keys() and a
+        assert not [k for k in a if not torch.equal(a[k], b[k])], tag
 
 
 def test_a_worker_lost_while_the_checkpoint_is_written_drops_it_and_restarts_from_the_previous_one(

@@ -123,7 +123,8 @@ class SaveCoordinator:
             self._failed(save.staging, e.failure.message, step, step)
             return
         ordered = [reports[w.worker_id] for w in self._workers]
-        # Each rank's pause: idle before its snapshot, the snapshot, idle before its next step.
+        # Each rank's pause: idle before its snapshot, the snapshot (or starting its copy), and (added with
+        # the next step's results) idle before that step and its update waiting for the copy.
         self._pause_parts = (step, [r.get("waited_s", 0.0) + r["save_s"] for r in ordered])
         assert self._manifest is not None
         self.pending = PendingSave(
@@ -197,7 +198,12 @@ class SaveCoordinator:
             return
         parts = self._pause_parts[1]
         self._pause_parts = None
-        pauses = [parts[r["rank"]] + r.get("waited_s", 0.0) for r in results if r["rank"] < len(parts)]
+        # The next step's own wait: idle before it, and its update held until the state's copy ended.
+        pauses = [
+            parts[r["rank"]] + r.get("waited_s", 0.0) + r.get("update_wait_s", 0.0)
+            for r in results
+            if r["rank"] < len(parts)
+        ]
         if not pauses:
             return
         pause = max(pauses)

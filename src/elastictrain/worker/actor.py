@@ -233,6 +233,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         try:
             result = self._train_step(step)
             result["waited_s"] = waited  # idle before this step: after a save, part of its pause
+            result["update_wait_s"] = self.memory.pop_update_wait()  # for a copy: after a save, too
             result["memory"] = self.memory.report()
             self.memory.after_step(self.engine, step + 1, snapshot)
             self._idle_since = time.time()
@@ -323,8 +324,9 @@ class TrainWorker(SnapshotPeer, FaultHooks):
     def save_shard(self, staging_dir: str, background: bool = False) -> dict[str, Any]:
         """Write this rank's fragments durably into the staging folder.
 
-        With `background`, training pauses only for a host-memory snapshot: the write runs in a thread
-        while training goes on, and its outcome comes back in the next `train_step` results (or from
+        With `background`, the state is copied to host memory beside the next step's forward and backward
+        (its update waits for the copy; with state on NVMe the copy is taken here), then written in a
+        thread while training goes on; the outcome comes back in the next `train_step` results (or from
         `save_status`). A snapshot larger than the host memory checkpoints may use
         (`checkpoint.max_host_memory_mb`), and every save without `background`, is streamed from the
         live state group by group instead: no copy, training waits for the write.
@@ -338,6 +340,8 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         t0 = time.perf_counter()
         self._set_mark("save", spec.start_step)
         budget = snapshot_budget_bytes(spec.config.checkpoint.max_host_memory_mb, spec.ranks_on_node)
+        # This step's in-memory snapshot if one was taken, else a copy beside the next step's compute.
+        held = (self.memory.for_disk() or self.memory.copy_for_disk(engine, budget)) if background else None
         write, out = prepare_rank_write(
             engine,
             as_path(staging_dir),
@@ -346,7 +350,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
             snapshot=background,
             max_snapshot_bytes=budget,
             delay_s=self._write_delay_s,
-            held=self.memory.for_disk() if background else None,  # this step's in-memory copy, if taken
+            held=held,
         )
         if write.error:
             raise RuntimeError(write.error)

@@ -59,6 +59,7 @@ class WorkerMemory:
         # on CPU workers each one is taken from training (control/snapshot_schedule.py).
         self.cpu_s = {"copy": 0.0, "replicate": 0.0, "hold": 0.0}
         self.error = ""
+        self._update_wait_s = 0.0
 
     # -- in an attempt --
     def attach(
@@ -88,6 +89,7 @@ class WorkerMemory:
         if not due or self._every <= 0 or self.off:
             return
         self.wait()  # one copy and one replication at a time
+        self._copied.wait()  # a checkpoint's own copy (copy_for_disk) too
         key = SnapshotKey(*self._identity, steps_done)
         self._copying = key
         self._copied.clear()
@@ -100,9 +102,48 @@ class WorkerMemory:
         )
         self._thread.start()
 
+    def copy_for_disk(self, engine: Any, max_bytes: float) -> tuple[Callable[[], Any], None] | None:
+        """A copy of the state after the last step for a disk checkpoint alone (not kept, not replicated),
+        where no snapshot of that state was started: taken in a thread while the next step's forward and
+        backward run, and the next update waits for it (`before_update`), so the checkpoint pauses
+        training only as long as the copy outlasts them. For `checkpoint/rank_save.py` (`held`): a
+        function that waits for the copy (None if it failed). None where copies run inline (state on
+        NVMe) or the copy would exceed `max_bytes`: the checkpoint then copies or streams as it is."""
+        from elastictrain.checkpoint.rank_snapshot import snapshot_bytes, take_snapshot
+
+        if self._inline or snapshot_bytes(engine) > max_bytes:
+            return None
+        self.before_update()  # one copy at a time
+        future: Future[Any] = Future()
+        stream = _copy_stream(engine)
+        self._copied.clear()
+
+        def take() -> None:
+            raw = None
+            try:
+                time.sleep(self.delay_s)
+                with _on_stream(stream):
+                    raw = take_snapshot(engine)
+            except Exception as e:  # noqa: BLE001 - the write reports the failed copy; the next save copies again
+                self.error = f"checkpoint copy: {type(e).__name__}: {e}"
+            finally:
+                self._copied.set()
+                future.set_result(raw)
+
+        threading.Thread(target=take, name="checkpoint-copy", daemon=True).start()
+        return future.result, None
+
     def before_update(self) -> None:
         """The optimizer is about to change the state: the copy in progress must be finished."""
-        self._copied.wait()
+        if not self._copied.is_set():
+            t0 = time.perf_counter()
+            self._copied.wait()
+            self._update_wait_s += time.perf_counter() - t0
+
+    def pop_update_wait(self) -> float:
+        """Seconds spent waiting for a copy since the last call: training held up by it."""
+        waited, self._update_wait_s = self._update_wait_s, 0.0
+        return waited
 
     def wait(self) -> None:
         """Let the copy and its replication end (before the next copy)."""
