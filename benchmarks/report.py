@@ -78,11 +78,16 @@ WHY = {
     "next step from memory; a node added back costs the same wait. Closing it: keep spare warm actors.",
     "reshard": "the universal route pays a conversion subprocess; elastictrain reads each rank's slices "
     "directly. A miss would mean reading the fragment files is slower than the disk allows.",
-    "checkpoint pause / durable": "met where in-memory snapshots are on (30M: the checkpoint's write takes "
-    "the step's in-memory copy, made in a thread beside the next step: the pause is bookkeeping). Where "
-    "they are off (125M here: 8 copies of a 767 MiB slice do not fit the memory budget) the pause is the "
-    "checkpoint's own host copy at memory speed against a durable save bounded by the disk. Closing it: "
-    "one copy in memory for the checkpoint alone, made beside the next step as the snapshots are.",
+    "checkpoint pause / durable": "the checkpoint's host copy runs in a thread beside the next step's "
+    "forward and backward, whose update waits for it (the in-memory snapshot's copy where snapshots are "
+    "on, 30M; a copy for the checkpoint alone where they do not fit, 125M): the pause is bookkeeping "
+    "plus any wait of that update. A copy larger than the memory checkpoints may use (half the memory "
+    "available, split between the node's ranks) is not made: the state is streamed from the live engine "
+    "and training waits for the write. So at 350M (2.2 GB a rank: it needs 9 GB available, and "
+    "this machine has about that beside 2 ranks; the last run streamed) and 1B (optimizer state on NVMe, "
+    "swapped in sub-group by sub-group). "
+    "Closing it: the streamed write beside the next step too, on swap buffers of its own (the step's "
+    "own swapping uses DeepSpeed's shared ones).",
     "commit bandwidth": "commit counts from the checkpoint's step (its state exists) to the committed "
     "manifest. Each rank's write is watched by a call of its own that returns when it ends (looked at "
     "five times a second while the driver waits for a step), so a checkpoint commits when its last file "
@@ -91,12 +96,12 @@ WHY = {
     "the ratio within one run. A miss means the write itself (copy into the page cache, sha256, fsync) "
     "is slower than the disk; the writer's priority does not matter (nice 0, 10, 19 measured at 30M).",
     "recovery, fixed part": "kill to first completed step, less the checkpoint's bytes at half the disk's "
-    "read bandwidth, still holds that first step (2.9 s of the 6.6 s at 30M; 9-14 s at 125M). At 30M "
-    "the rest: the death seen in 0.6 s, survivors torn down and the decision in 0.4 s, the new attempt's "
-    "engine at the new size in 2.2 s (process group, model under zero.Init, DeepSpeed's initialize) and "
-    "its load from the survivors' memory in 0.5 s, and the first step 0.6 s slower than a steady one. At "
-    "125M the state comes from disk (snapshots off for lack of memory). Closing it: keeping the engine "
-    "across a resize and only re-partitioning its state.",
+    "read bandwidth, still holds that first step (3.5 s of the 6.8 s at 30M, 11.9 s of the 17.1 s at "
+    "125M, where a steady step takes 2.9 s and 9.7 s). The rest at 30M: the death seen in 0.7 s, "
+    "survivors torn down and the decision in 0.5 s, the new attempt's engine at the new size in 1.6 s "
+    "(process group, model under zero.Init without its random init, DeepSpeed's initialize) and its load "
+    "from the survivors' memory in 0.6 s; at 125M, from disk, the sha256 check (1.1 s), engine 2.4 s and "
+    "load 0.6 s. Closing it: keeping the engine across a resize and only re-partitioning its state.",
     "controller iteration": "most of an iteration is building one frozen WorkerObservation per worker in "
     "Python. Closing it: keep the observations in arrays (or update them incrementally) and scan only "
     "the workers whose state changed.",
