@@ -251,7 +251,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         process group."""
         # An in-memory copy of the last step may still be reading the engine: it completes first (its
         # replication may go on: a buddy on a lost node answers only once Ray notices).
-        self.memory.before_update()
+        self.memory.copy_finished()
         release_engine(self.engine)
         self.engine = None
         gc.collect()

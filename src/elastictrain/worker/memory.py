@@ -73,7 +73,8 @@ class WorkerMemory:
         budget: Callable[[], float] | None = None,
     ) -> None:
         """Join an attempt; `budget()` is the host memory (bytes) this rank's snapshots may take."""
-        self.before_update()
+        self.copy_finished()
+        self._update_wait_s = 0.0
         self._identity = (attempt, world_size, rank)
         self._every, self._buddy, self._inline = every, buddy, inline
         self._budget = budget or (lambda: float("inf"))
@@ -89,7 +90,7 @@ class WorkerMemory:
         if not due or self._every <= 0 or self.off:
             return
         self.wait()  # one copy and one replication at a time
-        self._copied.wait()  # a checkpoint's own copy (copy_for_disk) too
+        self.copy_finished()  # a checkpoint's own copy (copy_for_disk) too
         key = SnapshotKey(*self._identity, steps_done)
         self._copying = key
         self._copied.clear()
@@ -113,7 +114,7 @@ class WorkerMemory:
 
         if self._inline or snapshot_bytes(engine) > max_bytes:
             return None
-        self.before_update()  # one copy at a time
+        self.copy_finished()  # one copy at a time
         future: Future[Any] = Future()
         stream = _copy_stream(engine)
         self._copied.clear()
@@ -134,11 +135,15 @@ class WorkerMemory:
         return future.result, None
 
     def before_update(self) -> None:
-        """The optimizer is about to change the state: the copy in progress must be finished."""
-        if not self._copied.is_set():
-            t0 = time.perf_counter()
-            self._copied.wait()
-            self._update_wait_s += time.perf_counter() - t0
+        """The optimizer is about to change the state: the copy in progress must be finished. The wait
+        is training held up by the copy (`pop_update_wait`)."""
+        t0 = time.perf_counter()
+        self.copy_finished()
+        self._update_wait_s += time.perf_counter() - t0
+
+    def copy_finished(self) -> None:
+        """Wait for the copy in progress (not for its replication), if any."""
+        self._copied.wait()
 
     def pop_update_wait(self) -> float:
         """Seconds spent waiting for a copy since the last call: training held up by it."""
