@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +35,10 @@ from benchmarks.common import (
     Workload,
     config_overrides,
     median,
-    peer_check,
     peer_env,
     ratio,
     run_peer,
 )
-from benchmarks.reshard import drop_from_page_cache
 from benchmarks.scale_parts import (
     cold_disk_bandwidth,
     elastictrain_recovery,
@@ -50,6 +46,7 @@ from benchmarks.scale_parts import (
     remove_folders,
     steady_step_s,
 )
+from benchmarks.scale_reshard import reshard_loads
 
 SIZES = ("30m", "125m", "350m", "1b")
 # (warm-up steps skipped, measured steps): fewer at the sizes where a CPU step takes tens of seconds.
@@ -126,7 +123,7 @@ def measure_size(size: str, tmp: Path, smoke: bool) -> dict[str, Any]:
     # Resharding reads the launcher run's saves; they go once read. At 1B each copy is 11 GB and the
     # runs below hold up to three checkpoints and their NVMe swap files: kept all, they fill a 64 GB disk.
     try:
-        out["reshard"] = reshard_loads(w, tmp, save, frag_bytes)
+        out["reshard"] = reshard_loads(w, tmp, save, frag_bytes, out["deepspeed"]["peak_rss_bytes"])
     except RuntimeError as e:  # e.g. 3 ranks of 350M do not fit this machine: a finding, the rest goes on
         out["reshard"] = {"outcome": "failed", "error": str(e)[:2000], "bytes": frag_bytes}
     log(f"reshard {out['reshard']}")
@@ -183,47 +180,6 @@ def ray_train_cold_start(w: Workload, tmp: Path) -> float | None:
     run = run_peer("ray_train", 2, one, tmp)
     steps = run.step_records()
     return steps[0]["time"] - t0 if steps else None
-
-
-def reshard_loads(w: Workload, tmp: Path, save: dict[str, Any], frag_bytes: int) -> dict[str, Any]:
-    """2 -> 3 (fragments and the universal route) and 3 -> 2 (fragments), each load from a cold cache."""
-    from elastictrain.tools.reshard import reshard_checkpoint
-
-    fragments = Path(save["fragments_dir"])
-    ds_dir = fragments.parent / "deepspeed"
-    tag = save["deepspeed_tag"]
-    t0 = time.perf_counter()
-    conv = subprocess.run(
-        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-         "--input_folder", str(ds_dir / tag), "--output_folder", str(ds_dir / f"{tag}_universal")],
-        env=peer_env(), capture_output=True, text=True, timeout=3600,
-    )  # fmt: skip
-    convert_s = time.perf_counter() - t0 if conv.returncode == 0 else None
-    three = tmp / "fragments.ws3"
-    t0 = time.perf_counter()
-    reshard_checkpoint(fragments, 3, three)
-    offline_s = time.perf_counter() - t0
-    out: dict[str, Any] = {"ds_to_universal_s": convert_s, "offline_reshard_2_to_3_s": offline_s}
-    if conv.returncode != 0:  # the route that does not work at this size: why, in its own words
-        out["ds_to_universal_error"] = (conv.stderr or conv.stdout)[-1500:]
-    # A load runs no step: its batch only has to split over 2 and 3 ranks (the 1B preset's 4 does not).
-    gbs = next(int(o.split("=")[1]) for o in w.overrides if o.startswith("training.global_batch_size="))
-    batch = f"training.global_batch_size={gbs * 3 if gbs % 3 else gbs}"
-    loading = replace(w, overrides=(*w.overrides, batch))
-    for src, ws, universal in ((fragments, 3, convert_s is not None), (three, 2, False)):
-        drop_from_page_cache([*src.rglob("*"), *(ds_dir.rglob("*") if universal else [])])
-        extra: dict[str, Any] = {"steps": 0, "load_fragments": str(src)}
-        if universal:
-            extra.update(load_universal=str(ds_dir), load_universal_tag=f"{tag}_universal")
-        load = run_peer("torchrun", ws, loading, tmp / f"load-ws{ws}", spec_extra=extra)
-        peer_check(load, f"loading a checkpoint at world size {ws}")
-        loads = load.out["load"]  # type: ignore[index]
-        key = f"{'2_to_3' if ws == 3 else '3_to_2'}"
-        out[f"load_{key}_s"] = loads["fragments_load_s"]
-        if universal:
-            out["universal_load_2_to_3_s"] = loads["universal_load_s"]
-    out["bytes"] = frag_bytes
-    return out
 
 
 # ---------------------------------------------------------------- the run, the table, the plots

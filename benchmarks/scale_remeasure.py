@@ -17,6 +17,7 @@ from typing import Any
 from benchmarks import baselines
 from benchmarks.common import Workload
 from benchmarks.scale_parts import cold_disk_bandwidth, elastictrain_recovery, remove_folders
+from benchmarks.scale_reshard import reshard_loads
 
 PARTS = ("reshard", "recovery", "checkpoint")
 
@@ -39,14 +40,14 @@ def remeasure(part: str, size: str, tmp: Path) -> dict[str, Any]:
 
 
 def _reshard(w: Workload, size: str, tmp: Path, nvme: Path) -> dict[str, Any]:
-    from benchmarks import scale
-
-    save = (baselines.peer("deepspeed", 2, w, tmp, 0).out or {})["save"]
+    ds = baselines.peer("deepspeed", 2, w, tmp, 0).out or {}
+    save = ds["save"]
     remove_folders(nvme / "zero_stage_3")  # the launcher's swap files
     frag_bytes = save["fragment_bytes"]
     disk = cold_disk_bandwidth(tmp, frag_bytes // 2)
     print(f"  scale {size}: disk {disk['read_bytes_per_s'] / 1e6:.0f} MB/s read", flush=True)
-    reshard = scale.reshard_loads(w, tmp, save, frag_bytes)
+    peak = max((m["peak_rss_bytes"] for m in ds.get("memory", [])), default=None)
+    reshard = reshard_loads(w, tmp, save, frag_bytes, peak)
     remove_folders(Path(save["fragments_dir"]).parent, tmp / "fragments.ws3", nvme / "zero_stage_3")
     baselines.clear()
     return {**reshard, "disk": disk}

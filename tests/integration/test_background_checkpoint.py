@@ -104,6 +104,39 @@ def test_without_in_memory_snapshots_the_checkpoint_copy_runs_beside_the_next_st
         assert not [k for k in a if not torch.equal(a[k], b[k])], tag
 
 
+def test_a_checkpoint_too_large_to_copy_is_streamed_beside_the_next_step_and_holds_its_step(
+    ray_local, tmp_path
+):
+    """No room for a copy (checkpoint.max_host_memory_mb far below a rank's state): each rank streams its
+    file from the live state beside the next step's forward and backward, whose update waits for the
+    write. A write made slower than them still holds exactly the checkpoint's step; its wait is pause."""
+    cfg = tiny_config(
+        tmp_path / "bg",
+        "checkpoint.memory_every_steps=0",
+        "checkpoint.max_host_memory_mb=0.1",  # a rank's state is ~0.7 MB
+        "checkpoint.keep_last=3",
+    )
+    losses: list[float] = []
+    summary, rd, out = run(cfg, hook=chain(record_losses(losses), at_step(1, slow_disk)), tracking=False)
+    assert summary.status.value == "FINISHED", out
+    events = rd.read_events()
+    beside = [e for e in events if e["event"] == "checkpoint" and "beside the next step" in e["message"]]
+    assert [e["tag"] for e in beside] == ["step-000004", "step-000008", "step-000012"], out
+    pauses = {e["tag"]: e["pause_s"] for e in events if e["event"] == "checkpoint_pause"}
+    assert set(pauses) == {"step-000004", "step-000008"}, out
+    assert min(pauses.values()) >= WRITE_DELAY_S / 2, pauses  # the update waited for the slow write
+
+    sync_losses: list[float] = []
+    cfg_sync = tiny_config(tmp_path / "sync", "checkpoint.background_write=false", "checkpoint.keep_last=3")
+    summary_sync, rd_sync, out_sync = run(cfg_sync, hook=record_losses(sync_losses), tracking=False)
+    assert summary_sync.status.value == "FINISHED", out_sync
+    assert losses == sync_losses
+    for tag in ("step-000004", "step-000008", "step-000012"):
+        a, b = checkpoint_tensors(rd.checkpoints_dir / tag), checkpoint_tensors(rd_sync.checkpoints_dir / tag)
+        assert a.keys() == b.keys() and a
+        assert not [k for k in a if not torch.equal(a[k], b[k])], tag
+
+
 def test_a_worker_lost_while_the_checkpoint_is_written_drops_it_and_restarts_from_the_previous_one(
     ray_local, tmp_path
 ):

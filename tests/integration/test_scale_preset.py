@@ -78,8 +78,11 @@ def test_a_snapshot_over_the_host_memory_bound_is_streamed_instead(
     train_steps(probes, range(1))
     staging = CheckpointStore(tmp_path / "bounded").begin(1)
     outs = ray.get([a.save_shard.remote(str(staging), True) for a in probes.active], timeout=600)
-    assert {o["mode"] for o in outs} == {"streamed"}
-    assert all(o["file"]["bytes"] > 100e6 for o in outs)  # written before save_shard returned
+    assert {o["mode"] for o in outs} == {"streamed"} and all(o["beside_step"] for o in outs)
+    # Streamed beside the next step, not before save_shard returned: the write reports on its own.
+    ends = ray.get([a.save_status.remote(str(staging), 600.0) for a in probes.active], timeout=660)
+    assert {e["state"] for e in ends} == {"done"}, ends
+    assert all(e["file"]["bytes"] > 100e6 for e in ends)
 
 
 def test_a_model_too_large_for_the_nodes_memory_is_refused_before_any_worker_starts(

@@ -1,4 +1,4 @@
-"""One rank's part of a checkpoint: a host snapshot to write later, or the file streamed now.
+"""One rank's part of a checkpoint: a host snapshot to write later, or the file streamed from the live state.
 
 Shared by the worker actor (worker/actor.py) and the benchmarks, so both run the same save.
 """
@@ -31,10 +31,13 @@ def prepare_rank_write(
     max_snapshot_bytes: float = float("inf"),
     delay_s: float = 0.0,
     held: tuple[Callable[[], Snapshot | None], dict[str, Any] | None] | None = None,
+    stream_later: bool = False,
 ) -> tuple[ShardWrite, dict[str, Any]]:
     """With `snapshot`, copy the state to host memory (when it fits `max_snapshot_bytes`) and return
     a write not yet started: the caller runs it now or in a thread. Otherwise, or when it does not fit,
-    stream the file from the live state before returning (the write is done, or holds its error).
+    stream the file from the live state before returning (the write is done, or holds its error); with
+    `stream_later`, that write is returned not yet run: the caller runs it while the state stays as it is
+    (its scalars are read now).
     With `held` (the in-memory snapshot of this very state, being copied or done: a function that waits
     for it, and its scalars if known) and `snapshot`, nothing is copied: the write waits for that copy.
 
@@ -67,5 +70,7 @@ def prepare_rank_write(
         return write, {"name": path.name, "engine_state": snap.scalars, "mode": "snapshot"}
     walked = Walked()
     write = ShardWrite(path, lambda: stream_chunks(engine, metadata_for, walked), delay_s=delay_s)
+    if stream_later:
+        return write, {"name": path.name, "engine_state": scalars_now(engine), "mode": "streamed"}
     write.run()
     return write, {"name": path.name, "engine_state": walked.scalars, "mode": "streamed"}

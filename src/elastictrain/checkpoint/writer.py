@@ -1,8 +1,9 @@
 """One rank's checkpoint file, written from chunks of bytes, inline or in a background thread.
 
 The chunks come from a host-memory snapshot (a private copy, so training may go on changing the live
-state while this thread writes, fsyncs and hashes it) or, inline, straight from the live state
-(checkpoint/rank_snapshot.py). Only one write runs at a time; the controller commits the checkpoint
+state while this thread writes, fsyncs and hashes it) or straight from the live state
+(checkpoint/rank_snapshot.py): inline, or in a thread whose end the next optimizer update waits for
+(worker/memory.py). Only one write runs at a time; the controller commits the checkpoint
 once every rank's write reports `done`.
 """
 
@@ -76,11 +77,12 @@ class ShardWrite:
 
     def start(self) -> None:
         self._thread = threading.Thread(
-            target=self._run_niced, name=f"shard-write-{self.path.name}", daemon=True
+            target=self.run_niced, name=f"shard-write-{self.path.name}", daemon=True
         )
         self._thread.start()
 
-    def _run_niced(self) -> None:
+    def run_niced(self) -> None:
+        """`run` at the writer's nice value (for the calling thread alone)."""
         # Hashing and copying into the page cache take CPU from the training step that runs meanwhile:
         # on Linux a thread has its own nice value, so the writer yields the cores to training.
         with contextlib.suppress(AttributeError, OSError):

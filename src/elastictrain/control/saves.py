@@ -83,6 +83,7 @@ class SaveCoordinator:
         self._workers: list[Any] = []  # the attempt's workers, in rank order
         self._manifest: ManifestFields | None = None
         self._streamed = False  # the pending save's ranks streamed their files (no room for a snapshot)
+        self._streamed_beside = False  # ... beside the next step (not while training waited)
         self._watch: Calls = {}  # per worker: a call that returns when its write into pending ends
 
     # -- the attempt the saves belong to --
@@ -138,6 +139,7 @@ class SaveCoordinator:
         )
         # A rank whose snapshot would exceed checkpoint.max_host_memory_mb streamed its file inline.
         self._streamed = any(r.get("mode") == "streamed" for r in ordered)
+        self._streamed_beside = all(r.get("beside_step") for r in ordered if r.get("mode") == "streamed")
         self._watch = {}
         if not self._commit_if_written(step):
             self._watch_writes([w for w, r in zip(self._workers, ordered, strict=True) if not r.get("file")])
@@ -350,12 +352,17 @@ class SaveCoordinator:
         removed = self.store.prune(self.cfg.checkpoint.keep_last, protect=(committed.tag, *best))
         seconds = self.clock() - pending.started
         self.recorder.metrics({"checkpoint_time_s": seconds}, step=pending.step)
-        written = "in the background" if self.cfg.checkpoint.background_write else "synchronously"
+        written = (
+            "written in the background" if self.cfg.checkpoint.background_write else "written synchronously"
+        )
         if self.cfg.checkpoint.background_write and self._streamed:
-            written = "streamed from the live state: a snapshot would exceed checkpoint.max_host_memory_mb"
+            beside = " beside the next step, whose update waited for it" if self._streamed_beside else ""
+            written = (
+                f"streamed from the live state{beside}: a copy would exceed checkpoint.max_host_memory_mb"
+            )
         self.recorder.event(
             "checkpoint",
-            f"checkpoint {committed.tag} committed {seconds:.2f}s after its step (written {written})"
+            f"checkpoint {committed.tag} committed {seconds:.2f}s after its step ({written})"
             + (f" (removed {', '.join(removed)})" if removed else ""),
             step=pending.step,
             committed_at_step=step,

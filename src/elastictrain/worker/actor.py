@@ -34,8 +34,9 @@ from elastictrain.worker.dist import (
 )
 from elastictrain.worker.faults import FaultHooks
 from elastictrain.worker.host_memory import release_freed_memory, snapshot_budget_bytes
-from elastictrain.worker.memory import SnapshotPeer, WorkerMemory
+from elastictrain.worker.memory import WorkerMemory
 from elastictrain.worker.ops import prefer_environment_tools
+from elastictrain.worker.snapshot_peer import SnapshotPeer
 
 # Frames from these files mean "waiting for the other ranks".
 _COLLECTIVE_MODULES = (
@@ -327,9 +328,10 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         With `background`, the state is copied to host memory beside the next step's forward and backward
         (its update waits for the copy; with state on NVMe the copy is taken here), then written in a
         thread while training goes on; the outcome comes back in the next `train_step` results (or from
-        `save_status`). A snapshot larger than the host memory checkpoints may use
-        (`checkpoint.max_host_memory_mb`), and every save without `background`, is streamed from the
-        live state group by group instead: no copy, training waits for the write.
+        `save_status`). A copy larger than the host memory checkpoints may use
+        (`checkpoint.max_host_memory_mb`) is not made: the file is streamed from the live state group by
+        group beside the next step's forward and backward, and its update waits for the write (with
+        state on NVMe, streamed here: training waits). Every save without `background` is streamed here.
         """
         from elastictrain.checkpoint.rank_save import prepare_rank_write
 
@@ -342,6 +344,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         budget = snapshot_budget_bytes(spec.config.checkpoint.max_host_memory_mb, spec.ranks_on_node)
         # This step's in-memory snapshot if one was taken, else a copy beside the next step's compute.
         held = (self.memory.for_disk() or self.memory.copy_for_disk(engine, budget)) if background else None
+        beside_step = background and held is None and not self.memory.copies_inline
         write, out = prepare_rank_write(
             engine,
             as_path(staging_dir),
@@ -351,12 +354,17 @@ class TrainWorker(SnapshotPeer, FaultHooks):
             max_snapshot_bytes=budget,
             delay_s=self._write_delay_s,
             held=held,
+            stream_later=beside_step,
         )
         if write.error:
             raise RuntimeError(write.error)
         out["snapshot_s"] = time.perf_counter() - t0
         mode = out["mode"]
-        if mode == "snapshot" and background:
+        if mode == "streamed" and beside_step:
+            self._writer = write
+            self.memory.hold_updates_for(engine, write.run_niced)
+            out["beside_step"] = True
+        elif mode == "snapshot" and background:
             self._writer = write
             write.start()
         else:

@@ -134,6 +134,29 @@ class WorkerMemory:
         threading.Thread(target=take, name="checkpoint-copy", daemon=True).start()
         return future.result, None
 
+    @property
+    def copies_inline(self) -> bool:
+        """Whether copies of the state must run in the calling thread (optimizer state on NVMe)."""
+        return self._inline
+
+    def hold_updates_for(self, engine: Any, run: Callable[[], None]) -> None:
+        """Run `run` (a checkpoint write streamed from the live state) in a thread beside the next step's
+        forward and backward, which do not change the state it reads; the next update waits for it
+        (`before_update`) as for a copy. For state in memory only (not `copies_inline`)."""
+        assert not self._inline, "state on NVMe: streaming from a second thread would race the step's swaps"
+        self.copy_finished()  # one reader of the live state at a time
+        stream = _copy_stream(engine)
+        self._copied.clear()
+
+        def go() -> None:
+            try:
+                with _on_stream(stream):
+                    run()
+            finally:
+                self._copied.set()
+
+        threading.Thread(target=go, name="checkpoint-stream", daemon=True).start()
+
     def before_update(self) -> None:
         """The optimizer is about to change the state: the copy in progress must be finished. The wait
         is training held up by the copy (`pop_update_wait`)."""
@@ -320,48 +343,6 @@ class WorkerMemory:
         for r, ref in refs.items():
             out[r] = ray.get(ref, timeout=REPLICATE_TIMEOUT_S)
         return out
-
-
-class SnapshotPeer:
-    """Actor methods a worker answers for its peers (replica group) and the controller (control group)."""
-
-    memory: WorkerMemory
-    engine: Any
-
-    def hold_replica(self, wire: dict[str, Any]) -> None:
-        """Keep a buddy's snapshot (sent after each of its copies)."""
-        self.memory.hold_replica(wire)
-
-    def snapshot_meta(self, key: SnapshotKey) -> dict[str, Any]:
-        return self.memory.meta(key)
-
-    def snapshot_pieces(self, key: SnapshotKey, keys: list[str]) -> dict[str, Any]:
-        return self.memory.pieces(key, keys)
-
-    def hand_off_snapshots(self, target: Any) -> int:
-        """This worker is replaced (stuck in a collective): send what it holds to `target` first."""
-        import ray
-
-        snaps = self.memory.store.all()
-        call = target.keep_handed.options(concurrency_group=REPLICA_GROUP)
-        ray.get([call.remote(s.to_wire()) for s in snaps], timeout=REPLICATE_TIMEOUT_S)
-        return len(snaps)
-
-    def keep_handed(self, wire: dict[str, Any]) -> None:
-        self.memory.store.add_handed(Snapshot.from_wire(wire))
-
-    def snapshot_now(self) -> dict[str, Any]:
-        """Copy the state after the last step to memory, unless that copy was started, and replicate it
-        (the controller grows at this step: the new attempt loads it). Runs between steps."""
-        return self.memory.snapshot_last_step(self.engine)
-
-    def memory_holdings(self) -> list[dict[str, Any]]:
-        """Every complete snapshot this worker holds: its own rank's and its buddy's."""
-        return self.memory.store.holdings()
-
-    def inject_snapshot_delay(self, seconds: float) -> None:
-        """Tests: every later copy starts `seconds` late, so a failure can strike in the middle of one."""
-        self.memory.delay_s = float(seconds)
 
 
 def _copy_stream(engine: Any) -> Any:

@@ -1,0 +1,51 @@
+"""The actor methods a worker answers about in-memory snapshots: for its peers (the `replica` concurrency
+group: holding a buddy's replica, serving pieces of what it holds) and for the controller."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from elastictrain.checkpoint.memory_snapshot import Snapshot, SnapshotKey
+from elastictrain.worker.memory import REPLICA_GROUP, REPLICATE_TIMEOUT_S, WorkerMemory
+
+
+class SnapshotPeer:
+    """Actor methods a worker answers for its peers (replica group) and the controller (control group)."""
+
+    memory: WorkerMemory
+    engine: Any
+
+    def hold_replica(self, wire: dict[str, Any]) -> None:
+        """Keep a buddy's snapshot (sent after each of its copies)."""
+        self.memory.hold_replica(wire)
+
+    def snapshot_meta(self, key: SnapshotKey) -> dict[str, Any]:
+        return self.memory.meta(key)
+
+    def snapshot_pieces(self, key: SnapshotKey, keys: list[str]) -> dict[str, Any]:
+        return self.memory.pieces(key, keys)
+
+    def hand_off_snapshots(self, target: Any) -> int:
+        """This worker is replaced (stuck in a collective): send what it holds to `target` first."""
+        import ray
+
+        snaps = self.memory.store.all()
+        call = target.keep_handed.options(concurrency_group=REPLICA_GROUP)
+        ray.get([call.remote(s.to_wire()) for s in snaps], timeout=REPLICATE_TIMEOUT_S)
+        return len(snaps)
+
+    def keep_handed(self, wire: dict[str, Any]) -> None:
+        self.memory.store.add_handed(Snapshot.from_wire(wire))
+
+    def snapshot_now(self) -> dict[str, Any]:
+        """Copy the state after the last step to memory, unless that copy was started, and replicate it
+        (the controller grows at this step: the new attempt loads it). Runs between steps."""
+        return self.memory.snapshot_last_step(self.engine)
+
+    def memory_holdings(self) -> list[dict[str, Any]]:
+        """Every complete snapshot this worker holds: its own rank's and its buddy's."""
+        return self.memory.store.holdings()
+
+    def inject_snapshot_delay(self, seconds: float) -> None:
+        """Tests: every later copy starts `seconds` late, so a failure can strike in the middle of one."""
+        self.memory.delay_s = float(seconds)
