@@ -263,6 +263,8 @@ def elastictrain_checkpoint_run(w: Workload, tmp: Path) -> dict[str, Any]:
         "pause_s": [p["pause_s"] for p in et["pauses"]],
         "commit_s": [c["seconds"] for c in et["checkpoints"]],
         "checkpoint_bytes": [c.get("bytes") for c in et["checkpoints"]],
+        # How each rank file was written (a copy written in the background, or streamed), as the event says.
+        "written": [c["message"].partition("after its step (")[2].split(")")[0] for c in et["checkpoints"]],
         "peak_rss_bytes": max((m["peak_rss_bytes"] for m in et["memory"]), default=None),
         "setup_s": et["setup_s"],
     }
@@ -285,6 +287,9 @@ def summarize(done: dict[str, Any], smoke: bool) -> Result:
         "pause: training stopped for the checkpoint (slowest rank); durable synchronous save: elastictrain's "
         "own streamed save (background_write: false); commit bandwidth: checkpoint bytes / time to commit.",
         "reshard and recovery loads read from a cold page cache (POSIX_FADV_DONTNEED on every file first).",
+        "reshard loads where 3 ranks of the size do not fit this machine's memory (350M without offload) "
+        "run with the optimizer state on NVMe (load_offload_optimizer); DeepSpeed's universal load does "
+        "not handle that, so the universal route is converted but not loaded there.",
         "memory bound: core.memory.estimate_rank_memory (ZeRO-3 model states / world size + largest "
         "layer + runtime baseline); 'refused' means elastictrain's preflight refused the configuration.",
     ]
