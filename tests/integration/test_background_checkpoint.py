@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import ray
 import torch
-from helpers import at_step, chain, record_losses, run, tiny_config
+from helpers import at_step, chain, offload_overrides, record_losses, run, tiny_config
 from safetensors.torch import load_file
 
 from elastictrain.checkpoint.store import verify
@@ -104,17 +104,22 @@ def test_without_in_memory_snapshots_the_checkpoint_copy_runs_beside_the_next_st
         assert not [k for k in a if not torch.equal(a[k], b[k])], tag
 
 
+@pytest.mark.parametrize("offload", ["none", "nvme"])
 def test_a_checkpoint_too_large_to_copy_is_streamed_beside_the_next_step_and_holds_its_step(
-    ray_local, tmp_path
+    ray_local, tmp_path, offload
 ):
     """No room for a copy (checkpoint.max_host_memory_mb far below a rank's state): each rank streams its
-    file from the live state beside the next step's forward and backward, whose update waits for the
-    write. A write made slower than them still holds exactly the checkpoint's step; its wait is pause."""
+    file from the live state (with NVMe offload: from the optimizer's swap files) beside the next step's
+    forward and backward, whose update waits for the write. A write made slower than them still holds
+    exactly the checkpoint's step; its wait is pause."""
+    (tmp_path / "nvme").mkdir()
+    extra = offload_overrides(offload, tmp_path / "nvme") if offload == "nvme" else []
     cfg = tiny_config(
         tmp_path / "bg",
         "checkpoint.memory_every_steps=0",
-        "checkpoint.max_host_memory_mb=0.1",  # a rank's state is ~0.7 MB
+        "checkpoint.max_host_memory_mb=0.1",  # a rank's state is ~0.7 MB (several MB with NVMe's model)
         "checkpoint.keep_last=3",
+        *extra,
     )
     losses: list[float] = []
     summary, rd, out = run(cfg, hook=chain(record_losses(losses), at_step(1, slow_disk)), tracking=False)
@@ -127,7 +132,9 @@ def test_a_checkpoint_too_large_to_copy_is_streamed_beside_the_next_step_and_hol
     assert min(pauses.values()) >= WRITE_DELAY_S / 2, pauses  # the update waited for the slow write
 
     sync_losses: list[float] = []
-    cfg_sync = tiny_config(tmp_path / "sync", "checkpoint.background_write=false", "checkpoint.keep_last=3")
+    cfg_sync = tiny_config(
+        tmp_path / "sync", "checkpoint.background_write=false", "checkpoint.keep_last=3", *extra
+    )
     summary_sync, rd_sync, out_sync = run(cfg_sync, hook=record_losses(sync_losses), tracking=False)
     assert summary_sync.status.value == "FINISHED", out_sync
     assert losses == sync_losses

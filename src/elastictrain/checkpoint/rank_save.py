@@ -16,6 +16,7 @@ from elastictrain.checkpoint.rank_snapshot import (
     stream_chunks,
     take_snapshot,
 )
+from elastictrain.checkpoint.swap_stream import SwapFileStream
 from elastictrain.checkpoint.writer import ShardWrite
 from elastictrain.checkpoint.zero_state import fragments_of, rank_file
 from elastictrain.storage import AnyPath, as_path
@@ -32,12 +33,14 @@ def prepare_rank_write(
     delay_s: float = 0.0,
     held: tuple[Callable[[], Snapshot | None], dict[str, Any] | None] | None = None,
     stream_later: bool = False,
+    from_swap: SwapFileStream | None = None,
 ) -> tuple[ShardWrite, dict[str, Any]]:
     """With `snapshot`, copy the state to host memory (when it fits `max_snapshot_bytes`) and return
     a write not yet started: the caller runs it now or in a thread. Otherwise, or when it does not fit,
     stream the file from the live state before returning (the write is done, or holds its error); with
     `stream_later`, that write is returned not yet run: the caller runs it while the state stays as it is
-    (its scalars are read now).
+    (its scalars are read now). With `from_swap` (state on NVMe), that write reads the swap files
+    (checkpoint/swap_stream.py), also returned not yet run.
     With `held` (the in-memory snapshot of this very state, being copied or done: a function that waits
     for it, and its scalars if known) and `snapshot`, nothing is copied: the write waits for that copy.
 
@@ -47,6 +50,12 @@ def prepare_rank_write(
 
     def metadata_for(plan: RankFilePlan) -> dict[str, str]:
         return rank_file(rank, world_size, fragments_of(plan.pieces))[1]
+
+    if from_swap is not None:
+        metadata = metadata_for(from_swap.plan)
+        total = len(from_swap.plan.header(metadata)) + from_swap.plan.data_bytes
+        write = ShardWrite(path, lambda: from_swap.chunks(metadata), total, delay_s=delay_s)
+        return write, {"name": path.name, "engine_state": from_swap.scalars, "mode": "streamed"}
 
     if snapshot and held is not None:
         ready, scalars = held

@@ -131,10 +131,10 @@ def _walk(engine: Any, found: Walked) -> Iterator[tuple[int, OpenGroup]]:
             yield group, opened
     if found.plan is None:  # an engine with no groups: an empty file
         found.plan = plan_rank_file([], ["fp32"])
-    _finish_scalars(engine, found.scalars)
+    finish_scalars(engine, found.scalars)
 
 
-def _finish_scalars(engine: Any, scalars: dict[str, Any]) -> None:
+def finish_scalars(engine: Any, scalars: dict[str, Any]) -> None:
     step = (scalars.get("optimizer_state") or {}).get("step")
     scalars["optimizer_step"] = step["value"] if step else None  # kept for checkpoints' readers
     scaler = getattr(engine.optimizer, "loss_scaler", None)

@@ -331,9 +331,11 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         `save_status`). A copy larger than the host memory checkpoints may use
         (`checkpoint.max_host_memory_mb`) is not made: the file is streamed from the live state group by
         group beside the next step's forward and backward, and its update waits for the write (with
-        state on NVMe, streamed here: training waits). Every save without `background` is streamed here.
+        state on NVMe, read from its swap files instead: checkpoint/swap_stream.py). Every save without
+        `background` is streamed here.
         """
         from elastictrain.checkpoint.rank_save import prepare_rank_write
+        from elastictrain.checkpoint.swap_stream import swap_file_stream
 
         spec, engine = self.spec, self.engine
         assert spec is not None and engine is not None, "save_shard before setup"
@@ -344,7 +346,9 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         budget = snapshot_budget_bytes(spec.config.checkpoint.max_host_memory_mb, spec.ranks_on_node)
         # This step's in-memory snapshot if one was taken, else a copy beside the next step's compute.
         held = (self.memory.for_disk() or self.memory.copy_for_disk(engine, budget)) if background else None
-        beside_step = background and held is None and not self.memory.copies_inline
+        swapped, missing = self.memory.copies_inline, background and held is None
+        from_swap = swap_file_stream(engine, larger_than=budget) if missing and swapped else None
+        beside_step = missing and (from_swap is not None or not swapped)
         write, out = prepare_rank_write(
             engine,
             as_path(staging_dir),
@@ -355,6 +359,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
             delay_s=self._write_delay_s,
             held=held,
             stream_later=beside_step,
+            from_swap=from_swap,
         )
         if write.error:
             raise RuntimeError(write.error)

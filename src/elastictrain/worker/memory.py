@@ -142,8 +142,8 @@ class WorkerMemory:
     def hold_updates_for(self, engine: Any, run: Callable[[], None]) -> None:
         """Run `run` (a checkpoint write streamed from the live state) in a thread beside the next step's
         forward and backward, which do not change the state it reads; the next update waits for it
-        (`before_update`) as for a copy. For state in memory only (not `copies_inline`)."""
-        assert not self._inline, "state on NVMe: streaming from a second thread would race the step's swaps"
+        (`before_update`) as for a copy. With state on NVMe (`copies_inline`) `run` must read the swap
+        files itself (checkpoint/swap_stream.py): DeepSpeed's swapper is the step's."""
         self.copy_finished()  # one reader of the live state at a time
         stream = _copy_stream(engine)
         self._copied.clear()
