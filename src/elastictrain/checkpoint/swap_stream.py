@@ -10,7 +10,7 @@ host memory used is one read buffer. Sub-groups kept in memory (too small to swa
 tensors, which the forward and backward do not change either.
 
 Only DeepSpeed's PartitionedOptimizerSwapper (the default) finishes its writes within the update; the
-pipelined one (`pipeline_write`) may leave a write in flight, so it is not read this way.
+pipelined one (`pipeline_read` or `pipeline_write`) may leave a write in flight: not read this way.
 """
 
 from __future__ import annotations
