@@ -47,6 +47,7 @@ from benchmarks.scale_parts import (
     steady_step_s,
 )
 from benchmarks.scale_reshard import reshard_loads
+from benchmarks.throughput import step_times
 
 SIZES = ("30m", "125m", "350m", "1b")
 # (warm-up steps skipped, measured steps): fewer at the sizes where a CPU step takes tens of seconds.
@@ -260,6 +261,9 @@ def elastictrain_checkpoint_run(w: Workload, tmp: Path) -> dict[str, Any]:
     remove_folders(Path(et["run_dir"]) / "checkpoints")
     return {
         "step_s_with_checkpoints": steady_step_s(et["steps"], w),
+        # Every step's interval (report to report: a pause falls in the interval after its step), to see
+        # what a write beside the next step costs that step.
+        "step_intervals_s": [round(t, 3) for t in step_times(et["steps"])],
         "pause_s": [p["pause_s"] for p in et["pauses"]],
         "commit_s": [c["seconds"] for c in et["checkpoints"]],
         "checkpoint_bytes": [c.get("bytes") for c in et["checkpoints"]],

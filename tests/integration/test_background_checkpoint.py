@@ -8,6 +8,7 @@ while it is written must fall back to the previous committed checkpoint.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,17 @@ pytestmark = pytest.mark.integration
 
 WRITE_DELAY_S = 4.0  # longer than the steps up to the next checkpoint take on a loaded CI machine
 COPY_DELAY_S = 4.0  # several times a step's forward and backward of the tiny model
+TAGS = ("step-000004", "step-000008", "step-000012")
+
+SyncRun = tuple[list[float], Any]  # a synchronous run's losses and run folder
 
 
 def slow_disk(controller: Any) -> None:
     ray.get([w.actor.inject_write_delay.remote(WRITE_DELAY_S) for w in controller.active])
+
+
+def slow_copy(controller: Any) -> None:
+    ray.get([w.actor.inject_snapshot_delay.remote(COPY_DELAY_S) for w in controller.active])
 
 
 def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -36,7 +44,53 @@ def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_training_goes_on_while_a_checkpoint_is_written_and_it_holds_exactly_its_step(ray_local, tmp_path):
+def offload_settings(offload: str, folder: Path) -> list[str]:
+    if offload == "none":
+        return []
+    (folder / "nvme").mkdir(exist_ok=True)
+    return offload_overrides(offload, folder / "nvme")
+
+
+@pytest.fixture(scope="module")
+def synchronous_run(ray_local, tmp_path_factory) -> Callable[[str], SyncRun]:
+    """The tiny run with synchronous checkpoints (all three kept), made once per offload for this
+    module's tests: what every background way of writing must equal."""
+    runs: dict[str, SyncRun] = {}
+
+    def get(offload: str) -> SyncRun:
+        if offload not in runs:
+            folder = tmp_path_factory.mktemp(f"sync-{offload}")
+            losses: list[float] = []
+            overrides = ["checkpoint.background_write=false", "checkpoint.keep_last=3"]
+            cfg = tiny_config(folder / "run", *overrides, *offload_settings(offload, folder))
+            summary, rd, out = run(cfg, hook=record_losses(losses), tracking=False)
+            assert summary.status.value == "FINISHED", out
+            events = [e for e in rd.read_events() if e["event"] == "checkpoint"]
+            assert all(e["committed_at_step"] == e["step"] for e in events), "synchronous: committed at once"
+            runs[offload] = (losses, rd)
+        return runs[offload]
+
+    return get
+
+
+def assert_same_as_synchronous(
+    sync: SyncRun, losses: list[float], rd: Any, tags: tuple[str, ...] = TAGS
+) -> None:
+    """The same losses and, tensor for tensor, the same checkpoints as the synchronous run."""
+    sync_losses, rd_sync = sync
+    assert losses == sync_losses
+    for tag in tags:
+        a, b = rd.checkpoints_dir / tag, rd_sync.checkpoints_dir / tag
+        assert verify(a).ok and verify(b).ok
+        ta, tb = checkpoint_tensors(a), checkpoint_tensors(b)
+        assert ta.keys() == tb.keys() and ta
+        different = [k for k in ta if not torch.equal(ta[k], tb[k])]
+        assert not different, f"{tag}: the state differs from the synchronous save: {different[:5]}"
+
+
+def test_training_goes_on_while_a_checkpoint_is_written_and_it_holds_exactly_its_step(
+    tmp_path, synchronous_run
+):
     background_losses: list[float] = []
     cfg = tiny_config(tmp_path / "bg", "checkpoint.background_write=true")
     summary, rd, out = run(
@@ -44,7 +98,7 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_it_holds_exactly_its
     )
     assert summary.status.value == "FINISHED", out
     checkpoints = {e["tag"]: e for e in rd.read_events() if e["event"] == "checkpoint"}
-    assert list(checkpoints) == ["step-000004", "step-000008", "step-000012"], out
+    assert list(checkpoints) == list(TAGS), out
     first = checkpoints["step-000004"]
     # Steps after the snapshot ran while the files were written; the commit came later.
     assert first["committed_at_step"] > 4, first
@@ -55,33 +109,11 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_it_holds_exactly_its
     assert set(pauses) == {"step-000004", "step-000008"}, "every checkpoint a step follows"
     assert pauses["step-000004"] < first["seconds"], (pauses, first)
     assert checkpoints["step-000012"]["committed_at_step"] == 12, "the last one is committed before the end"
-
-    sync_losses: list[float] = []
-    cfg_sync = tiny_config(tmp_path / "sync", "checkpoint.background_write=false")
-    summary_sync, rd_sync, out_sync = run(cfg_sync, hook=record_losses(sync_losses), tracking=False)
-    assert summary_sync.status.value == "FINISHED", out_sync
-    sync_events = [e for e in rd_sync.read_events() if e["event"] == "checkpoint"]
-    assert all(e["committed_at_step"] == e["step"] for e in sync_events), "synchronous: committed at once"
-
-    assert background_losses == sync_losses
-    for tag in ("step-000008", "step-000012"):
-        a = rd.checkpoints_dir / tag
-        b = rd_sync.checkpoints_dir / tag
-        assert verify(a).ok and verify(b).ok
-        ta, tb = checkpoint_tensors(a), checkpoint_tensors(b)
-        assert ta.keys() == tb.keys() and ta
-        different = [k for k in ta if not torch.equal(ta[k], tb[k])]
-        assert not different, (
-            f"{tag}: the background-written state differs from the synchronous save: {different[:5]}"
-        )
-
-
-def slow_copy(controller: Any) -> None:
-    ray.get([w.actor.inject_snapshot_delay.remote(COPY_DELAY_S) for w in controller.active])
+    assert_same_as_synchronous(synchronous_run("none"), background_losses, rd, TAGS[1:])  # keep_last=2
 
 
 def test_without_in_memory_snapshots_the_checkpoint_copy_runs_beside_the_next_step_and_holds_its_step(
-    ray_local, tmp_path
+    tmp_path, synchronous_run
 ):
     """The state is copied beside the next step's forward and backward, whose update waits for it: a copy
     made slower than them still holds exactly the checkpoint's step, and its wait counts as pause."""
@@ -92,56 +124,34 @@ def test_without_in_memory_snapshots_the_checkpoint_copy_runs_beside_the_next_st
     pauses = {e["tag"]: e["pause_s"] for e in rd.read_events() if e["event"] == "checkpoint_pause"}
     assert set(pauses) == {"step-000004", "step-000008"}, out
     assert min(pauses.values()) >= COPY_DELAY_S / 2, pauses  # the update waited for the slow copy
-
-    sync_losses: list[float] = []
-    cfg_sync = tiny_config(tmp_path / "sync", "checkpoint.background_write=false", "checkpoint.keep_last=3")
-    summary_sync, rd_sync, out_sync = run(cfg_sync, hook=record_losses(sync_losses), tracking=False)
-    assert summary_sync.status.value == "FINISHED", out_sync
-    assert losses == sync_losses
-    for tag in ("step-000004", "step-000008", "step-000012"):
-        a, b = checkpoint_tensors(rd.checkpoints_dir / tag), checkpoint_tensors(rd_sync.checkpoints_dir / tag)
-        assert a.keys() == b.keys() and a
-        assert not [k for k in a if not torch.equal(a[k], b[k])], tag
+    assert_same_as_synchronous(synchronous_run("none"), losses, rd)
 
 
 @pytest.mark.parametrize("offload", ["none", "nvme"])
 def test_a_checkpoint_too_large_to_copy_is_streamed_beside_the_next_step_and_holds_its_step(
-    ray_local, tmp_path, offload
+    tmp_path, synchronous_run, offload
 ):
     """No room for a copy (checkpoint.max_host_memory_mb far below a rank's state): each rank streams its
     file from the live state (with NVMe offload: from the optimizer's swap files) beside the next step's
     forward and backward, whose update waits for the write. A write made slower than them still holds
     exactly the checkpoint's step; its wait is pause."""
-    (tmp_path / "nvme").mkdir()
-    extra = offload_overrides(offload, tmp_path / "nvme") if offload == "nvme" else []
     cfg = tiny_config(
         tmp_path / "bg",
         "checkpoint.memory_every_steps=0",
         "checkpoint.max_host_memory_mb=0.1",  # a rank's state is ~0.7 MB (several MB with NVMe's model)
         "checkpoint.keep_last=3",
-        *extra,
+        *offload_settings(offload, tmp_path),
     )
     losses: list[float] = []
     summary, rd, out = run(cfg, hook=chain(record_losses(losses), at_step(1, slow_disk)), tracking=False)
     assert summary.status.value == "FINISHED", out
     events = rd.read_events()
     beside = [e for e in events if e["event"] == "checkpoint" and "beside the next step" in e["message"]]
-    assert [e["tag"] for e in beside] == ["step-000004", "step-000008", "step-000012"], out
+    assert [e["tag"] for e in beside] == list(TAGS), out
     pauses = {e["tag"]: e["pause_s"] for e in events if e["event"] == "checkpoint_pause"}
     assert set(pauses) == {"step-000004", "step-000008"}, out
     assert min(pauses.values()) >= WRITE_DELAY_S / 2, pauses  # the update waited for the slow write
-
-    sync_losses: list[float] = []
-    cfg_sync = tiny_config(
-        tmp_path / "sync", "checkpoint.background_write=false", "checkpoint.keep_last=3", *extra
-    )
-    summary_sync, rd_sync, out_sync = run(cfg_sync, hook=record_losses(sync_losses), tracking=False)
-    assert summary_sync.status.value == "FINISHED", out_sync
-    assert losses == sync_losses
-    for tag in ("step-000004", "step-000008", "step-000012"):
-        a, b = checkpoint_tensors(rd.checkpoints_dir / tag), checkpoint_tensors(rd_sync.checkpoints_dir / tag)
-        assert a.keys() == b.keys() and a
-        assert not [k for k in a if not torch.equal(a[k], b[k])], tag
+    assert_same_as_synchronous(synchronous_run(offload), losses, rd)
 
 
 def test_a_worker_lost_while_the_checkpoint_is_written_drops_it_and_restarts_from_the_previous_one(
