@@ -85,7 +85,12 @@ WHY = {
     "available, split between the node's ranks) is not made: the file is streamed from the live state, "
     "also beside the next step's forward and backward (350M: 2.2 GB a rank, 0.03 s pause, was 5.8 s "
     "while training waited for the write), with the optimizer state on NVMe read from its swap files "
-    "(1B: 5.7 GB a rank, 0.02 s, was 18.4 s). A miss would mean the write outlasts the next step's "
+    "(1B: 5.7 GB a rank, 0.02 s, was 18.4 s). The pause is not the whole cost: the write shares the "
+    "cores and the disk with the step it runs beside. At 1B here, where the swap files and the "
+    "checkpoint share one disk, that step took as long as the old pause plus step (an A/B on the same "
+    "machine state: the interval holding the checkpoint 112.9 s beside the step, 112.6 s with training "
+    "stopped for 23.4 s); it gains where the checkpoint goes to other storage or the step runs on a GPU. "
+    "A miss would mean the write outlasts the next step's "
     "forward and backward: a disk slower than the step, or DeepSpeed's pipelined swapper (its writes may "
     "be in flight after the update, so the file is then streamed while training waits).",
     "commit bandwidth": "commit counts from the checkpoint's step (its state exists) to the committed "
