@@ -354,7 +354,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
             as_path(staging_dir),
             spec.rank,
             spec.world_size,
-            snapshot=background,
+            snapshot=background and not beside_step,  # beside the step: known not to fit a copy
             max_snapshot_bytes=budget,
             delay_s=self._write_delay_s,
             held=held,

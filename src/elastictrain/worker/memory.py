@@ -114,24 +114,19 @@ class WorkerMemory:
 
         if self._inline or snapshot_bytes(engine) > max_bytes:
             return None
-        self.copy_finished()  # one copy at a time
         future: Future[Any] = Future()
-        stream = _copy_stream(engine)
-        self._copied.clear()
 
         def take() -> None:
             raw = None
             try:
                 time.sleep(self.delay_s)
-                with _on_stream(stream):
-                    raw = take_snapshot(engine)
+                raw = take_snapshot(engine)
             except Exception as e:  # noqa: BLE001 - the write reports the failed copy; the next save copies again
                 self.error = f"checkpoint copy: {type(e).__name__}: {e}"
             finally:
-                self._copied.set()
                 future.set_result(raw)
 
-        threading.Thread(target=take, name="checkpoint-copy", daemon=True).start()
+        self.hold_updates_for(engine, take, "checkpoint-copy")
         return future.result, None
 
     @property
@@ -139,11 +134,11 @@ class WorkerMemory:
         """Whether copies of the state must run in the calling thread (optimizer state on NVMe)."""
         return self._inline
 
-    def hold_updates_for(self, engine: Any, run: Callable[[], None]) -> None:
-        """Run `run` (a checkpoint write streamed from the live state) in a thread beside the next step's
-        forward and backward, which do not change the state it reads; the next update waits for it
-        (`before_update`) as for a copy. With state on NVMe (`copies_inline`) `run` must read the swap
-        files itself (checkpoint/swap_stream.py): DeepSpeed's swapper is the step's."""
+    def hold_updates_for(self, engine: Any, run: Callable[[], None], name: str = "checkpoint-stream") -> None:
+        """Run `run` (a checkpoint's copy of the state, or its write streamed from the live state) in a
+        thread beside the next step's forward and backward, which do not change the state it reads; the
+        next update waits for it (`before_update`). With state on NVMe (`copies_inline`) `run` must read
+        the swap files itself (checkpoint/swap_stream.py): DeepSpeed's swapper is the step's."""
         self.copy_finished()  # one reader of the live state at a time
         stream = _copy_stream(engine)
         self._copied.clear()
@@ -155,7 +150,7 @@ class WorkerMemory:
             finally:
                 self._copied.set()
 
-        threading.Thread(target=go, name="checkpoint-stream", daemon=True).start()
+        threading.Thread(target=go, name=name, daemon=True).start()
 
     def before_update(self) -> None:
         """The optimizer is about to change the state: the copy in progress must be finished. The wait
