@@ -71,6 +71,14 @@ def _elastictrain_outcome(run_dir: Any, t_fail: float) -> dict[str, Any]:
         "restart_setup_s": restart.get("setup_s"),
         "restart_load_s": restart.get("load_s"),
         "restart_verify_s": restart.get("verify_s"),
+        "restart_engine_s": restart.get("engine_s"),
+        "restart_process_group_s": restart.get("process_group_s"),
+        # Every event from the kill to the first step, seconds after the kill: where the rest went.
+        "timeline": [
+            (round(event_time(e) - t_fail, 2), e["event"], str(e.get("message", ""))[:160])
+            for e in events
+            if t_fail <= event_time(e) <= event_time(first)
+        ],
     }
 
 

@@ -34,6 +34,52 @@ def test_a_rank_dying_at_a_step_restarts_from_the_last_checkpoint_on_the_survivo
     assert r.committed_step() == 12
 
 
+def test_a_restart_checkpoint_that_fails_its_check_beside_the_set_up_is_rejected_and_the_previous_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    import threading
+
+    import elastictrain.control.resume as resume
+    from elastictrain.cluster.fake import FakeGroup
+
+    r = make_run(tmp_path, "scaling.min_workers=1", "checkpoint.memory_every_steps=0")
+    # Each check waits (a bounded time) for the set-up it runs beside: run before it, it would time out.
+    setting_up, beside = threading.Event(), []
+    real_setup, real_verify = FakeGroup._setup, resume.verify
+
+    def setup(group: FakeGroup, w: object, spec: object) -> dict[str, float]:
+        setting_up.set()
+        return real_setup(group, w, spec)
+
+    def verify_beside(path: Path):  # noqa: ANN202
+        beside.append(setting_up.wait(timeout=10))
+        setting_up.clear()
+        return real_verify(path)
+
+    monkeypatch.setattr(FakeGroup, "_setup", setup)
+    monkeypatch.setattr(resume, "verify", verify_beside)
+
+    def damage_step_8(controller: object) -> None:
+        rank_file = sorted((r.run_dir.checkpoints_dir / "step-000008").glob("rank-*"))[0]
+        data = bytearray(rank_file.read_bytes())
+        data[0] ^= 0xFF
+        rank_file.write_bytes(bytes(data))
+
+    r.controller.callbacks.after_step.append(at_step(9, damage_step_8))
+    r.group.die_at_step(rank=1, step=10)
+    summary = r.run()
+    assert summary.status.value == "FINISHED" and summary.failures == 1  # the rejection is no failure
+    (rejected,) = r.events("checkpoint_rejected")
+    assert rejected["tag"] == "step-000008" and "sha256 differs" in rejected["problems"][0]
+    # Set up from step 8 while it was checked, then again from step 4 once it was rejected (a grow
+    # follows from step 8 saved anew).
+    starts = [e["checkpoint"] for e in r.events("attempt_started")]
+    assert starts[:2] == [None, "step-000004"], starts
+    assert r.events("resume")[-1]["tag"] == "step-000004"
+    assert r.committed_step() == 12
+    assert beside and all(beside), beside  # every check ran while the workers were being set up
+
+
 def test_after_a_failure_survivors_abort_their_collectives_before_leaving_but_not_after_a_clean_run(
     tmp_path: Path,
 ):

@@ -30,7 +30,7 @@ from elastictrain.control.pipeline import Ahead, StepPipeline
 from elastictrain.control.record import RunRecorder
 from elastictrain.control.resume import ResumePoints
 from elastictrain.control.saves import SaveCoordinator
-from elastictrain.control.specs import attempt_specs
+from elastictrain.control.specs import attempt_specs, resize_reason, slowest_set_up
 from elastictrain.control.stop import sigterm_stops
 from elastictrain.core.batch import BatchPlan, plan_batch
 from elastictrain.core.policy import Fail, Failure, Restart, decide_after_failure
@@ -169,14 +169,15 @@ class Controller:
                 style="yellow",
                 removed=partials,
             )
-        resumed = self.resume.find(self.step)
+        resumed = self.resume.candidate(self.step)
+        if resumed and resumed.manifest["step"] >= self.cfg.training.max_steps:
+            resumed = self.resume.find(self.step)  # no set-up follows to verify it beside: now
         self.pipeline.step = resumed.manifest["step"] if resumed else 0
         self.recorder.begin(step=self.step, nothing_to_train=self.step >= self.cfg.training.max_steps)
         if resumed:
             self._event(
                 "resume",
-                f"resuming from checkpoint {resumed.tag} (step {self.step}; "
-                f"all files verified in {self.resume.last_verify_s:.2f}s)",
+                f"resuming from checkpoint {resumed.tag} (step {self.step})",
                 tag=resumed.tag,
             )
         else:
@@ -185,6 +186,18 @@ class Controller:
 
     # ------------------------------------------------------------------ start an attempt
     def _start_attempt(self, size: int) -> None:
+        while not self._set_up_attempt(size):
+            # What it loaded did not verify (now rejected): set up again from the previous checkpoint.
+            self._teardown()
+            fallback = self.resume.candidate(self.step)
+            self._event(
+                "resume",
+                f"resuming from checkpoint {fallback.tag if fallback else 'step 0'} instead",
+                tag=fallback.tag if fallback else None,
+            )
+
+    def _set_up_attempt(self, size: int) -> bool:
+        """Set up the workers of an attempt of `size`; False when the checkpoint they loaded was rejected."""
         self.attempt += 1
         plan = plan_batch(self.capacity.rules.global_batch_size, self.capacity.rules.micro_batch_size, size)
         assert plan is not None
@@ -199,7 +212,7 @@ class Controller:
                 Failure("setup_error", (), self.step, f"only {len(active)} of {size} workers ready")
             )
         memory = self.memory.take()  # the survivors' in-memory snapshots, when they hold a whole step
-        resume = None if memory else self.resume.find(self.step)
+        resume = None if memory else self.resume.candidate(self.step)  # verified beside the set-up
         start = memory.plan.step if memory else resume.manifest["step"] if resume else 0
         if start != self.step:  # steps since that snapshot or checkpoint are redone
             self.pipeline.lost_steps = self.step - start
@@ -226,16 +239,14 @@ class Controller:
             memory=memory,
             node_ids=[w.node_id for w in active],
         )
-        calls = self.group.call_each(active, "setup", [(spec,) for spec in specs])
-        timings = gather_results(
-            self.group, calls, self.step, timeout_s=self.cfg.failure.collective_timeout_s, phase="setup"
-        )
-        reason = (
-            "start"
-            if previous == 0
-            else ("shrink" if size < previous else "grow" if size > previous else "restart")
-        )
-        self.recorder.record_world_size(self.step, size, reason)
+        with self.resume.verified_beside(resume, self.step) as verdict:
+            calls = self.group.call_each(active, "setup", [(spec,) for spec in specs])
+            timings = gather_results(
+                self.group, calls, self.step, timeout_s=self.cfg.failure.collective_timeout_s, phase="setup"
+            )
+        if not verdict.ok:
+            return False
+        self.recorder.record_world_size(self.step, size, resize_reason(previous, size))
         self.recorder.set_status(RunStatus.RUNNING, step=self.step)
         self._event(
             "attempt_started",
@@ -250,16 +261,16 @@ class Controller:
             source="memory" if memory else "disk" if resume else "none",
             buddies=buddies,
             buddies_off_node=off_node,
-            setup_s=max(t["total_s"] for t in timings.values()),
-            # The sha256 check of the checkpoint, next to what loading it cost the slowest rank.
+            # The sha256 check of the checkpoint (run beside the set-up), next to what loading it cost.
             verify_s=self.resume.last_verify_s if resume else 0.0,
-            load_s=max(t.get("load_s", 0.0) for t in timings.values()),
+            **slowest_set_up(timings),
             actors=[w.actor_id for w in active],
             master=f"{master_addr}:{port}",
         )
         self.recorder.metrics({"world_size": float(size)}, step=self.step)
         for callback in self.callbacks.after_attempt_start:
             callback(self)
+        return True
 
     # ------------------------------------------------------------------ train
     def _train(self) -> None:

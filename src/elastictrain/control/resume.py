@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
-from elastictrain.checkpoint.store import CheckpointError, CheckpointStore, Committed, model_mismatch, verify
+from elastictrain.checkpoint.store import (
+    CheckpointError,
+    CheckpointStore,
+    Committed,
+    Verification,
+    model_mismatch,
+    verify,
+)
 from elastictrain.control.errors import RunFailed
 from elastictrain.control.record import RunRecorder
 from elastictrain.core.checkpoints import choose_resume_tag
@@ -51,35 +62,72 @@ class ResumePoints:
         if tag in self.rejected:
             self.rejected.remove(tag)
 
+    def candidate(self, step: int) -> Committed | None:
+        """The newest committed checkpoint not rejected, not yet verified; one of another model is refused.
+
+        `step` is the loop's step, for the events.
+        """
+        self._step = step
+        found = self.latest()
+        if found is None:
+            if self.rejected:  # never silently back to step 0 when checkpoints existed
+                raise RunFailed(
+                    f"no checkpoint in {self.store.root} verifies "
+                    f"(rejected: {', '.join(self.rejected)}); "
+                    "not starting over from step 0 on its own. Restore a checkpoint and "
+                    "`elastictrain resume RUN_DIR`, or start over with `elastictrain train --fresh` "
+                    "(moves this run folder aside)"
+                )
+            return None
+        mismatch = model_mismatch(found.manifest, self.hf_config)
+        if mismatch:
+            raise RunFailed(
+                f"checkpoint {found.path} was saved from another model: {'; '.join(mismatch[:5])}. "
+                "Resume it with the config it was trained with (its run folder's config.yaml), "
+                "or give this config a new run.dir"
+            )
+        return found
+
     def find(self, step: int) -> Committed | None:
         """The newest committed checkpoint whose every file matches its manifest's sha256.
 
         One that does not verify is rejected (and said so in the terminal, events.jsonl and MLflow);
         the previous one is used instead. A checkpoint of another model is refused outright.
-        `step` is the loop's step, for the events.
         """
-        self._step = step
         while True:
-            found = self.latest()
-            if found is None:
-                if self.rejected:  # never silently back to step 0 when checkpoints existed
-                    raise RunFailed(
-                        f"no checkpoint in {self.store.root} verifies "
-                        f"(rejected: {', '.join(self.rejected)}); "
-                        "not starting over from step 0 on its own. Restore a checkpoint and "
-                        "`elastictrain resume RUN_DIR`, or start over with `elastictrain train --fresh` "
-                        "(moves this run folder aside)"
-                    )
-                return None
-            mismatch = model_mismatch(found.manifest, self.hf_config)
-            if mismatch:
-                raise RunFailed(
-                    f"checkpoint {found.path} was saved from another model: {'; '.join(mismatch[:5])}. "
-                    "Resume it with the config it was trained with (its run folder's config.yaml), "
-                    "or give this config a new run.dir"
-                )
-            result = verify(found.path)
-            self.last_verify_s = result.seconds
-            if result.ok:
+            found = self.candidate(step)
+            if found is None or self._verified(found, verify(found.path), step):
                 return found
+
+    @contextmanager
+    def verified_beside(self, found: Committed | None, step: int) -> Iterator[Verdict]:
+        """Verify `found` in a thread while the block sets up the workers that load it.
+
+        The workers build their engines before they read the checkpoint, which takes longer than the
+        check at every size measured: it no longer adds its time to a (re)start. On leaving,
+        even by an exception, the check is awaited: a checkpoint that does not verify is rejected, and
+        `Verdict.ok` is False: whatever loaded it must be set up again (`candidate` gives the previous).
+        """
+        verdict = Verdict()
+        if found is None:
+            yield verdict
+            return
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify-checkpoint") as pool:
+            checking = pool.submit(verify, found.path)
+            try:
+                yield verdict
+            finally:
+                verdict.ok = self._verified(found, checking.result(), step)
+
+    def _verified(self, found: Committed, result: Verification, step: int) -> bool:
+        self.last_verify_s = result.seconds
+        if not result.ok:
             self.reject(found.tag, result.problems, step)
+        return result.ok
+
+
+@dataclass
+class Verdict:
+    """Whether the checkpoint a block loaded verified (set when the block is left)."""
+
+    ok: bool = True

@@ -79,3 +79,21 @@ def loopback_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def resize_reason(previous: int, size: int) -> str:
+    """Why the world size became `size` (as recorded in the run's world-size history)."""
+    if previous == 0:
+        return "start"
+    return "shrink" if size < previous else "grow" if size > previous else "restart"
+
+
+def slowest_set_up(timings: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The slowest rank's set-up, in total and by part (each part's slowest rank)."""
+    parts = {
+        "setup_s": "total_s",
+        "process_group_s": "process_group_s",
+        "engine_s": "engine_s",
+        "load_s": "load_s",
+    }
+    return {name: max(t.get(key, 0.0) for t in timings.values()) for name, key in parts.items()}
