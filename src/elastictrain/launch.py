@@ -71,12 +71,14 @@ def local_capacity_note(config: Config, cpus: float) -> str:
     s = config.scaling
     note = f"started a local Ray cluster with {cpus:g} CPUs"
     fits = int(cpus // s.cpus_per_worker)
-    if fits >= s.max_workers:
+    wanted = s.max_workers + s.spare_workers
+    if fits >= wanted:
         return note
+    spares = f" + scaling.spare_workers={s.spare_workers}" if s.spare_workers else ""
     return (
         f"{note}: room for {fits} worker(s) of scaling.cpus_per_worker={s.cpus_per_worker:g}, not "
-        f"scaling.max_workers={s.max_workers} (set ray.num_cpus to start more workers than this machine "
-        "has CPUs)"
+        f"scaling.max_workers={s.max_workers}{spares} (set ray.num_cpus to start more workers than this "
+        "machine has CPUs)"
     )
 
 

@@ -149,8 +149,10 @@ def inject(kind: str, worker_index: int, at: int, attempt: int = 1) -> Callable[
     return after_attempt_start(arm)
 
 
-def test_hung_worker_is_detected_within_the_timeout_and_replaced(ray_local, tmp_path):
-    cfg = tiny_config(tmp_path / "run", "failure.hang_timeout_s=5")
+def test_hung_worker_is_detected_within_the_timeout_and_replaced_by_the_warm_spare(ray_local, tmp_path):
+    # At min_workers (2 of 2) the run cannot shrink: the spare, warm since the start, takes the hung
+    # worker's place at once.
+    cfg = tiny_config(tmp_path / "run", "failure.hang_timeout_s=5", "scaling.spare_workers=1")
     summary, run_dir, out = run(cfg, hook=inject("hang", 1, 6), tracking=False)
     assert summary.status.value == "FINISHED", out
     first = attempts(run_dir)[0]
@@ -161,6 +163,12 @@ def test_hung_worker_is_detected_within_the_timeout_and_replaced(ray_local, tmp_
     assert "_maybe_fault" in failure["message"]  # where it was stuck, from its live stack
     second = attempts(run_dir)[1]
     assert second["actors"][0] == first["actors"][0] and second["actors"][1] != first["actors"][1]
+    starting = [e for e in run_dir.read_events() if e["event"] == "workers_starting"]
+    # Three actors from the start: the two warm first are the ranks, the third the spare.
+    (spare,) = set(starting[0]["workers"]) - set(first["workers"])
+    assert len(starting[0]["workers"]) == 3 and second["world_size"] == 2, out
+    assert not [e for e in run_dir.read_events() if e["event"] == "waiting_for_capacity"], out
+    assert second["workers"][1] == spare, out
 
 
 def test_an_exception_in_a_step_restarts_in_place_then_the_budget_runs_out(ray_local, tmp_path):

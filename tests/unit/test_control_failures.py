@@ -12,10 +12,11 @@ from elastictrain.control.failures import gather_results
 from elastictrain.core.policy import Restart, ScalingRules, decide_after_failure
 
 
-def set_up(n: int, *, nodes: int | None = None) -> FakeGroup:
-    group = FakeGroup(n, nodes=nodes, warmup_polls=0)
-    group.request(n)
-    workers = group.start_workers(n, None)
+def set_up(n: int, *, nodes: int | None = None, spares: int = 0) -> FakeGroup:
+    """n workers set up as the ranks of an attempt, and `spares` warm ones in none."""
+    group = FakeGroup(n + spares, nodes=nodes, warmup_polls=0)
+    group.request(n + spares)
+    workers = group.start_workers(n + spares, None)[:n]
     group.poll_warm()
     specs = [(SimpleNamespace(rank=r, world_size=n, start_step=100),) for r in range(n)]
     gather_results(group, group.call_each(workers, "setup", specs), 100, timeout_s=1, phase="setup")
@@ -66,6 +67,17 @@ def test_a_hung_rank_is_named_by_its_stack_not_by_its_peers_waiting_on_it():
     failure = failure_of(group)
     assert failure.kind == "hang" and failure.worker_ids == ("fw2",)
     assert "failure.hang_timeout_s" in failure.message
+
+
+def test_an_idle_spare_outside_the_attempt_is_not_blamed_for_its_hang():
+    group = set_up(4, spares=1)
+    spare = group.workers[4]  # warm, in no attempt: in no collective either
+    group.hang_at_step(rank=2, step=100)
+    with pytest.raises(AttemptFailed) as e:
+        calls = group.call(group.workers[:4], "train_step", 100)
+        gather_results(group, calls, 100, timeout_s=120, phase="step")
+    assert e.value.failure.kind == "hang" and e.value.failure.worker_ids == ("fw2",)
+    assert spare.worker_id not in e.value.failure.message
 
 
 def test_one_failure_among_4096_simulated_workers_is_detected_and_decided():

@@ -80,6 +80,26 @@ def test_a_restart_checkpoint_that_fails_its_check_beside_the_set_up_is_rejected
     assert beside and all(beside), beside  # every check ran while the workers were being set up
 
 
+@pytest.mark.parametrize("spares", [0, 1])
+def test_a_spare_worker_replaces_a_dead_one_without_waiting_for_a_new_actor(tmp_path: Path, spares: int):
+    r = make_run(tmp_path, "scaling.min_workers=2", f"scaling.spare_workers={spares}", capacity=3)
+    r.group.die_at_step(rank=1, step=6)
+    summary = r.run()
+    assert summary.status.value == "FINISHED" and summary.failures == 1
+    # Never more than max_workers train, spare or not.
+    assert [e["world_size"] for e in r.events("attempt_started")] == [2, 2]
+    first, after_failure = (e["workers"] for e in r.events("workers_starting"))
+    restart = r.events("attempt_started")[1]
+    if spares:
+        # Three actors from the start; the spare, warm since then, joined the restart, and a new spare
+        # started beside it (not waited for).
+        assert first == ["fw0", "fw1", "fw2"] and after_failure == ["fw3"]
+        assert restart["actors"] == ["actor-fw0", "actor-fw2"]
+    else:  # the restart waited for a new actor to start and warm up
+        assert first == ["fw0", "fw1"] and after_failure == ["fw2"]
+        assert restart["actors"] == ["actor-fw0", "actor-fw2"]
+
+
 def test_after_a_failure_survivors_abort_their_collectives_before_leaving_but_not_after_a_clean_run(
     tmp_path: Path,
 ):

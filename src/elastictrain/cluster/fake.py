@@ -168,14 +168,15 @@ class FakeGroup:
         self._died(handle)
 
     def progress(self, timeout_s: float = 5.0) -> dict[str, dict[str, Any] | None]:
+        # A worker in no attempt (a spare, or warm and waiting to join) is idle: in no collective.
         return {
             w.worker_id: None
             if w.dead
             else {
                 "since": 0.0 if w.hung else 1.0,
                 "step": w.step,
-                "in_collective": not w.hung,
-                "where": "hung" if w.hung else "allreduce",
+                "in_collective": not w.hung and w.spec is not None,
+                "where": "hung" if w.hung else "allreduce" if w.spec is not None else "idle",
             }
             for w in self.workers
         }

@@ -249,6 +249,7 @@ def validate(config: Config) -> Config:
         )
     _at_least(p, "scaling.min_workers", s.min_workers, 1)
     _at_least(p, "scaling.max_workers", s.max_workers, 1)
+    _at_least(p, "scaling.spare_workers", s.spare_workers, 0)
     if s.min_workers > s.max_workers:
         p.append(
             f"scaling.min_workers: got {s.min_workers}; expected <= scaling.max_workers ({s.max_workers})"

@@ -121,6 +121,10 @@ class DeepSpeedConfig:
 class ScalingConfig:
     min_workers: int = 2
     max_workers: int = 2
+    # Warm actors kept beside the attempt's workers, each holding its slot (a GPU) idle: one replaces a
+    # worker or node lost at once, instead of after a new actor's start and imports (seconds to tens of
+    # seconds), where the run cannot go on smaller (at min_workers). They join a grow like any warm worker.
+    spare_workers: int = 0
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 1.0

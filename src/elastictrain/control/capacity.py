@@ -58,7 +58,7 @@ class Capacity:
 
     def start_new_workers(self, step: int) -> None:
         """Start actors in every placed reservation; they warm up while the others train."""
-        new = self.group.start_workers(self.rules.max_workers, self.cfg)
+        new = self.group.start_workers(self.actors_wanted, self.cfg)
         if new:
             self.recorder.event(
                 "workers_starting",
@@ -67,8 +67,13 @@ class Capacity:
                 workers=[w.worker_id for w in new],
             )
 
+    @property
+    def actors_wanted(self) -> int:
+        """The largest world size's workers and the spares beside them."""
+        return self.rules.max_workers + self.cfg.scaling.spare_workers
+
     def _request_missing(self) -> None:
-        missing = self.rules.max_workers - len(self.group.workers) - len(self.group.pending)
+        missing = self.actors_wanted - len(self.group.workers) - len(self.group.pending)
         if missing > 0:
             self.group.request(missing)
 

@@ -66,12 +66,18 @@ def classify(group: Group, replies: dict[str, Reply], step: int, phase: str, tim
             detail=err,
         )
     silent = [wid for wid, r in replies.items() if r.error == TIMED_OUT]
-    return classify_hang(group, step, phase, timeout_s, silent)
+    return classify_hang(group, step, phase, timeout_s, silent, among=list(replies))
 
 
-def classify_hang(group: Group, step: int, phase: str, timeout_s: float, silent: Sequence[str]) -> Failure:
-    """No answer in time: the suspects are the workers that are gone, else those not waiting on the others."""
-    progress = group.progress(timeout_s=5.0)
+def classify_hang(
+    group: Group, step: int, phase: str, timeout_s: float, silent: Sequence[str], *, among: Sequence[str]
+) -> Failure:
+    """No answer in time: the suspects are the workers that are gone, else those not waiting on the others.
+
+    Only the attempt's workers (`among`) are observed: a spare or a warm worker waiting to join a grow
+    is in no collective and would look like the one that stalled the group.
+    """
+    progress = {wid: p for wid, p in group.progress(timeout_s=5.0).items() if wid in among}
     alive = group.nodes_alive()  # one cluster query for every worker
     node_of = {w.worker_id: w.node_id for w in group.workers}
     observations = [

@@ -265,6 +265,7 @@ class Controller:
             verify_s=self.resume.last_verify_s if resume else 0.0,
             **slowest_set_up(timings),
             actors=[w.actor_id for w in active],
+            workers=[w.worker_id for w in active],
             master=f"{master_addr}:{port}",
         )
         self.recorder.metrics({"world_size": float(size)}, step=self.step)

@@ -100,7 +100,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         import deepspeed  # noqa: F401
         from deepspeed.accelerator import get_accelerator
 
-        from elastictrain.worker.model import preload_model_code
+        from elastictrain.worker.model import preload_engine_code, preload_model_code
 
         if not self.use_gpu:
             # The CPU all-reduce op is loaded at the first init_distributed; load it now instead.
@@ -108,6 +108,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
             if builder is not None and builder.is_compatible(verbose=False):
                 builder.load(verbose=False)
         preload_model_code(config)
+        preload_engine_code()
         self._ensure_dataset(config)
         return {**self.info(), "warmup_s": time.perf_counter() - t0}
 

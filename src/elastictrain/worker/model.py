@@ -45,6 +45,18 @@ def preload_model_code(config: Any) -> None:
         import peft  # noqa: F401
 
 
+def preload_engine_code() -> None:
+    """Import what a rank's first `deepspeed.initialize` imports, so a new actor pays it while warming up.
+
+    DeepSpeed's optimizer check imports its Muon optimizer, whose `torch.compile` decorators import
+    torch's inductor: 1.5 s of a fresh process's first engine build, on a replacement's critical path.
+    """
+    import importlib
+
+    with contextlib.suppress(ImportError):  # a DeepSpeed without it does not import it either
+        importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")
+
+
 def build_causal_lm(hf_config: dict[str, Any], *, activation_checkpointing: bool = False) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
