@@ -32,9 +32,10 @@ def steady_step_s(records: list[dict[str, Any]], w: Workload) -> float:
 
 
 # World sizes (min, max) of the recovery run: one worker of `max` is killed; the run goes on at max - 1
-# where min allows, else once a replacement actor is warm. At 350M and 1B neither 3 ranks nor 1 (which
-# holds the whole model's state) fit this 24 GiB machine (Ray's memory monitor killed a rank of 3 and,
-# at 1B, the one rank left of 2), so those sizes stay at 2 and wait for the replacement.
+# where min allows, else with a spare. At 350M and 1B neither 3 ranks nor 1 (which holds the whole
+# model's state) fit this 24 GiB machine (Ray's memory monitor killed a rank of 3 and, at 1B, the one
+# rank left of 2), so those sizes stay at 2 with one warm spare (`scaling.spare_workers=1`: an actor
+# with its imports and data, no model) that takes the killed worker's place.
 RECOVERY_WORLD_SIZES = {"350m": (2, 2), "1b": (2, 2)}
 
 
@@ -58,6 +59,7 @@ def elastictrain_recovery(w: Workload, tmp: Path, size: str = "") -> dict[str, A
             tmp,
             f"scaling.min_workers={low}",
             f"scaling.max_workers={high}",
+            f"scaling.spare_workers={1 if low == high else 0}",
             "checkpoint.every_steps=2",
             "training.max_steps=5",
         )

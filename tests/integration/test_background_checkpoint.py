@@ -146,8 +146,12 @@ def test_a_checkpoint_too_large_to_copy_is_streamed_beside_the_next_step_and_hol
     summary, rd, out = run(cfg, hook=chain(record_losses(losses), at_step(1, slow_disk)), tracking=False)
     assert summary.status.value == "FINISHED", out
     events = rd.read_events()
-    beside = [e for e in events if e["event"] == "checkpoint" and "beside the next step" in e["message"]]
-    assert [e["tag"] for e in beside] == list(TAGS), out
+    checkpoints = [e for e in events if e["event"] == "checkpoint"]
+    streamed = [e for e in checkpoints if "streamed from the live state" in e["message"]]
+    assert [e["tag"] for e in streamed] == list(TAGS), out
+    # Each beside the next step, but the last step's, which has none.
+    assert ["beside the next step" in e["message"] for e in streamed] == [True, True, False], out
+    assert "after the last step" in streamed[-1]["message"], out
     pauses = {e["tag"]: e["pause_s"] for e in events if e["event"] == "checkpoint_pause"}
     assert set(pauses) == {"step-000004", "step-000008"}, out
     assert min(pauses.values()) >= WRITE_DELAY_S / 2, pauses  # the update waited for the slow write

@@ -76,6 +76,7 @@ def test_a_restart_checkpoint_that_fails_its_check_beside_the_set_up_is_rejected
     starts = [e["checkpoint"] for e in r.events("attempt_started")]
     assert starts[:2] == [None, "step-000004"], starts
     assert r.events("resume")[-1]["tag"] == "step-000004"
+    assert r.events("recovered")[0]["steps_lost"] == 6  # steps 5-10, not only those after step 8
     assert r.committed_step() == 12
     assert beside and all(beside), beside  # every check ran while the workers were being set up
 

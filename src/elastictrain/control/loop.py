@@ -214,8 +214,8 @@ class Controller:
         memory = self.memory.take()  # the survivors' in-memory snapshots, when they hold a whole step
         resume = None if memory else self.resume.candidate(self.step)  # verified beside the set-up
         start = memory.plan.step if memory else resume.manifest["step"] if resume else 0
-        if start != self.step:  # steps since that snapshot or checkpoint are redone
-            self.pipeline.lost_steps = self.step - start
+        # Steps since that snapshot or checkpoint are redone (added up over set-ups done again).
+        self.pipeline.lost_steps += self.step - start
         self.pipeline.recovered_from = "memory" if memory else "disk"
         previous = self.world_size
         self.plan, self.active, self.active_before = plan, active, active
@@ -388,6 +388,7 @@ class Controller:
             memory=memory.reason,
         )
         self.pipeline.recovering_since = detected
+        self.pipeline.lost_steps = 0  # counted by the set-up that follows
 
     def _committed_step(self) -> int:
         latest = self.resume.latest()

@@ -356,7 +356,12 @@ class SaveCoordinator:
             "written in the background" if self.cfg.checkpoint.background_write else "written synchronously"
         )
         if self.cfg.checkpoint.background_write and self._streamed:
-            beside = " beside the next step, whose update waited for it" if self._streamed_beside else ""
+            beside = ""
+            if self._streamed_beside:  # the last step's has no next step to run beside
+                last = pending.step >= self.cfg.training.max_steps
+                beside = (
+                    " after the last step" if last else " beside the next step, whose update waited for it"
+                )
             written = (
                 f"streamed from the live state{beside}: a copy would exceed checkpoint.max_host_memory_mb"
             )
