@@ -43,14 +43,22 @@ def elastictrain_recovery(w: Workload, tmp: Path, size: str = "") -> dict[str, A
     """A checkpoint at step 2, the last worker killed after step 3: kill to first step at one fewer."""
     import ray
 
-    from elastictrain.chaos import at_step
+    from elastictrain.chaos import at_step, chain
 
     baselines.ensure_local_ray()
     t_fail: list[float] = []
+    computed: list[tuple[int, float]] = []  # (step, its slowest rank's own compute) for every step reported
 
     def kill(controller: Any) -> None:
         t_fail.append(time.time())
         ray.kill(controller.active[-1].actor)
+        computed.append((-1, 0.0))  # the kill: what follows is trained after the restart
+
+    def record(controller: Any) -> None:
+        def after_step(c: Any, _index: int, results: list[dict[str, Any]]) -> None:
+            computed.append((c.step, max(r["step_time_s"] for r in results)))
+
+        controller.callbacks.after_step.append(after_step)
 
     low, high = RECOVERY_WORLD_SIZES.get(size, (2, 3))
     cfg = load(
@@ -64,10 +72,15 @@ def elastictrain_recovery(w: Workload, tmp: Path, size: str = "") -> dict[str, A
             "training.max_steps=5",
         )
     )
-    run_dir = run_elastictrain(cfg, at_step(3, kill))
+    run_dir = run_elastictrain(cfg, chain(record, at_step(3, kill)))
     out = _elastictrain_outcome(run_dir, t_fail[0])
     checkpoints = [e for e in run_dir.read_events() if e["event"] == "checkpoint"]
     out["checkpoint_bytes"] = checkpoints[0]["bytes"] if checkpoints else 0
+    # The steps trained after the restart, in this run (the machine's speed varies between runs): the
+    # first is the redone one; the quickest of the later ones is the steady compute it is compared with.
+    after = [seconds for _, seconds in computed[computed.index((-1, 0.0)) + 1 :]]
+    out["compute_after_restart_s"] = after
+    out["steady_compute_s"] = min(after[1:]) if len(after) > 1 else None
     return out
 
 

@@ -110,6 +110,10 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         preload_model_code(config)
         preload_engine_code()
         self._ensure_dataset(config)
+        # What the imports and the data created lives as long as the actor: out of the collector's
+        # sight, each full collection (DeepSpeed runs one per engine build, a teardown another) no
+        # longer walks it (600,000 objects here: 0.3 s a collection, 0.0 s frozen).
+        gc.freeze()
         return {**self.info(), "warmup_s": time.perf_counter() - t0}
 
     def progress(self) -> dict[str, Any]:
