@@ -459,10 +459,13 @@ def check_config_fits_cluster(cfg: Any, spec: Obj, objs: list[Obj]) -> list[str]
     if len(groups) != 1:
         return problems + [f"expected one worker group, got {len(groups)}"]
     (g,) = groups
-    if (g.get("minReplicas"), g.get("maxReplicas")) != (s.min_workers, s.max_workers):
+    # Spares hold pods of their own: the group may grow to max_workers + spare_workers.
+    pods = s.max_workers + s.spare_workers
+    if (g.get("minReplicas"), g.get("maxReplicas")) != (s.min_workers, pods):
         problems.append(
             f"worker group {g['groupName']}: minReplicas/maxReplicas {g.get('minReplicas')}/"
-            f"{g.get('maxReplicas')}; expected scaling.min/max_workers {s.min_workers}/{s.max_workers}"
+            f"{g.get('maxReplicas')}; expected scaling.min_workers {s.min_workers} / "
+            f"scaling.max_workers + spare_workers {pods}"
         )
     if not g.get("minReplicas", 0) <= g.get("replicas", 0) <= g.get("maxReplicas", 0):
         problems.append(f"worker group {g['groupName']}: replicas outside [minReplicas, maxReplicas]")
