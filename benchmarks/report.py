@@ -101,12 +101,18 @@ WHY = {
     "the ratio within one run. A miss means the write itself (copy into the page cache, sha256, fsync) "
     "is slower than the disk; the writer's priority does not matter (nice 0, 10, 19 measured at 30M).",
     "recovery, fixed part": "kill to first completed step, less the checkpoint's bytes at half the disk's "
-    "read bandwidth, still holds that first step (3.5 s of the 6.8 s at 30M, 11.9 s of the 17.1 s at "
-    "125M, where a steady step takes 2.9 s and 9.7 s). The rest at 30M: the death seen in 0.7 s, "
-    "survivors torn down and the decision in 0.5 s, the new attempt's engine at the new size in 1.6 s "
-    "(process group, model under zero.Init without its random init, DeepSpeed's initialize) and its load "
-    "from the survivors' memory in 0.6 s; at 125M, from disk, the sha256 check (1.1 s), engine 2.4 s and "
-    "load 0.6 s. Closing it: keeping the engine across a resize and only re-partitioning its state.",
+    "read bandwidth and less the redone step's own compute (the quickest step trained after the restart "
+    "in the same run). Where the rest goes (`timeline` and `restart_*` in scale.json): at 30M the death "
+    "is seen in 0.2 s, the new attempt is set up 1.7 s later (engine 0.9 s, load from the survivors' "
+    "memory 0.8 s) and its first step takes 1.6 s longer than a steady one, on 2 cores beside the "
+    "replacement actor's warm-up (imports, data); at 125M, 3.7 s set-up, no slower first step. At 350M "
+    "and 1B (a warm spare replaces the killed worker) the set-up is 12.0 s and 46.8 s: the engine build "
+    "(8.1 s and 31.7 s: allocating and filling the rank's partitions, fp32 copies and gradient buffers, "
+    "and at 1B writing the optimizer's initial state to its NVMe swap files, which the load then writes "
+    "again) and the load (3.9 s and 14.9 s). Those grow with the model's bytes in memory and on the "
+    "swap disk, which this target does not credit. Closing it: keeping the survivors' engines across a "
+    "restart at the same size (only the process group rebuilt, the state loaded in place; ZeRO-3 keeps "
+    "the process group in every parameter), and at 1B not writing swap files the load overwrites.",
     "controller iteration": "most of an iteration is building one frozen WorkerObservation per worker in "
     "Python. Closing it: keep the observations in arrays (or update them incrementally) and scan only "
     "the workers whose state changed.",
