@@ -73,3 +73,17 @@ def test_a_full_spool_warns_first_then_drops_new_metrics_and_keeps_events(
         f"is full (tracking.max_spool_mb=0.02); metrics from step {len(kept) + 1} on are dropped"
         in caplog.text
     )
+
+
+@pytest.mark.parametrize("uri", ["file:///tmp/mlruns", "/tmp/mlruns", "mlruns"])
+def test_a_file_store_uri_is_refused_naming_what_works(uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with pytest.raises(ConfigError, match=r"tracking.uri: got .*file store refuses to open.*sqlite:///"):
+        load_config(None, [f"tracking.uri={uri}"])
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the user opted back in
+    assert load_config(None, [f"tracking.uri={uri}"]).tracking.uri == uri
+
+
+@pytest.mark.parametrize("uri", ["sqlite:///tmp/mlflow.db", "http://127.0.0.1:5000", "databricks"])
+def test_a_database_or_server_uri_is_accepted(uri: str) -> None:
+    assert load_config(None, [f"tracking.uri={uri}"]).tracking.uri == uri

@@ -272,6 +272,7 @@ def validate(config: Config) -> Config:
     _at_least(p, "failure.collective_timeout_s", f.collective_timeout_s, 0, strict=True)
     _at_least(p, "failure.wait_for_capacity_s", f.wait_for_capacity_s, 0)
     _at_least(p, "tracking.max_spool_mb", config.tracking.max_spool_mb, 0, strict=True)
+    p.extend(_tracking_uri_problems(config.tracking.uri))
     if config.ray.num_cpus is not None:
         _at_least(p, "ray.num_cpus", config.ray.num_cpus, 1)
     if not p and not valid_world_sizes(config):
@@ -359,6 +360,23 @@ def _data_problems(config: Config) -> list[str]:
         elif not Path(d.tokenizer).is_dir():
             p.append(f"data.tokenizer: got {d.tokenizer!r}; expected an existing folder (save_pretrained)")
     return p
+
+
+def _tracking_uri_problems(uri: str | None) -> list[str]:
+    """MLflow's file store (a `file:` URI or a plain folder) no longer opens unless MLFLOW_ALLOW_FILE_STORE
+    is set: every record would wait in the spool and `elastictrain sync` would fail the same way."""
+    import os
+    from urllib.parse import urlparse
+
+    if uri is None or urlparse(uri).scheme not in ("", "file") or uri in ("databricks", "databricks-uc"):
+        return []
+    if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("1", "true", "yes"):
+        return []
+    return [
+        f"tracking.uri: got {uri!r}; MLflow's file store refuses to open (it is in maintenance mode), "
+        "so nothing would reach it. Use sqlite:///PATH/mlflow.db, an MLflow server (http://HOST:PORT), "
+        "or leave it unset for a SQLite store in the run folder (MLFLOW_ALLOW_FILE_STORE=true opts back in)"
+    ]
 
 
 def _writable(folder: str) -> bool:
