@@ -69,6 +69,9 @@ class WorkerResources:
         for key in ("PYTHONPATH", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "TORCH_EXTENSIONS_DIR"):
             if key in os.environ:
                 env[key] = os.environ[key]
+        # glibc's malloc tunables (MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_, ...): how much freed memory
+        # a rank keeps is set where the run is started, like the rest of its environment.
+        env.update({k: v for k, v in os.environ.items() if k.startswith("MALLOC_")})
         return env
 
 

@@ -388,7 +388,6 @@ class Controller:
             memory=memory.reason,
         )
         self.pipeline.recovering_since = detected
-        self.pipeline.lost_steps = 0  # counted by the set-up that follows
 
     def _committed_step(self) -> int:
         latest = self.resume.latest()

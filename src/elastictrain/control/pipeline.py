@@ -161,7 +161,7 @@ class StepPipeline:
                 steps_lost=self.lost_steps,
                 recovered_from=self.recovered_from,
             )
-            self.recovering_since = None
+            self.recovering_since, self.lost_steps = None, 0  # the next recovery counts its own
         if self.ledger is not None:
             for r in sorted(results, key=lambda r: r["rank"]):
                 self.ledger(step, r["rank"], r["sample_ids"])
