@@ -50,3 +50,13 @@ def test_the_out_of_memory_failure_names_how_full_the_node_was():
         "objects spillable: 0]"
     )
     assert memory_report(ray_260).endswith("18.57GB used / 23.54GB limit (0.788682)")
+
+
+def test_workers_get_the_drivers_malloc_tunables_and_cpu_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastictrain.cluster.worker_group import WorkerResources
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    monkeypatch.setenv("UNRELATED_SETTING", "x")
+    env = WorkerResources(use_gpu=False, cpus_per_worker=2, gpus_per_worker=0).env_vars()
+    assert env["MALLOC_MMAP_THRESHOLD_"] == "131072" and "UNRELATED_SETTING" not in env
+    assert env["OMP_NUM_THREADS"] == "2" and env["DS_ACCELERATOR"] == "cpu"
