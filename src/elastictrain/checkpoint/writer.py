@@ -9,14 +9,13 @@ once every rank's write reports `done`.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from elastictrain.niceness import lower_this_threads_priority
 from elastictrain.storage import AnyPath
 
 # The background writer's nice value (training threads keep 0). Measured at 30M (2 ranks on 2 cores,
@@ -85,8 +84,7 @@ class ShardWrite:
         """`run` at the writer's nice value (for the calling thread alone)."""
         # Hashing and copying into the page cache take CPU from the training step that runs meanwhile:
         # on Linux a thread has its own nice value, so the writer yields the cores to training.
-        with contextlib.suppress(AttributeError, OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        lower_this_threads_priority(WRITER_NICE)
         self.run()
 
     def wait(self, timeout_s: float | None = None) -> bool:
