@@ -337,15 +337,16 @@ def _fixed_part(r: dict[str, Any]) -> float | None:
 
     The target is a fixed part under 3 s plus the bytes read at half the disk's read bandwidth or
     better. Recovery is timed from the kill to the first completed step, and that step is one lost with
-    the worker (trained again from the checkpoint): its compute (a steady step's, measured after the
-    restart in the same run; 1-63 s a step on this CPU, growing with the model) is training, not
+    the worker (trained again from the checkpoint): its compute (the quickest step's after the restart
+    in the same run; 1-75 s a step on this CPU, growing with the model) is training, not
     recovery, so it is taken out; what remains is detection, the restart and the load, and the first
     step's extra time over a steady one.
     """
     rec = r["recovery"].get("death_to_first_step_s")
     if rec is None:
         return None
-    step_s = r["recovery"].get("steady_compute_s") or r["elastictrain"]["step_s"]  # same run's, where kept
+    after = r["recovery"].get("compute_after_restart_s")
+    step_s = min(after) if after else r["elastictrain"]["step_s"]  # the same run's quickest, where kept
     redone = r["recovery"].get("steps_lost", 0) * step_s
     return rec - r["recovery"].get("checkpoint_bytes", 0) / (0.5 * r["disk"]["read_bytes_per_s"]) - redone
 

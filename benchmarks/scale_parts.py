@@ -76,11 +76,11 @@ def elastictrain_recovery(w: Workload, tmp: Path, size: str = "") -> dict[str, A
     out = _elastictrain_outcome(run_dir, t_fail[0])
     checkpoints = [e for e in run_dir.read_events() if e["event"] == "checkpoint"]
     out["checkpoint_bytes"] = checkpoints[0]["bytes"] if checkpoints else 0
-    # The steps trained after the restart, in this run (the machine's speed varies between runs): the
-    # first is the redone one; the quickest of the later ones is the steady compute it is compared with.
+    # Each step's own compute after the restart, in this run (the machine's speed varies between runs):
+    # the first is the redone one; the quickest of them is the steady compute it is compared with (a
+    # later one may hold a checkpoint's write, or the replacement's warm-up on these 2 cores).
     after = [seconds for _, seconds in computed[computed.index((-1, 0.0)) + 1 :]]
     out["compute_after_restart_s"] = after
-    out["steady_compute_s"] = min(after[1:]) if len(after) > 1 else None
     return out
 
 
