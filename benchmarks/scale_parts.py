@@ -47,16 +47,17 @@ def elastictrain_recovery(w: Workload, tmp: Path, size: str = "") -> dict[str, A
 
     baselines.ensure_local_ray()
     t_fail: list[float] = []
-    computed: list[tuple[int, float]] = []  # (step, its slowest rank's own compute) for every step reported
+    computed: list[float] = []  # every step reported: its slowest rank's own compute
+    killed_after: list[int] = []  # how many steps were reported when the worker was killed
 
     def kill(controller: Any) -> None:
         t_fail.append(time.time())
         ray.kill(controller.active[-1].actor)
-        computed.append((-1, 0.0))  # the kill: what follows is trained after the restart
+        killed_after.append(len(computed))
 
     def record(controller: Any) -> None:
-        def after_step(c: Any, _index: int, results: list[dict[str, Any]]) -> None:
-            computed.append((c.step, max(r["step_time_s"] for r in results)))
+        def after_step(_c: Any, _index: int, results: list[dict[str, Any]]) -> None:
+            computed.append(max(r["step_time_s"] for r in results))
 
         controller.callbacks.after_step.append(after_step)
 
@@ -79,8 +80,7 @@ def elastictrain_recovery(w: Workload, tmp: Path, size: str = "") -> dict[str, A
     # Each step's own compute after the restart, in this run (the machine's speed varies between runs):
     # the first is the redone one; the quickest of them is the steady compute it is compared with (a
     # later one may hold a checkpoint's write, or the replacement's warm-up on these 2 cores).
-    after = [seconds for _, seconds in computed[computed.index((-1, 0.0)) + 1 :]]
-    out["compute_after_restart_s"] = after
+    out["compute_after_restart_s"] = computed[killed_after[0] :]
     return out
 
 

@@ -7,6 +7,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -22,19 +23,10 @@ def lower_this_threads_priority(nice: int) -> None:
 
 def run_at_lowest_priority(work: Callable[[], T], name: str) -> T:
     """`work()` in a thread of its own at nice 19, waited for: its result, or its exception raised here."""
-    out: dict[str, T] = {}
-    failed: list[BaseException] = []
 
-    def run() -> None:
+    def run() -> T:
         lower_this_threads_priority(LOWEST)
-        try:
-            out["value"] = work()
-        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
-            failed.append(e)
+        return work()
 
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    thread.join()
-    if failed:
-        raise failed[0]
-    return out["value"]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=name) as pool:
+        return pool.submit(run).result()

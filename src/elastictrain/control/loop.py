@@ -190,11 +190,8 @@ class Controller:
             # What it loaded did not verify (now rejected): set up again from the previous checkpoint.
             self._teardown()
             fallback = self.resume.candidate(self.step)
-            self._event(
-                "resume",
-                f"resuming from checkpoint {fallback.tag if fallback else 'step 0'} instead",
-                tag=fallback.tag if fallback else None,
-            )
+            assert fallback is not None  # with one rejected, `candidate` raises once none is left
+            self._event("resume", f"resuming from checkpoint {fallback.tag} instead", tag=fallback.tag)
 
     def _set_up_attempt(self, size: int) -> bool:
         """Set up the workers of an attempt of `size`; False when the checkpoint they loaded was rejected."""
