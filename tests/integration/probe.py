@@ -34,6 +34,20 @@ class ProbeWorker(TrainWorker):
             by_param.setdefault(id(p), []).append(name)
         return [names for names in by_param.values() if len(names) > 1]
 
+    def partition_copies(self) -> dict[str, int]:
+        """Distinct storages behind ZeRO-3's per-rank flat tensors (training weights, fp32 master,
+        gradient buffer, Adam's moments), and how many of the groups' masters are the weights."""
+        opt = self.engine.optimizer
+        flats = [*opt.fp16_partitioned_groups_flat, *opt.fp32_partitioned_groups_flat]
+        flats.append(opt.grad_partitions_flat_buffer)
+        for state in opt.optimizer.state.values():
+            flats += [v for v in state.values() if torch.is_tensor(v) and v.numel() > 1]
+        shared = sum(
+            m.data_ptr() == w.data_ptr()
+            for m, w in zip(opt.fp32_partitioned_groups_flat, opt.fp16_partitioned_groups_flat, strict=True)
+        )
+        return {"storages": len({t.untyped_storage().data_ptr() for t in flats}), "shared_masters": shared}
+
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         """The engine's logits for `ids`, in eval mode (no dropout); every rank must call it together."""
         module = self.engine.module
@@ -112,6 +126,9 @@ class ProbeGroup:
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         return self._all("logits", ids)[0]
+
+    def partition_copies(self) -> list[dict[str, int]]:
+        return self._all("partition_copies")
 
     def teardown(self) -> None:
         import ray

@@ -52,6 +52,14 @@ def test_checkpoints_of_every_stage_reshard_2_to_3_and_2_to_1(probes, tmp_path, 
     assert reshard_round_trip(probes, cfg, tmp_path) == ["fp32", "exp_avg", "exp_avg_sq"]
 
 
+def test_a_fp32_zero3_rank_keeps_one_copy_of_its_partition_and_its_checkpoints_reshard(probes, tmp_path):
+    # DeepSpeed 0.19 would hold a second fp32 copy as the optimizer's master: 5 storages, none shared.
+    cfg = tiny_config(tmp_path / "run", "deepspeed.zero_stage=3", "training.precision=fp32")
+    assert reshard_round_trip(probes, cfg, tmp_path) == ["fp32", "exp_avg", "exp_avg_sq"]
+    copies = probes.partition_copies()  # at world size 1, after a step: Adam's moments exist
+    assert copies == [{"storages": 4, "shared_masters": 1}] * len(copies)
+
+
 @pytest.mark.parametrize(("saved", "loaded"), [(2, 3), (3, 2), (0, 3), (3, 1)])
 def test_a_checkpoint_of_one_stage_loads_under_another(probes, tmp_path, saved, loaded):
     cfg = tiny_config(tmp_path / "run", f"deepspeed.zero_stage={saved}")

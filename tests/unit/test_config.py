@@ -212,7 +212,8 @@ def test_generated_deepspeed_config_per_offload(tmp_path, offload):
     zero = ds["zero_optimization"]
     assert zero["stage"] == 3
     if offload == "none":
-        assert ds["optimizer"]["params"]["torch_adam"] is True and "offload_optimizer" not in zero
+        params = ds["optimizer"]["params"]
+        assert params["torch_adam"] is True and params["fused"] is True and "offload_optimizer" not in zero
     else:
         assert zero["offload_optimizer"]["device"] == offload and zero["offload_param"]["device"] == offload
     if offload == "nvme":

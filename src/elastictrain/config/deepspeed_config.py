@@ -133,6 +133,9 @@ def _adamw(config: Config, *, offloaded: bool) -> dict[str, Any]:
     }
     if not offloaded:
         params["torch_adam"] = True  # torch's AdamW: no FusedAdam to JIT-compile, and it runs on CPU
+        # Its fused kernel (CPU and CUDA) updates in one pass; the default on CPU, one tensor at a time,
+        # allocates two temporaries the size of the rank's whole partition (ZeRO's flat group) per step.
+        params["fused"] = True
     return {"type": "AdamW", "params": params}
 
 

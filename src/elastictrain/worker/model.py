@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from elastictrain.worker.zero3_memory import share_fp32_partitions
+
 # transformers' ZeRO-3 loading of a pretrained folder finds the DeepSpeed config through a weak
 # reference to this object; it must stay alive while that model is built and trained.
 _hf_ds_config: Any = None
@@ -138,6 +140,8 @@ def new_engine(spec: Any, *, zero3: bool) -> Any:
         model_parameters=[p for p in model.parameters() if p.requires_grad],
         config=spec.ds_config,
     )
+    if zero3:
+        share_fp32_partitions(engine)
     return engine
 
 

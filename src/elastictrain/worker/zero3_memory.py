@@ -1,0 +1,89 @@
+"""Drop two copies of a rank's partition that DeepSpeed's ZeRO-3 (0.19) keeps when the weights are fp32.
+
+With the optimizer in process memory and fp32 training weights:
+
+- ZeRO-3 means to use the partition the forward pass gathers from as the optimizer's fp32 master
+  (`_create_fp32_partitions` aliases them when dtype and device match), but it compares a
+  `torch.device` with a device name string, which is never equal in torch 2.x: every rank keeps a
+  second fp32 copy of its partition, 4 bytes per parameter of its share, for the whole run;
+- before each update it flattens the partition's gradients into a new tensor
+  (`_prepare_fp32_grad_for_sub_group`) although they already lie, in order, in one contiguous fp32
+  buffer: 4 more bytes per parameter of its share at the step's peak.
+
+`share_fp32_partitions` makes the master the training partition itself and hands the optimizer its
+gradients as a view of that buffer. Both are exact: the values and the update are the same, only the
+copies are gone. Anything else (mixed precision, offload, NVMe swap, a layout other than expected)
+is left to DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+
+def share_fp32_partitions(engine: Any) -> int:
+    """Alias ZeRO-3's fp32 master to the fp32 training partition and hand out gradient views instead of
+    flattened copies; returns the bytes freed per rank (0 where nothing applies)."""
+    opt = engine.optimizer
+    if not hasattr(opt, "fp32_partitioned_groups_flat") or getattr(opt, "offload_optimizer", True):
+        return 0
+    freed = 0
+    for group, master in enumerate(opt.fp32_partitioned_groups_flat):
+        weights = opt.fp16_partitioned_groups_flat[group]
+        if _same_layout(master, weights) and master.data_ptr() != weights.data_ptr():
+            if opt.optimizer.state.get(master):
+                continue  # built before: only a fresh engine is known to hold equal copies
+            freed += master.numel() * master.element_size()
+            master.data = weights.data  # the same tensor object: the optimizer's references stay valid
+    opt._prepare_fp32_grad_for_sub_group = types.MethodType(_prepare_grad_view, opt)
+    return freed
+
+
+def _same_layout(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (
+        a is not None
+        and b is not None
+        and a.numel() > 0
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and a.shape == b.shape
+    )
+
+
+def contiguous_run(tensors: list[torch.Tensor], dtype: torch.dtype, numel: int) -> torch.Tensor | None:
+    """One flat view over `tensors` when they lie back to back, in order, in one storage of `dtype`
+    and fill `numel` elements; None otherwise."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    storage = first.untyped_storage()
+    offset = first.storage_offset()
+    expected = offset
+    for t in tensors:
+        if (
+            t.dtype != dtype
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != storage.data_ptr()
+            or t.storage_offset() != expected
+        ):
+            return None
+        expected += t.numel()
+    if expected - offset != numel:
+        return None
+    return torch.empty(0, dtype=dtype, device=first.device).set_(storage, offset, (numel,))
+
+
+def _prepare_grad_view(opt: Any, sub_group_id: int) -> None:
+    """ZeRO-3's `_prepare_fp32_grad_for_sub_group`, without the copy when the gradients are already
+    one contiguous fp32 run (the update then scales and reads them in place, in the buffer the next
+    step's first micro-batch overwrites)."""
+    master = opt.fp32_partitioned_groups_flat[sub_group_id]
+    view = contiguous_run(opt.averaged_gradients[sub_group_id], master.dtype, master.numel())
+    if view is None or view.device != master.device:
+        type(opt)._prepare_fp32_grad_for_sub_group(opt, sub_group_id)
+        return
+    master.grad = view
+    opt.averaged_gradients[sub_group_id] = None
