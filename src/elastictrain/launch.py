@@ -240,7 +240,7 @@ def run_training(
     reporter.event(f"run folder {run_dir.path}; MLflow run: {mlflow_run}")
     s = config.scaling
     group = WorkerGroup(
-        WorkerResources(s.use_gpu, s.cpus_per_worker, s.gpus_per_worker),
+        WorkerResources(s.use_gpu, s.cpus_per_worker, s.gpus_per_worker, s.worker_allocator),
         name_prefix=run_dir.read_info().run_id[:6],
     )
     controller = Controller(config, run_dir, tracker, reporter, group)

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
 
+from elastictrain.cluster.allocator import allocator_env
 from elastictrain.worker.host_memory import release_freed_memory
 
 
@@ -29,7 +31,35 @@ def test_memory_freed_below_a_live_allocation_goes_back_to_the_system():
             pins.append(bytearray(1024))
     del blocks, block
     kept = _rss_bytes()
-    assert release_freed_memory()
+    assert release_freed_memory() == "glibc"
     released = kept - _rss_bytes()
     assert released > 100 << 20, f"only {released >> 20} MiB went back"
     assert len(pins) == 100
+
+
+JEMALLOC_PROBE = """
+import os
+from elastictrain.worker.host_memory import release_freed_memory
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+blocks = [bytearray(1 << 20) for _ in range(400)]  # zero-filled: every page touched
+del blocks
+kept = rss()
+print(release_freed_memory(), (kept - rss()) >> 20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD")
+def test_jemalloc_set_to_keep_freed_pages_purges_them_when_an_engine_is_dropped():
+    env = {**os.environ, **allocator_env("jemalloc", {})}
+    out = subprocess.run(
+        [sys.executable, "-c", JEMALLOC_PROBE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.split()
+    assert out[0] == "jemalloc"
+    assert int(out[1]) > 300, f"only {out[1]} MiB went back"

@@ -21,6 +21,7 @@ from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError, Ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from elastictrain.cluster.allocator import allocator_env, jemalloc_library
 from elastictrain.cluster.calls import DIED, NODE_LOST, OUT_OF_MEMORY, RAISED, TIMED_OUT, Calls, Reply
 from elastictrain.worker.actor import TrainWorker
 
@@ -54,6 +55,7 @@ class WorkerResources:
     use_gpu: bool
     cpus_per_worker: float
     gpus_per_worker: float
+    allocator: str = "system"  # scaling.worker_allocator
 
     def bundle(self) -> dict[str, float]:
         b = {"CPU": self.cpus_per_worker}
@@ -72,6 +74,7 @@ class WorkerResources:
         # glibc's malloc tunables (MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_, ...): how much freed memory
         # a rank keeps is set where the run is started, like the rest of its environment.
         env.update({k: v for k, v in os.environ.items() if k.startswith("MALLOC_")})
+        env.update(allocator_env(self.allocator))
         return env
 
 
@@ -86,6 +89,7 @@ class WorkerGroup:
         # "replica": buddies' snapshots arrive and are served beside training (worker/memory.py).
         self._actor_cls = ray.remote(concurrency_groups={"control": 2, "replica": 2, "watch": 2})(TrainWorker)
         self.warmup_errors: list[tuple[str, str]] = []  # warm-ups that raised (the loop may end the run)
+        self._allocator_warned = False
 
     # -- reservations --
     def request(self, n: int) -> None:
@@ -164,6 +168,7 @@ class WorkerGroup:
             try:
                 w.info = ray.get(w.warm_ref)
                 w.warm, w.warm_ref = True, None
+                self._check_allocator(w)
                 became_warm.append(w)
             except Exception as e:  # noqa: BLE001 - a worker that cannot warm up is not usable
                 log.warning("worker %s failed to start: %s", w.worker_id, e)
@@ -172,6 +177,20 @@ class WorkerGroup:
                     self.warmup_errors.append((w.worker_id, str(cause if cause is not None else e)))
                 self.remove(w)
         return became_warm
+
+    def _check_allocator(self, w: WorkerHandle) -> None:
+        running = w.info.get("allocator", self.resources.allocator)
+        if running != self.resources.allocator and not self._allocator_warned:
+            self._allocator_warned = True
+            log.warning(
+                "worker %s on node %s runs the %s malloc, not scaling.worker_allocator=%s (%s): "
+                "its ranks keep more freed memory resident",
+                w.worker_id,
+                w.info.get("node_ip", "?"),
+                running,
+                self.resources.allocator,
+                jemalloc_library() or "Ray ships no libjemalloc.so here",
+            )
 
     def remove(self, handle: WorkerHandle, *, kill: bool = True) -> None:
         if handle in self.workers:

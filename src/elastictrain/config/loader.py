@@ -19,6 +19,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from elastictrain.cluster.allocator import ALLOCATORS
 from elastictrain.config.errors import ConfigError
 from elastictrain.config.eval_check import eval_problems, pop_eval_data, set_eval_data
 from elastictrain.config.schema import Config, DataConfig
@@ -255,6 +256,7 @@ def validate(config: Config) -> Config:
             f"scaling.min_workers: got {s.min_workers}; expected <= scaling.max_workers ({s.max_workers})"
         )
     _at_least(p, "scaling.cpus_per_worker", s.cpus_per_worker, 0, strict=True)
+    _choice(p, "scaling.worker_allocator", s.worker_allocator, ALLOCATORS)
     if s.use_gpu:
         _at_least(p, "scaling.gpus_per_worker", s.gpus_per_worker, 0, strict=True)
     _at_least(p, "checkpoint.every_steps", ck.every_steps, 1)

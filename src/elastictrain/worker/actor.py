@@ -18,6 +18,7 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
+from elastictrain.cluster.allocator import running_allocator
 from elastictrain.config.deepspeed_config import nvme_paths
 from elastictrain.core.data_order import derive_seed, micro_batch_positions, sample_at
 from elastictrain.core.schedule import learning_rate
@@ -88,6 +89,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
             "node_ip": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
             "gpu_ids": ray.get_gpu_ids() if self.use_gpu else [],
+            "allocator": running_allocator(),
         }
 
     def warmup(self, config: Any) -> dict[str, Any]:

@@ -29,15 +29,24 @@ def snapshot_budget_bytes(max_host_memory_mb: float | None, ranks_on_node: int) 
     return AUTO_SHARE * available / max(1, ranks_on_node)
 
 
-def release_freed_memory() -> bool:
-    """Return the memory glibc's malloc keeps of freed objects to the system (False where not glibc).
+ALL_ARENAS = 4096  # jemalloc's MALLCTL_ARENAS_ALL
+
+
+def release_freed_memory() -> str | None:
+    """Return the memory the process's malloc keeps of freed objects to the system; says which malloc
+    did (jemalloc, preloaded by `scaling.worker_allocator`, or glibc), None where neither could.
 
     Called once an attempt's engine is dropped. Without it a surviving rank keeps the old engine's
-    freed memory and builds the new engine beside it: at 1B with NVMe offload a survivor went from 8.0
-    to over 13 GB while a replacement rank built its own engine on the same 24 GiB node, and Ray's
-    memory monitor killed a rank.
+    freed memory and builds the new engine beside it: at 1B with NVMe offload a survivor (glibc's
+    malloc) went from 8.0 to over 13 GB while a replacement rank built its own engine on the same 24 GiB
+    node, and Ray's memory monitor killed a rank. jemalloc, set to keep freed pages for the next step,
+    purges all its arenas here.
     """
     with contextlib.suppress(OSError, AttributeError):
+        process = ctypes.CDLL(None)  # the global namespace: a preloaded jemalloc's symbols come first
+        if hasattr(process, "mallctl"):
+            process.mallctl(f"arena.{ALL_ARENAS}.purge".encode(), None, None, None, 0)
+            return "jemalloc"
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-        return True
-    return False
+        return "glibc"
+    return None
