@@ -246,6 +246,7 @@ def memory_estimate(config: Any, world_size: int) -> Any:
         use_gpu=config.scaling.use_gpu,
         swap_buffer_bytes=swap,
         memory_snapshots=config.checkpoint.memory_every_steps > 0,
+        allocator=config.scaling.worker_allocator,
     )
 
 

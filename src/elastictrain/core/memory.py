@@ -23,14 +23,13 @@ counts it; the caller passes ZeRO-3's live-parameter bound where larger), the ho
 swap stages through (`swap_buffer_bytes`), and the runtime's own baseline per process (Python, torch,
 DeepSpeed, the Ray actor).
 
-On a CPU-only machine one more term counts, apart from the bound above (`retained_bytes`): memory the
-host allocator keeps after a step frees its temporaries (the optimizer step's and ZeRO's fp32 partition
-copies). glibc's malloc returns little of it: the peak resident memory of a 350M run at 2 ranks was 8.5
-GB against a 4.1 GB estimate, 4.4 GB with MALLOC_MMAP_THRESHOLD_=131072 (which returns freed memory
-at once but slowed steps by a third; jemalloc likewise: 6.4 GB, a quarter slower). Measured per
-parameter of a rank's share (scale benchmark, 30M-1B): 22-28 bytes with the optimizer in process
-memory, 19 with it offloaded to the host, 5-15 with it on NVMe; the lower ends are used, so that a
-configuration that fits is never refused.
+On a CPU-only machine one more term counts, apart from the bound above (`retained_bytes`): what the
+worker's malloc holds beyond what is allocated at the step's peak, its freed temporaries (gathered
+layers, activations, gradients before their reduce-scatter) kept resident. How much depends on the
+malloc (`scaling.worker_allocator`, cluster/allocator.py): glibc's spreads a step's allocations over its
+whole heap, jemalloc reuses what it just freed. Per parameter of a rank's share, measured with the scale
+benchmark (`make bench ARGS="--only scale"`, 2 ranks, 30M-1B): see `RETAINED_BYTES`; the lower ends
+are used, so that a configuration that fits is never refused.
 
 In-memory snapshots (`checkpoint.memory_every_steps`) come on top, counted apart: a worker holds up to
 `SLICES_HELD` copies of its rank's slice (fp32 weights and Adam's moments, 12 bytes per parameter over
@@ -52,9 +51,12 @@ MOMENT_BYTES = 8  # Adam's two fp32 moments
 MASTER_BYTES = 4  # the optimizer's fp32 copy of the weights, where it keeps one
 GRAD_BYTES = 4  # ZeRO's partitioned gradients are fp32
 SNAPSHOT_BYTES = 4 + MOMENT_BYTES  # per parameter in an in-memory snapshot: fp32 weights and moments
-# Freed step temporaries that glibc's malloc keeps, per parameter of a rank's share, on CPU-only runs
-# (by where the optimizer steps; measured: see the module's docstring).
-RETAINED_BYTES = {"none": 20, "cpu": 18, "nvme": 5}
+# Freed step temporaries the worker's malloc keeps, per parameter of a rank's share, on CPU-only runs, by
+# malloc and by where the optimizer steps (measured: see the module's docstring).
+RETAINED_BYTES = {
+    "system": {"none": 14, "cpu": 18, "nvme": 5},
+    "jemalloc": {"none": 4, "cpu": 4, "nvme": 2},
+}
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ def estimate_rank_memory(
     baseline_bytes: int = RUNTIME_BASELINE_BYTES,
     swap_buffer_bytes: int = 0,
     memory_snapshots: bool = False,
+    allocator: str = "jemalloc",
 ) -> MemoryEstimate:
     """Per-rank memory at `world_size` (see the module's docstring for the accounting)."""
     if world_size < 1:
@@ -135,7 +138,8 @@ def estimate_rank_memory(
     else:
         device = 0.0
         host = places["device"] + places["host"] + layer + baseline_bytes + swap_buffer_bytes
-        retained = params * RETAINED_BYTES.get(offload_optimizer, 0) * (share if zero_stage >= 1 else 1.0)
+        per_param = RETAINED_BYTES[allocator].get(offload_optimizer, 0)
+        retained = params * per_param * (share if zero_stage >= 1 else 1.0)
     return MemoryEstimate(
         params=params,
         world_size=world_size,
