@@ -218,6 +218,10 @@ def run(
                 found = remeasure(name, size, tmp / size)
                 if name == "checkpoint":  # the checkpointing run's figures; the steady step stays the size's
                     done[size]["elastictrain"].update(found)
+                elif name == "throughput":  # both sides' steady steps, measured again together
+                    for side in ("deepspeed", "elastictrain"):
+                        done[size][side].update(found[side])
+                    done[size]["throughput_time"] = found["time"]
                 else:
                     done[size][name] = found
                 save_partial(done, results)

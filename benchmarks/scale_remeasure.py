@@ -4,7 +4,8 @@
 memory), or after a change to what it measures. Each part keeps the time of its own run; resharding is
 compared with the disk measured in that run (the disk varies threefold between runs here). `checkpoint`
 runs the checkpointing run again (its step, pause, commit); the steady step, the launcher's figures and
-the disk stay the size run's.
+the disk stay the size run's. `throughput` runs the launcher and elastictrain's steady run again (their
+steps and peaks, side by side as in the size's run); `memory` the peak per offload.
 """
 
 from __future__ import annotations
@@ -16,10 +17,16 @@ from typing import Any
 
 from benchmarks import baselines
 from benchmarks.common import Workload
-from benchmarks.scale_parts import cold_disk_bandwidth, elastictrain_recovery, remove_folders
+from benchmarks.scale_parts import (
+    cold_disk_bandwidth,
+    elastictrain_recovery,
+    memory_modes,
+    remove_folders,
+    steady_step_s,
+)
 from benchmarks.scale_reshard import reshard_loads
 
-PARTS = ("reshard", "recovery", "checkpoint")
+PARTS = ("reshard", "recovery", "checkpoint", "throughput", "memory")
 
 
 def remeasure(part: str, size: str, tmp: Path) -> dict[str, Any]:
@@ -31,6 +38,11 @@ def remeasure(part: str, size: str, tmp: Path) -> dict[str, Any]:
     w = replace(w, overrides=(*w.overrides, f"deepspeed.nvme_path={nvme}"))
     if part == "checkpoint":
         out = scale.elastictrain_checkpoint_run(w, tmp)
+        baselines.clear()
+    elif part == "throughput":
+        out = _throughput(w, tmp, nvme)
+    elif part == "memory":
+        out = memory_modes(w, tmp / "memory", None, smoke=False)
         baselines.clear()
     else:
         out = _reshard(w, size, tmp, nvme) if part == "reshard" else _recovery(w, size, tmp)
@@ -60,3 +72,20 @@ def _recovery(w: Workload, size: str, tmp: Path) -> dict[str, Any]:
         return {"outcome": "failed", "error": str(e)[:2000]}
     finally:
         remove_folders(tmp / "recovery")
+
+
+def _throughput(w: Workload, tmp: Path, nvme: Path) -> dict[str, Any]:
+    """The launcher's and elastictrain's steady steps on the same model and DeepSpeed config, one after
+    the other, as the size's run measures them."""
+    ds = baselines.peer("deepspeed", 2, w, tmp, 0)
+    remove_folders(nvme / "zero_stage_3")
+    steady = baselines.elastictrain(2, w, tmp / "steady", 0, f"checkpoint.every_steps={w.steps}")
+    remove_folders(Path(steady["run_dir"]) / "checkpoints")
+    baselines.clear()
+    return {
+        "deepspeed": {
+            "step_s": steady_step_s(ds.step_records(), w),
+            "peak_rss_bytes": max(m["peak_rss_bytes"] for m in (ds.out or {})["memory"]),
+        },
+        "elastictrain": {"step_s": steady_step_s(steady["steps"], w)},
+    }
