@@ -200,6 +200,10 @@ class TrainWorker(SnapshotPeer, FaultHooks):
 
         reset_zero_counters()
         self.engine = new_engine(spec, zero3=zero_stage(spec) == 3)
+        # The build's temporaries (each parameter's partition before ZeRO flattens them, the model's init)
+        # are freed in pieces the optimizer's state, allocated whole at the first step, cannot reuse:
+        # without this a 1B rank kept them beside that state (10.4 GiB against an 8.5 GiB build peak).
+        release_freed_memory()
         self.loss_fn = loss_function(cfg)
         self.sockets.stop()
         timings["engine_s"] = time.perf_counter() - t1
