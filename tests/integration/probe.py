@@ -36,7 +36,8 @@ class ProbeWorker(TrainWorker):
 
     def partition_copies(self) -> dict[str, int]:
         """Distinct storages behind ZeRO-3's per-rank flat tensors (training weights, fp32 master,
-        gradient buffer, Adam's moments), and how many of the groups' masters are the weights."""
+        gradient buffer, the optimizer's gradients where it keeps them, Adam's moments), how many of the
+        groups' masters are the weights, and how many optimizer gradients lie in the gradient buffer."""
         opt = self.engine.optimizer
         flats = [*opt.fp16_partitioned_groups_flat, *opt.fp32_partitioned_groups_flat]
         flats.append(opt.grad_partitions_flat_buffer)
@@ -46,7 +47,15 @@ class ProbeWorker(TrainWorker):
             m.data_ptr() == w.data_ptr()
             for m, w in zip(opt.fp32_partitioned_groups_flat, opt.fp16_partitioned_groups_flat, strict=True)
         )
-        return {"storages": len({t.untyped_storage().data_ptr() for t in flats}), "shared_masters": shared}
+        flat = opt.grad_partitions_flat_buffer.untyped_storage().data_ptr()
+        grads = [m.grad for m in opt.fp32_partitioned_groups_flat if m.grad is not None]
+        flats += grads
+        in_flat = sum(g.untyped_storage().data_ptr() == flat for g in grads)
+        return {
+            "storages": len({t.untyped_storage().data_ptr() for t in flats}),
+            "shared_masters": shared,
+            "grads_in_flat_buffer": in_flat,
+        }
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         """The engine's logits for `ids`, in eval mode (no dropout); every rank must call it together."""

@@ -57,7 +57,19 @@ def test_a_fp32_zero3_rank_keeps_one_copy_of_its_partition_and_its_checkpoints_r
     cfg = tiny_config(tmp_path / "run", "deepspeed.zero_stage=3", "training.precision=fp32")
     assert reshard_round_trip(probes, cfg, tmp_path) == ["fp32", "exp_avg", "exp_avg_sq"]
     copies = probes.partition_copies()  # at world size 1, after a step: Adam's moments exist
-    assert copies == [{"storages": 4, "shared_masters": 1}] * len(copies)
+    assert copies == [{"storages": 4, "shared_masters": 1, "grads_in_flat_buffer": 0}] * len(copies)
+
+
+def test_a_zero3_rank_with_its_optimizer_offloaded_keeps_its_gradients_once_and_its_checkpoints_reshard(
+    probes, tmp_path
+):
+    # DeepSpeed 0.19 copies the reduced gradients into a second host buffer for the offloaded optimizer:
+    # 6 storages. Shared: weights, master, gradient buffer, two moments. (Exactness of the update:
+    # test_offloaded_gradients.py.)
+    cfg = tiny_config(tmp_path / "run", "deepspeed.zero_stage=3", "deepspeed.offload_optimizer=cpu")
+    assert reshard_round_trip(probes, cfg, tmp_path) == ["fp32", "exp_avg", "exp_avg_sq"]
+    copies = probes.partition_copies()
+    assert copies == [{"storages": 5, "shared_masters": 0, "grads_in_flat_buffer": 1}] * len(copies)
 
 
 @pytest.mark.parametrize(("saved", "loaded"), [(2, 3), (3, 2), (0, 3), (3, 1)])

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from elastictrain.worker.zero3_memory import share_fp32_partitions
+from elastictrain.worker.zero3_memory import share_fp32_partitions, share_offloaded_gradients
 
 # transformers' ZeRO-3 loading of a pretrained folder finds the DeepSpeed config through a weak
 # reference to this object; it must stay alive while that model is built and trained.
@@ -142,6 +142,7 @@ def new_engine(spec: Any, *, zero3: bool) -> Any:
     )
     if zero3:
         share_fp32_partitions(engine)
+        share_offloaded_gradients(engine, cpu_only=not cfg.scaling.use_gpu)
     return engine
 
 

@@ -11,9 +11,18 @@ With the optimizer in process memory and fp32 training weights:
   buffer: 4 more bytes per parameter of its share at the step's peak.
 
 `share_fp32_partitions` makes the master the training partition itself and hands the optimizer its
-gradients as a view of that buffer. Both are exact: the values and the update are the same, only the
-copies are gone. Anything else (mixed precision, offload, NVMe swap, a layout other than expected)
-is left to DeepSpeed.
+gradients as a view of that buffer.
+
+With the optimizer offloaded, ZeRO-3 keeps its reduced gradient partitions in one flat host buffer
+(it puts that buffer on the host whenever the optimizer is offloaded) and, at every update boundary,
+copies them into the optimizer's own fp32 gradient buffer (`_offload_grad_partition_at_boundary`):
+on a CPU-only machine the same bytes twice, 4 bytes per parameter of a rank's share for the whole run.
+`share_offloaded_gradients` makes each sub-group's optimizer gradient a view of its run of the flat
+buffer; DeepSpeed's boundary copy then copies a tensor onto itself, which torch skips.
+
+All of these are exact: the values and the update are the same, only the copies are gone. Anything
+else (mixed precision, a GPU's device buffers, sub-groups swapped to NVMe, a layout other than
+expected) is left to DeepSpeed.
 """
 
 from __future__ import annotations
@@ -39,6 +48,34 @@ def share_fp32_partitions(engine: Any) -> int:
             freed += master.numel() * master.element_size()
             master.data = weights.data  # the same tensor object: the optimizer's references stay valid
     opt._prepare_fp32_grad_for_sub_group = types.MethodType(_prepare_grad_view, opt)
+    return freed
+
+
+# ZeRO-3 keeps each parameter's view of the flat gradient buffer in a name-mangled private dict.
+GRAD_PARTITION_VIEWS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+
+
+def share_offloaded_gradients(engine: Any, cpu_only: bool) -> int:
+    """With the optimizer offloaded on a CPU-only machine, make each in-memory sub-group's fp32 gradient a
+    view of ZeRO-3's flat gradient buffer instead of a copy; returns the bytes freed per rank.
+
+    Only where the gradients are computed in host memory (`cpu_only`): on a GPU the boundary copy reads
+    a device copy of the buffer, a path this does not touch."""
+    opt = engine.optimizer
+    views = getattr(opt, GRAD_PARTITION_VIEWS, None)
+    if not cpu_only or not getattr(opt, "offload_optimizer", False) or not views:
+        return 0
+    freed = 0
+    masters = opt.fp32_partitioned_groups_flat
+    for group, (params, master) in enumerate(zip(opt.fp16_groups, masters, strict=True)):
+        grad = master.grad
+        if grad is None or opt._swappable_optimizer_subgroup(group):
+            continue  # swapped sub-groups bring their gradients in from NVMe with their state
+        run = contiguous_run([views[p.ds_id] for p in params], grad.dtype, grad.numel())
+        if run is None or run.device != grad.device or run.data_ptr() == grad.data_ptr():
+            continue
+        freed += grad.numel() * grad.element_size()
+        master.grad = run
     return freed
 
 
