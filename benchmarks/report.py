@@ -35,16 +35,17 @@ WHY = {
     "are few (3 steps of 9-14 s that vary by 20% between single runs). Closing it: idle cores or a GPU "
     "(the copy is a device-to-host transfer on its own stream), and more measured steps at the larger sizes.",
     "peak memory / bound": "the memory runs have no in-memory snapshots (checkpoint.max_host_memory_mb=0 "
-    "turns them off) and stream their checkpoints. The deepspeed launcher's ranks peak at the same memory "
-    "on the same model (their peaks are in scale.json: 1.62 GB against elastictrain's 1.62 GB at 30M), so "
-    "what is above the ZeRO-3 bound is DeepSpeed's and torch's, not elastictrain's: DeepSpeed's buffers "
-    "(reduce-scatter and prefetch buckets, the /dev/shm all-reduce buffers) and, growing with the model, "
-    "glibc's malloc keeping freed tensors in the heap (at 350M, MALLOC_MMAP_THRESHOLD_=131072 halves the "
-    "peak, 8.5 to 4.4 GB per rank, at a 50% slower step; jemalloc, the copy Ray ships, 6.4 GB at a 25% "
-    "slower step; README, Model sizes). The estimate printed at start now counts the allocator's share "
-    "on CPU-only runs (the bound drawn here does not: it is the target's). Closing it: an allocator that "
-    "keeps a step's transients without the page faults of returning them (on a VM where each fault is "
-    "costly), or fewer transients (DeepSpeed's CPU Adam in place of torch's on the device path).",
+    "turns them off) and stream their checkpoints. The workers run Ray's jemalloc with purging off "
+    "(scaling.worker_allocator's default: a step reuses the pages the last one freed, where glibc's malloc "
+    "kept up to twice the bound), and a ZeRO-3 fp32 rank keeps one copy of its partition and, with the "
+    "optimizer offloaded, of its gradients (worker/zero3_memory.py). Without offload and with CPU offload "
+    "the peak is then 2-10% over the bound at every size, and below the deepspeed launcher's ranks on the "
+    "same model (deepspeed.peak_rss_bytes in scale.json; they run glibc's malloc and DeepSpeed's copies). "
+    "With the optimizer on NVMe, 0.6-1.3 GiB per rank stays over the bound from 125M up: DeepSpeed's "
+    "swapper stages each optimizer sub-group (up to sub_group_size plus the largest parameter's "
+    "partition) through pinned buffers and builds the Adam state beside them. Closing it: find which "
+    "phase (engine build or step) the NVMe runs peak in and bound it; the estimate counts the buffers at "
+    "sub_group_size.",
     "throughput": "elastictrain's driver reports every step and queues at most two steps per actor "
     "(PIPELINE_DEPTH in control/pipeline.py); a slower driver or a busier machine shows here. Closing "
     "it: deeper pipelining, or reporting every k steps.",

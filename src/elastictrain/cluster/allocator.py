@@ -12,8 +12,8 @@ shrink after a spike (it is reused by the next one, e.g. an engine rebuilt after
 
 The library is preloaded (`LD_PRELOAD`) into the actor's process when Ray starts it, from where it
 lies in the driver's Ray installation: nodes are expected to run the same image. A node where it is
-missing runs the system's malloc, and the worker says so (`running_allocator`). The driver's own
-`MALLOC_CONF` replaces the default configuration.
+missing runs the system's malloc, and the worker says so (`worker/host_memory.running_allocator`).
+The driver's own `MALLOC_CONF` replaces the default configuration.
 """
 
 from __future__ import annotations
@@ -52,12 +52,3 @@ def allocator_env(choice: str, environ: Mapping[str, str] | None = None) -> dict
         "LD_PRELOAD": f"{library}:{preload}" if preload else library,
         "MALLOC_CONF": environ.get("MALLOC_CONF", JEMALLOC_CONF),
     }
-
-
-def running_allocator(maps: str = "/proc/self/maps") -> str:
-    """ "jemalloc" when this process has a jemalloc library mapped, else "system"."""
-    try:
-        text = Path(maps).read_text()
-    except OSError:
-        return "system"
-    return "jemalloc" if "libjemalloc" in text else "system"

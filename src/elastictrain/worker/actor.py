@@ -18,7 +18,6 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
-from elastictrain.cluster.allocator import running_allocator
 from elastictrain.config.deepspeed_config import nvme_paths
 from elastictrain.core.data_order import derive_seed, micro_batch_positions, sample_at
 from elastictrain.core.schedule import learning_rate
@@ -34,7 +33,7 @@ from elastictrain.worker.dist import (
     zero_stage,
 )
 from elastictrain.worker.faults import FaultHooks
-from elastictrain.worker.host_memory import release_freed_memory, snapshot_budget_bytes
+from elastictrain.worker.host_memory import release_freed_memory, running_allocator, snapshot_budget_bytes
 from elastictrain.worker.memory import WorkerMemory
 from elastictrain.worker.ops import prefer_environment_tools
 from elastictrain.worker.snapshot_peer import SnapshotPeer

@@ -1,5 +1,5 @@
-"""How much host memory this node has, how much of it one rank's checkpoint snapshot may take, and
-giving back what a dropped engine leaves with the allocator."""
+"""How much host memory this node has, how much of it one rank's checkpoint snapshot may take, which
+malloc this process runs, and giving back what a dropped engine leaves with it."""
 
 from __future__ import annotations
 
@@ -50,3 +50,12 @@ def release_freed_memory() -> str | None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         return "glibc"
     return None
+
+
+def running_allocator(maps: str = "/proc/self/maps") -> str:
+    """ "jemalloc" when this process has a jemalloc library mapped, else "system"."""
+    try:
+        text = Path(maps).read_text()
+    except OSError:
+        return "system"
+    return "jemalloc" if "libjemalloc" in text else "system"
