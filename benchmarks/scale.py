@@ -45,6 +45,7 @@ from benchmarks.scale_parts import (
     memory_modes,
     remove_folders,
     steady_step_s,
+    worker_allocator,
 )
 from benchmarks.scale_reshard import reshard_loads
 from benchmarks.throughput import step_times
@@ -254,7 +255,11 @@ def elastictrain_checkpointing(w: Workload, tmp: Path) -> dict[str, Any]:
     # by the next run); elastictrain's in-memory snapshots as configured (the defaults).
     steady = baselines.elastictrain(2, w, tmp / "steady", 0, f"checkpoint.every_steps={w.steps}")
     remove_folders(Path(steady["run_dir"]) / "checkpoints")  # its events are read; at 1B it is 11 GB
-    return {"step_s": steady_step_s(steady["steps"], w), **elastictrain_checkpoint_run(w, tmp)}
+    return {
+        "step_s": steady_step_s(steady["steps"], w),
+        "worker_allocator": worker_allocator(),
+        **elastictrain_checkpoint_run(w, tmp),
+    }
 
 
 def elastictrain_checkpoint_run(w: Workload, tmp: Path) -> dict[str, Any]:
@@ -300,6 +305,13 @@ def summarize(done: dict[str, Any], smoke: bool) -> Result:
         "not handle that, so the universal route is converted but not loaded there.",
         "memory bound: core.memory.estimate_rank_memory (ZeRO-3 model states / world size + largest "
         "layer + runtime baseline); 'refused' means elastictrain's preflight refused the configuration.",
+        "malloc: the deepspeed launcher's ranks run glibc's, as it starts them; elastictrain's workers run "
+        "scaling.worker_allocator's default (jemalloc since 2026-11-25, glibc's before). Throughput and "
+        "steady-step peaks per size ran elastictrain on: "
+        + ", ".join(f"{r['size']} {r['elastictrain'].get('worker_allocator', 'system')}" for r in rows)
+        + "; the memory part on: "
+        + ", ".join(f"{r['size']} {r.get('memory', {}).get('worker_allocator', 'system')}" for r in rows)
+        + ".",
     ]
     return Result("scale", smoke, 1, metrics, targets, rows, notes, {"sizes": [r["size"] for r in rows]})
 

@@ -84,6 +84,14 @@ def elastictrain_recovery(w: Workload, tmp: Path, size: str = "") -> dict[str, A
     return out
 
 
+def worker_allocator() -> str:
+    """The malloc elastictrain's workers ran in a measured run: scaling.worker_allocator's default (the
+    benchmark sets no other). Runs recorded without it predate the setting and ran the system's."""
+    from elastictrain.config.schema import ScalingConfig
+
+    return ScalingConfig().worker_allocator
+
+
 def memory_modes(w: Workload, tmp: Path, preset_peak: int | None, smoke: bool) -> dict[str, Any]:
     """Peak resident memory per rank for each offload, against core.memory's estimate.
 
@@ -95,7 +103,7 @@ def memory_modes(w: Workload, tmp: Path, preset_peak: int | None, smoke: bool) -
 
     baselines.ensure_local_ray()
     short = Workload(f"{w.name}-memory", w.overrides, warmup_steps=0, measured_steps=2, peer_timeout_s=3600)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"worker_allocator": worker_allocator()}
     for mode in ("none",) if smoke else MODES:
         extra = (
             f"deepspeed.offload_optimizer={mode}",

@@ -23,6 +23,7 @@ from benchmarks.scale_parts import (
     memory_modes,
     remove_folders,
     steady_step_s,
+    worker_allocator,
 )
 from benchmarks.scale_reshard import reshard_loads
 
@@ -87,5 +88,5 @@ def _throughput(w: Workload, tmp: Path, nvme: Path) -> dict[str, Any]:
             "step_s": steady_step_s(ds.step_records(), w),
             "peak_rss_bytes": max(m["peak_rss_bytes"] for m in (ds.out or {})["memory"]),
         },
-        "elastictrain": {"step_s": steady_step_s(steady["steps"], w)},
+        "elastictrain": {"step_s": steady_step_s(steady["steps"], w), "worker_allocator": worker_allocator()},
     }
