@@ -130,9 +130,12 @@ def memory_modes(w: Workload, tmp: Path, preset_peak: int | None, smoke: bool) -
             "peak_rss_bytes": peak,
             "bound_bytes": bound,
             "vs_bound": peak / bound if peak and bound else None,
+            # What the memory costs in time: each step as the controller saw it (the first one included).
+            "step_s": [round(r["step_s"], 2) for r in run["steps"] if "step_s" in r],
         }
         gib = lambda b: f"{b / 2**30:.2f} GiB" if b else "?"  # noqa: E731
-        print(f"    memory {mode}: peak {gib(peak)}, bound {gib(bound)}", flush=True)
+        steps = out[mode]["step_s"]
+        print(f"    memory {mode}: peak {gib(peak)}, bound {gib(bound)}, steps {steps} s", flush=True)
     return out
 
 
