@@ -94,6 +94,9 @@ def elastictrain(world_size: int, w: Workload, tmp: Path, rep: int, *extra: str)
             "run_dir": str(run_dir.path),
             "checkpoint_dir": _latest_checkpoint(Path(run_dir.path)),
             "setup_s": next((e.get("setup_s") for e in events if e["event"] == "attempt_started"), None),
+            "setup_peak_rss_bytes": next(
+                (e.get("setup_peak_rss_bytes") for e in events if e["event"] == "attempt_started"), None
+            ),
         }
     return _MEMO[key]
 

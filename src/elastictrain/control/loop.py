@@ -30,7 +30,7 @@ from elastictrain.control.pipeline import Ahead, StepPipeline
 from elastictrain.control.record import RunRecorder
 from elastictrain.control.resume import ResumePoints
 from elastictrain.control.saves import SaveCoordinator
-from elastictrain.control.specs import attempt_specs, resize_reason, slowest_set_up
+from elastictrain.control.specs import attempt_specs, resize_reason, set_up_peak_note, slowest_set_up
 from elastictrain.control.stop import sigterm_stops
 from elastictrain.core.batch import BatchPlan, plan_batch
 from elastictrain.core.policy import Fail, Failure, Restart, decide_after_failure
@@ -251,7 +251,8 @@ class Controller:
             f"{plan.grad_accum_steps} x {size} ranks = {plan.global_batch_size}), step {self.step}"
             + (f", from {resume.tag}" if resume else "")
             + (f", from memory (snapshot of attempt {memory.plan.attempt})" if memory else "")
-            + f", set up in {self.clock() - t0:.2f}s",
+            + f", set up in {self.clock() - t0:.2f}s"
+            + set_up_peak_note(timings),
             attempt=self.attempt,
             world_size=size,
             checkpoint=resume.tag if resume else None,

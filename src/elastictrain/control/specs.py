@@ -89,11 +89,19 @@ def resize_reason(previous: int, size: int) -> str:
 
 
 def slowest_set_up(timings: dict[str, dict[str, float]]) -> dict[str, float]:
-    """The slowest rank's set-up, in total and by part (each part's slowest rank)."""
+    """The slowest rank's set-up, in total and by part (each part's slowest rank), and the largest
+    resident peak a rank had reached by its end (process lifetime: a warm actor's earlier attempts count)."""
     parts = {
         "setup_s": "total_s",
         "process_group_s": "process_group_s",
         "engine_s": "engine_s",
         "load_s": "load_s",
+        "setup_peak_rss_bytes": "peak_rss_bytes",
     }
     return {name: max(t.get(key, 0.0) for t in timings.values()) for name, key in parts.items()}
+
+
+def set_up_peak_note(timings: dict[str, dict[str, float]]) -> str:
+    """ ", peak N GiB resident on a rank" for the attempt's line; empty where no rank could say."""
+    peak = max((t.get("peak_rss_bytes", 0.0) for t in timings.values()), default=0.0)
+    return f", peak {peak / (1 << 30):.2f} GiB resident on a rank" if peak else ""

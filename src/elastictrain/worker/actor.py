@@ -33,7 +33,12 @@ from elastictrain.worker.dist import (
     zero_stage,
 )
 from elastictrain.worker.faults import FaultHooks
-from elastictrain.worker.host_memory import release_freed_memory, running_allocator, snapshot_budget_bytes
+from elastictrain.worker.host_memory import (
+    peak_resident_bytes,
+    release_freed_memory,
+    running_allocator,
+    snapshot_budget_bytes,
+)
 from elastictrain.worker.memory import WorkerMemory
 from elastictrain.worker.ops import prefer_environment_tools
 from elastictrain.worker.snapshot_peer import SnapshotPeer
@@ -229,6 +234,8 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         self.engine.global_steps = spec.start_step
         self._set_mark("ready", spec.start_step)
         timings["total_s"] = time.perf_counter() - t0
+        # Whether the set-up or the steps set a rank's peak: the high-water mark once the state is loaded.
+        timings["peak_rss_bytes"] = float(peak_resident_bytes() or 0)
         return timings
 
     def _ensure_dataset(self, cfg: Any) -> None:

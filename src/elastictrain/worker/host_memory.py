@@ -18,6 +18,15 @@ def meminfo_bytes(field: str) -> int | None:
     return None
 
 
+def peak_resident_bytes(status: str = "/proc/self/status") -> int | None:
+    """This process's resident high-water mark (VmHWM): the most memory it has held at once so far;
+    None where there is no such file."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        line = next(ln for ln in Path(status).read_text().splitlines() if ln.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024
+    return None
+
+
 def snapshot_budget_bytes(max_host_memory_mb: float | None, ranks_on_node: int) -> float:
     """The largest snapshot a rank may hold: the setting, or half the available memory split between
     the node's ranks (they snapshot at the same moment). Above it the checkpoint is streamed instead."""
