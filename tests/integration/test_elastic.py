@@ -48,6 +48,9 @@ def test_killed_worker_is_replaced_and_the_survivor_keeps_its_actor(ray_local, t
     # The warm survivor restarts at once (world size 1); the replacement warms up in the background and
     # joins at a later checkpoint (a grow), so no cold start sits on the recovery path.
     assert [first["world_size"], second["world_size"], third["world_size"]] == [2, 1, 2], out
+    # Each attempt says how much memory its set-up had a rank hold at most (the runtime alone is ~1 GB).
+    assert all(a["setup_peak_rss_bytes"] > 200 << 20 for a in (first, second, third)), out
+    assert out.count("GiB resident on a rank") >= 3, out
     assert second["actors"] == first["actors"][:1], out  # the same actor, not a new one
     assert third["actors"][0] == first["actors"][0] and third["actors"][1] not in first["actors"]
     events = run_dir.read_events()
