@@ -41,11 +41,13 @@ WHY = {
     "optimizer offloaded, of its gradients (worker/zero3_memory.py). Without offload and with CPU offload "
     "the peak is then 2-10% over the bound at every size, and below the deepspeed launcher's ranks on the "
     "same model (deepspeed.peak_rss_bytes in scale.json; they run glibc's malloc and DeepSpeed's copies). "
-    "With the optimizer on NVMe, 0.6-1.3 GiB per rank stays over the bound from 125M up: DeepSpeed's "
-    "swapper stages each optimizer sub-group (up to sub_group_size plus the largest parameter's "
-    "partition) through pinned buffers and builds the Adam state beside them. Closing it: find which "
-    "phase (engine build or step) the NVMe runs peak in and bound it; the estimate counts the buffers at "
-    "sub_group_size.",
+    "With the optimizer on NVMe, 0.6-1.3 GiB per rank stays over the bound from 125M up, and the engine "
+    "build alone already passes it (setup_peak_rss_bytes in scale.json: 125M 2.60 of 2.83 GiB, 350M 4.01 of "
+    "4.13 GiB, against bounds of 2.24 and 3.16 GiB): DeepSpeed's NVMe build creates each sub-group's "
+    "fp32 copy and Adam state in host memory beside its pinned swap buffers (up to sub_group_size plus the largest parameter's partition "
+    "each) before swapping them out, and the step adds its transients on top. Closing it: build the "
+    "swapped state straight into the swap files (or restore it there from the checkpoint), and count the "
+    "swap buffers at DeepSpeed's largest sub-group.",
     "throughput": "elastictrain's driver reports every step and queues at most two steps per actor "
     "(PIPELINE_DEPTH in control/pipeline.py); a slower driver or a busier machine shows here. Closing "
     "it: deeper pipelining, or reporting every k steps.",
