@@ -245,6 +245,7 @@ class Controller:
             return False
         self.recorder.record_world_size(self.step, size, resize_reason(previous, size))
         self.recorder.set_status(RunStatus.RUNNING, step=self.step)
+        set_up = slowest_set_up(timings)
         self._event(
             "attempt_started",
             f"attempt {self.attempt}: world size {size} (micro batch {plan.micro_batch_size} x accumulation "
@@ -252,7 +253,7 @@ class Controller:
             + (f", from {resume.tag}" if resume else "")
             + (f", from memory (snapshot of attempt {memory.plan.attempt})" if memory else "")
             + f", set up in {self.clock() - t0:.2f}s"
-            + set_up_peak_note(timings),
+            + set_up_peak_note(set_up["setup_peak_rss_bytes"]),
             attempt=self.attempt,
             world_size=size,
             checkpoint=resume.tag if resume else None,
@@ -261,7 +262,7 @@ class Controller:
             buddies_off_node=off_node,
             # The sha256 check of the checkpoint (run beside the set-up), next to what loading it cost.
             verify_s=self.resume.last_verify_s if resume else 0.0,
-            **slowest_set_up(timings),
+            **set_up,
             actors=[w.actor_id for w in active],
             workers=[w.worker_id for w in active],
             master=f"{master_addr}:{port}",

@@ -101,7 +101,7 @@ def slowest_set_up(timings: dict[str, dict[str, float]]) -> dict[str, float]:
     return {name: max(t.get(key, 0.0) for t in timings.values()) for name, key in parts.items()}
 
 
-def set_up_peak_note(timings: dict[str, dict[str, float]]) -> str:
-    """ ", peak N GiB resident on a rank" for the attempt's line; empty where no rank could say."""
-    peak = max((t.get("peak_rss_bytes", 0.0) for t in timings.values()), default=0.0)
-    return f", peak {peak / (1 << 30):.2f} GiB resident on a rank" if peak else ""
+def set_up_peak_note(peak_bytes: float) -> str:
+    """ ", peak N GiB resident on a rank" for the attempt's line (`peak_bytes`: slowest_set_up's
+    setup_peak_rss_bytes); empty where no rank could say."""
+    return f", peak {peak_bytes / (1 << 30):.2f} GiB resident on a rank" if peak_bytes else ""

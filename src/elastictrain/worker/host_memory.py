@@ -10,21 +10,23 @@ from pathlib import Path
 AUTO_SHARE = 0.5  # of the memory available at save time, split between the node's ranks
 
 
-def meminfo_bytes(field: str) -> int | None:
-    """A /proc/meminfo field (MemTotal, MemAvailable) in bytes; None where there is no such file."""
+def _proc_kib_field(path: str, field: str) -> int | None:
+    """A `Field:  N kB` line of a /proc file, in bytes; None where the file or the field is missing."""
     with contextlib.suppress(OSError, ValueError, StopIteration):
-        line = next(ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith(field + ":"))
+        line = next(ln for ln in Path(path).read_text().splitlines() if ln.startswith(field + ":"))
         return int(line.split()[1]) * 1024
     return None
+
+
+def meminfo_bytes(field: str) -> int | None:
+    """A /proc/meminfo field (MemTotal, MemAvailable) in bytes; None where there is no such file."""
+    return _proc_kib_field("/proc/meminfo", field)
 
 
 def peak_resident_bytes(status: str = "/proc/self/status") -> int | None:
     """This process's resident high-water mark (VmHWM): the most memory it has held at once so far;
     None where there is no such file."""
-    with contextlib.suppress(OSError, ValueError, StopIteration):
-        line = next(ln for ln in Path(status).read_text().splitlines() if ln.startswith("VmHWM:"))
-        return int(line.split()[1]) * 1024
-    return None
+    return _proc_kib_field(status, "VmHWM")
 
 
 def snapshot_budget_bytes(max_host_memory_mb: float | None, ranks_on_node: int) -> float:
