@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from elastictrain.worker.zero3_build import hooks_registered_without_gathering
 from elastictrain.worker.zero3_memory import share_fp32_partitions, share_offloaded_gradients
 
 # transformers' ZeRO-3 loading of a pretrained folder finds the DeepSpeed config through a weak
@@ -95,14 +96,18 @@ def build_model(
             _enable_checkpointing(model)
     else:
         from elastictrain.worker.hf_init import exact_hf_init_under_zero3, skip_parameter_init
+        from elastictrain.worker.zero3_build import parameters_partitioned_without_broadcast
 
         # zero.Init partitions each module as it is built; without the second context transformers'
         # own weight init would write into empty partitions and be lost (see worker/hf_init.py).
-        init: Any = contextlib.nullcontext()
+        init = contextlib.ExitStack()
         if restoring and not m.factory and not m.lora.enabled:
-            init = skip_parameter_init()  # every parameter is loaded next: no init to be exact about
+            # Every parameter is loaded next: no init to be exact about, no values to make equal.
+            init.enter_context(skip_parameter_init())
+            if zero3:
+                init.enter_context(parameters_partitioned_without_broadcast())
         elif zero3:
-            init = exact_hf_init_under_zero3()
+            init.enter_context(exact_hf_init_under_zero3())
         with init, deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=zero3):
             if m.factory:
                 from elastictrain.worker.user_code import user_model
@@ -135,11 +140,12 @@ def new_engine(spec: Any, *, zero3: bool) -> Any:
         os.makedirs(folder, exist_ok=True)
     restoring = spec.memory is not None or spec.checkpoint_dir is not None
     model = build_model(cfg, spec.ds_config, zero3=zero3, restoring=restoring)
-    engine, *_ = deepspeed.initialize(
-        model=model,
-        model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=spec.ds_config,
-    )
+    with hooks_registered_without_gathering():
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=spec.ds_config,
+        )
     if zero3:
         share_fp32_partitions(engine)
         share_offloaded_gradients(engine, cpu_only=not cfg.scaling.use_gpu)
