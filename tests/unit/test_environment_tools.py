@@ -47,3 +47,28 @@ def test_two_deepspeed_installs_do_not_share_an_op_cache(monkeypatch: pytest.Mon
     first, second = install_at("/work/main/.venv/lib"), install_at("/check/work/main/.venv/lib")
     assert first != second
     assert install_at("/work/main/.venv/lib") == first
+
+
+def test_the_cpu_is_probed_once_per_process_and_every_caller_gets_its_own_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import subprocess
+
+    import cpuinfo
+
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", cpuinfo.get_cpu_info)  # undone after the test
+    ops.remember_cpu_info()  # probes now, in a subprocess
+
+    def no_subprocess(*args: object, **kwargs: object) -> None:
+        raise AssertionError("py-cpuinfo started a subprocess again")
+
+    monkeypatch.setattr(subprocess, "Popen", no_subprocess)  # py-cpuinfo imports it at each probe
+    ops.remember_cpu_info()
+    from cpuinfo import get_cpu_info  # as DeepSpeed imports it, at each call
+
+    first, second = get_cpu_info(), get_cpu_info()
+    assert first == second and first is not second
+    assert first["arch"]
+    from deepspeed.ops.op_builder.cpu import CPUAdamBuilder
+
+    assert CPUAdamBuilder().cpu_arch().startswith("-m")  # DeepSpeed's compiler flags, from the copy

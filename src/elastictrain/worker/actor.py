@@ -126,7 +126,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
             if builder is not None and builder.is_compatible(verbose=False):
                 builder.load(verbose=False)
         preload_model_code(config)
-        preload_engine_code()
+        preload_engine_code(config)
         self._ensure_dataset(config)
 
     def progress(self) -> dict[str, Any]:

@@ -48,16 +48,33 @@ def preload_model_code(config: Any) -> None:
         import peft  # noqa: F401
 
 
-def preload_engine_code() -> None:
-    """Import what a rank's first `deepspeed.initialize` imports, so a new actor pays it while warming up.
+def preload_engine_code(config: Any) -> None:
+    """Pay what a rank's first `deepspeed.initialize` pays once per process, so a new actor pays it
+    while warming up rather than on a replacement's critical path.
 
     DeepSpeed's optimizer check imports its Muon optimizer, whose `torch.compile` decorators import
-    torch's inductor: 1.5 s of a fresh process's first engine build, on a replacement's critical path.
+    torch's inductor (1.5 s); an offloaded optimizer loads DeepSpeed's CPU Adam op, and NVMe its async
+    I/O op, each asking py-cpuinfo about the CPU (worker/ops.py).
     """
     import importlib
 
+    from deepspeed.accelerator import get_accelerator
+
+    from elastictrain.config.deepspeed_config import effective_offload
+    from elastictrain.worker.ops import remember_cpu_info
+
     with contextlib.suppress(ImportError):  # a DeepSpeed without it does not import it either
         importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")
+    remember_cpu_info()
+    offloads = effective_offload(config)
+    ops = ["CPUAdamBuilder"] if offloads[0] != "none" else []
+    ops += ["AsyncIOBuilder"] if "nvme" in offloads else []
+    for name in ops:
+        builder = get_accelerator().create_op_builder(name)
+        # A missing or broken op is the engine build's to report, with DeepSpeed's own message.
+        with contextlib.suppress(Exception):
+            if builder is not None and builder.is_compatible(verbose=False):
+                builder.load(verbose=False)
 
 
 def build_causal_lm(hf_config: dict[str, Any], *, activation_checkpointing: bool = False) -> torch.nn.Module:
@@ -131,8 +148,10 @@ def new_engine(spec: Any, *, zero3: bool) -> Any:
     import deepspeed
 
     from elastictrain.config.deepspeed_config import nvme_paths
+    from elastictrain.worker.ops import remember_cpu_info
 
     cfg = spec.config
+    remember_cpu_info()  # asked once per process (a warmed-up actor already did)
     torch.manual_seed(cfg.training.seed)  # identical random init on every rank
     # zero.Init patches tensor construction; lazy imports inside it (torch._dynamo) then fail.
     preload_model_code(cfg)
