@@ -40,7 +40,7 @@ from elastictrain.worker.host_memory import (
     snapshot_budget_bytes,
 )
 from elastictrain.worker.memory import WorkerMemory
-from elastictrain.worker.ops import prefer_environment_tools
+from elastictrain.worker.ops import prefer_environment_tools, remember_cpu_info
 from elastictrain.worker.snapshot_peer import SnapshotPeer
 
 # Frames from these files mean "waiting for the other ranks".
@@ -58,6 +58,7 @@ class StepFailed(RuntimeError):
 class TrainWorker(SnapshotPeer, FaultHooks):
     def __init__(self, worker_id: str, use_gpu: bool) -> None:
         prefer_environment_tools()  # the ninja that built DeepSpeed's ops, before any op loads
+        remember_cpu_info()  # each op load and CPU Adam would probe the CPU again (1.1 s each)
         if not use_gpu:
             # Must be set before deepspeed is first imported in this process.
             os.environ.setdefault("DS_ACCELERATOR", "cpu")

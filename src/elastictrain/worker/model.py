@@ -61,11 +61,9 @@ def preload_engine_code(config: Any) -> None:
     from deepspeed.accelerator import get_accelerator
 
     from elastictrain.config.deepspeed_config import effective_offload
-    from elastictrain.worker.ops import remember_cpu_info
 
     with contextlib.suppress(ImportError):  # a DeepSpeed without it does not import it either
         importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")
-    remember_cpu_info()
     offloads = effective_offload(config)
     ops = ["CPUAdamBuilder"] if offloads[0] != "none" else []
     ops += ["AsyncIOBuilder"] if "nvme" in offloads else []
@@ -151,7 +149,7 @@ def new_engine(spec: Any, *, zero3: bool) -> Any:
     from elastictrain.worker.ops import remember_cpu_info
 
     cfg = spec.config
-    remember_cpu_info()  # asked once per process (a warmed-up actor already did)
+    remember_cpu_info()  # probed once per process (a warmed-up actor did it loading its ops)
     torch.manual_seed(cfg.training.seed)  # identical random init on every rank
     # zero.Init patches tensor construction; lazy imports inside it (torch._dynamo) then fail.
     preload_model_code(cfg)

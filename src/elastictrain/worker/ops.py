@@ -52,7 +52,7 @@ def own_extensions_dir() -> Path:
 
 
 def remember_cpu_info() -> None:
-    """Make py-cpuinfo's `get_cpu_info` ask once per process, and ask now.
+    """Make py-cpuinfo's `get_cpu_info` ask once per process: at the first call, and never again.
 
     Each call starts a Python subprocess that probes the CPU: 1.1 s here. DeepSpeed calls it whenever it
     loads a CPU op (twice, for its compiler flags) and whenever it creates its CPU Adam: a CPU-offload
@@ -72,7 +72,6 @@ def remember_cpu_info() -> None:
 
     get_cpu_info.remembered = True  # type: ignore[attr-defined]
     cpuinfo.get_cpu_info = get_cpu_info
-    get_cpu_info()
 
 
 def build_ops(use_gpu: bool = False) -> dict[str, str]:
