@@ -73,3 +73,20 @@ def test_the_cpu_is_probed_once_per_process_and_every_caller_gets_its_own_copy(
     from deepspeed.ops.op_builder.cpu import CPUAdamBuilder
 
     assert CPUAdamBuilder().cpu_arch().startswith("-m")  # DeepSpeed's compiler flags, from the copy
+
+
+def test_the_cpu_probe_is_saved_for_this_cpu_and_read_back_instead_of_probing_again(tmp_path: Path) -> None:
+    probes: list[int] = []
+
+    def probe() -> dict[str, object]:
+        probes.append(1)
+        return {"arch": "X86_64", "flags": ["avx2"]}
+
+    first = ops.cpu_info_from_file(probe, tmp_path)
+    again = ops.cpu_info_from_file(probe, tmp_path)
+    assert first == again == {"arch": "X86_64", "flags": ["avx2"]}
+    assert len(probes) == 1
+    [saved] = tmp_path.glob("cpuinfo-*.json")
+    assert saved.name == f"cpuinfo-{ops.cpu_fingerprint()}.json"  # another CPU reads another file
+    saved.write_text("{not json")  # a torn or foreign file is probed over, not trusted
+    assert ops.cpu_info_from_file(probe, tmp_path) == first and len(probes) == 2
