@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+from readme_blocks import free_ports
 
 pytestmark = pytest.mark.integration
 
@@ -88,15 +88,9 @@ print(json.dumps({"ours": ours, "theirs": theirs, "losses": losses, "losses_ref"
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_engine_build_skips_the_hook_gathers_and_init_broadcasts_and_trains_exactly_as_deepspeed():
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    port = str(_free_port())
+    port = str(free_ports(1)[0])
     ranks = [
         subprocess.Popen(
             [sys.executable, "-c", SCRIPT, port, str(rank)],

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+from readme_blocks import free_ports
 
 pytestmark = pytest.mark.integration
 
@@ -72,16 +72,10 @@ print(json.dumps({
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_offloaded_optimizer_reads_its_gradients_in_place_and_updates_exactly_as_deepspeed_does():
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(_free_port())],
+        [sys.executable, "-c", SCRIPT, str(free_ports(1)[0])],
         env=env,
         capture_output=True,
         text=True,
