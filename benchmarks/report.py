@@ -21,7 +21,9 @@ def _status(t: dict[str, Any]) -> str:
     if t["met"]:
         return "met"
     by = t["missed_by"]
-    return f"missed by {by * 100:.0f}%" if by is not None else "missed"
+    if by is None:
+        return "missed"
+    return f"missed by {by * 100:.1f}%" if by < 0.01 else f"missed by {by * 100:.0f}%"  # never "by 0%"
 
 
 # Why a target can be missed and what would close it: shown under the table for each missed row.
