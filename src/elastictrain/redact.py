@@ -42,6 +42,10 @@ _QUERY_SECRET = re.compile(
     re.I,
 )
 MIN_ENV_SECRET = 6  # shorter values would mask innocent text
+# The shell's working directories: "pwd" names a password elsewhere, but these hold a folder. Masked,
+# every path under the folder a run starts from (nvme_path, run.dir) was written `***/...` into
+# config.yaml, and `resume` then refused the run or looked in the wrong place.
+_NOT_SECRET_ENV = {"PWD", "OLDPWD"}
 
 
 def is_secret_key(key: str) -> bool:
@@ -53,7 +57,11 @@ def is_secret_key(key: str) -> bool:
 
 
 def _env_secrets() -> list[str]:
-    values = {v for k, v in os.environ.items() if is_secret_key(k) and len(v) >= MIN_ENV_SECRET}
+    values = {
+        v
+        for k, v in os.environ.items()
+        if k not in _NOT_SECRET_ENV and is_secret_key(k) and len(v) >= MIN_ENV_SECRET
+    }
     return sorted(values, key=len, reverse=True)
 
 

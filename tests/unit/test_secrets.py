@@ -175,3 +175,16 @@ def test_redaction_of_text_and_trees():
         "a": {"password": MASK, "n": 1},
         "l": [f"http://u:{MASK}@h"],
     }
+
+
+def test_the_working_directory_is_not_a_secret_but_a_password_variable_still_is(monkeypatch):
+    monkeypatch.setenv("PWD", "/data/project")  # the shell's, not a password
+    monkeypatch.setenv("OLDPWD", "/data/before")
+    monkeypatch.setenv("DB_PWD", "hunter2-hunter2")
+    assert redact_text("nvme_path: /data/project/nvme, was /data/before") == (
+        "nvme_path: /data/project/nvme, was /data/before"
+    )
+    assert redact_text("db at hunter2-hunter2") == f"db at {MASK}"
+    assert redact({"deepspeed": {"nvme_path": "/data/project"}}) == {
+        "deepspeed": {"nvme_path": "/data/project"}
+    }
