@@ -40,7 +40,7 @@ from elastictrain.worker.host_memory import (
     snapshot_budget_bytes,
 )
 from elastictrain.worker.memory import WorkerMemory
-from elastictrain.worker.ops import prefer_environment_tools, remember_cpu_info
+from elastictrain.worker.ops import load_op, prefer_environment_tools, remember_cpu_info
 from elastictrain.worker.snapshot_peer import SnapshotPeer
 
 # Frames from these files mean "waiting for the other ranks".
@@ -117,15 +117,12 @@ class TrainWorker(SnapshotPeer, FaultHooks):
 
     def _warm_up(self, config: Any) -> None:
         import deepspeed  # noqa: F401
-        from deepspeed.accelerator import get_accelerator
 
         from elastictrain.worker.model import preload_engine_code, preload_model_code
 
         if not self.use_gpu:
             # The CPU all-reduce op is loaded at the first init_distributed; load it now instead.
-            builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-            if builder is not None and builder.is_compatible(verbose=False):
-                builder.load(verbose=False)
+            load_op("ShareMemCommBuilder")
         preload_model_code(config)
         preload_engine_code(config)
         self._ensure_dataset(config)

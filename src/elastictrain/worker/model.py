@@ -58,9 +58,8 @@ def preload_engine_code(config: Any) -> None:
     """
     import importlib
 
-    from deepspeed.accelerator import get_accelerator
-
     from elastictrain.config.deepspeed_config import effective_offload
+    from elastictrain.worker.ops import load_op
 
     with contextlib.suppress(ImportError):  # a DeepSpeed without it does not import it either
         importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")
@@ -68,11 +67,9 @@ def preload_engine_code(config: Any) -> None:
     ops = ["CPUAdamBuilder"] if offloads[0] != "none" else []
     ops += ["AsyncIOBuilder"] if "nvme" in offloads else []
     for name in ops:
-        builder = get_accelerator().create_op_builder(name)
         # A missing or broken op is the engine build's to report, with DeepSpeed's own message.
         with contextlib.suppress(Exception):
-            if builder is not None and builder.is_compatible(verbose=False):
-                builder.load(verbose=False)
+            load_op(name)
 
 
 def build_causal_lm(hf_config: dict[str, Any], *, activation_checkpointing: bool = False) -> torch.nn.Module:

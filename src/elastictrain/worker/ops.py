@@ -122,6 +122,15 @@ def cpu_info_from_file(probe: Any, folder: Path) -> dict[str, Any]:
     return info
 
 
+def load_op(name: str) -> None:
+    """Load DeepSpeed's op `name` into this process where this machine can run it (a no-op once loaded)."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder(name)
+    if builder is not None and builder.is_compatible(verbose=False):
+        builder.load(verbose=False)
+
+
 def build_ops(use_gpu: bool = False) -> dict[str, str]:
     prefer_environment_tools()
     remember_cpu_info()  # probed here, once: saved for every worker that starts after

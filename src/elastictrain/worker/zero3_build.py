@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+from unittest import mock
 
 
 def _hook_needs_no_values() -> bool:
@@ -65,11 +66,10 @@ def hooks_registered_without_gathering() -> Iterator[None]:
             for param, all_gather, partition in saved:
                 param.all_gather, param.partition = all_gather, partition
 
-    DeepSpeedZeroOptimizer_Stage3.create_reduce_and_remove_grad_hooks = create_hooks  # type: ignore[method-assign]
-    try:
+    with mock.patch.object(
+        DeepSpeedZeroOptimizer_Stage3, "create_reduce_and_remove_grad_hooks", create_hooks
+    ):
         yield
-    finally:
-        DeepSpeedZeroOptimizer_Stage3.create_reduce_and_remove_grad_hooks = original  # type: ignore[method-assign]
 
 
 @contextmanager
@@ -81,14 +81,9 @@ def parameters_partitioned_without_broadcast() -> Iterator[None]:
     """
     from deepspeed.runtime.zero.partition_parameters import Init
 
-    original = Init._zero_init_param
-
     def partition_as_is(self: Any, param: Any) -> None:
         self._convert_to_deepspeed_param(param)
         param.partition()
 
-    Init._zero_init_param = partition_as_is  # type: ignore[method-assign]
-    try:
+    with mock.patch.object(Init, "_zero_init_param", partition_as_is):
         yield
-    finally:
-        Init._zero_init_param = original  # type: ignore[method-assign]
