@@ -45,7 +45,10 @@ def test_lower_stages_divide_less_and_the_largest_layer_and_baseline_add_on_top(
     stage1 = _est(zero_stage=1)
     assert stage1.host_bytes == (4 + 4) * B + 12 * B // 2
     e = estimate_rank_memory(B, 1000, 4, zero_stage=3, precision="fp32", baseline_bytes=GIB)
-    assert e.host_bytes == 16 * B // 4 + 4000 + GIB
+    # The largest layer's weights gathered whole and its whole gradient: 4 + 4 bytes in fp32.
+    assert e.host_bytes == 16 * B // 4 + 8000 + GIB
+    half = estimate_rank_memory(B, 1000, 4, zero_stage=3, precision="bf16", baseline_bytes=0)
+    assert half.host_bytes == 18 * B // 4 + 4000  # DeepSpeed's 4 bytes: fp16 weights and gradients
     assert "1000.0M parameters at world size 4" in e.describe()
 
 

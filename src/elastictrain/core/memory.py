@@ -18,8 +18,10 @@ stage 0 nothing. Offloading the optimizer moves its bytes (and the fp32 gradient
 the host, or to NVMe; offloading the parameters moves the training copy too. On a CPU-only machine
 device and host are the same memory.
 
-On top: the largest layer gathered whole for its forward and backward (fp32-sized, as DeepSpeed
-counts it; the caller passes ZeRO-3's live-parameter bound where larger), the host buffers an NVMe
+On top: the largest layer gathered whole, with its whole gradient computed before the reduce-scatter
+partitions it, in the training precision (DeepSpeed's `largest_layer_memory`: 2 bytes of fp16 weights
+and 2 of fp16 gradients per parameter, so 8 in fp32; the caller passes ZeRO-3's live-parameter bound
+where larger), the host buffers an NVMe
 swap stages through (`swap_buffer_bytes`), and the runtime's own baseline per process (Python, torch,
 DeepSpeed, the Ray actor).
 
@@ -130,7 +132,7 @@ def estimate_rank_memory(
     places[opt_place] += optimizer
     # Offloaded optimizers step on the host, so the fp32 gradient partitions live there too.
     places["device" if opt_place == "device" else "host"] += grads
-    layer = largest_layer_params * 4
+    layer = largest_layer_params * 2 * weight_bytes  # its weights gathered and its gradient, whole
     retained = 0.0
     if use_gpu:
         device = places["device"] + layer

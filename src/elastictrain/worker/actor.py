@@ -217,6 +217,8 @@ class TrainWorker(SnapshotPeer, FaultHooks):
             from elastictrain.checkpoint.zero_state import load_committed
 
             load_committed(self.engine, as_path(spec.checkpoint_dir))
+        if spec.memory is not None or spec.checkpoint_dir is not None:
+            release_freed_memory()  # the loader's read buffers and new optimizer state, as above
         timings["load_s"] = time.perf_counter() - t2
         swapped = bool(nvme_paths(spec.ds_config))  # NVMe-swapped state: copied inline (worker/memory.py)
         max_mb = cfg.checkpoint.max_host_memory_mb

@@ -14,8 +14,16 @@ from typing import Any
 
 import torch
 
-from elastictrain.worker.zero3_build import hooks_registered_without_gathering
-from elastictrain.worker.zero3_memory import share_fp32_partitions, share_offloaded_gradients
+from elastictrain.worker.host_memory import release_freed_memory
+from elastictrain.worker.zero3_build import (
+    hooks_registered_without_gathering,
+    optimizer_states_initialized_without_swapping,
+)
+from elastictrain.worker.zero3_memory import (
+    create_swapped_adam_state,
+    share_fp32_partitions,
+    share_offloaded_gradients,
+)
 
 # transformers' ZeRO-3 loading of a pretrained folder finds the DeepSpeed config through a weak
 # reference to this object; it must stay alive while that model is built and trained.
@@ -154,7 +162,10 @@ def new_engine(spec: Any, *, zero3: bool) -> Any:
         os.makedirs(folder, exist_ok=True)
     restoring = spec.memory is not None or spec.checkpoint_dir is not None
     model = build_model(cfg, spec.ds_config, zero3=zero3, restoring=restoring)
-    with hooks_registered_without_gathering():
+    # The model's build frees pieces (whole parameters before partitioning, their init) that the
+    # engine's large buffers, allocated next, cannot reuse: the workers' malloc would keep both.
+    release_freed_memory()
+    with hooks_registered_without_gathering(), optimizer_states_initialized_without_swapping():
         engine, *_ = deepspeed.initialize(
             model=model,
             model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -163,6 +174,8 @@ def new_engine(spec: Any, *, zero3: bool) -> Any:
     if zero3:
         share_fp32_partitions(engine)
         share_offloaded_gradients(engine, cpu_only=not cfg.scaling.use_gpu)
+        if not restoring:  # a restoring build's loader creates the state as it fills it
+            create_swapped_adam_state(engine)
     return engine
 
 

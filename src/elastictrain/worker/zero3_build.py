@@ -14,14 +14,22 @@ every parameter between the ranks for nothing:
   them; persistent parameters, kept whole on every rank, are gathered again from the loaded partitions
   (`checkpoint/zero_layouts.py`). 1.4 s at 374M.
 
-`hooks_registered_without_gathering` and `parameters_partitioned_without_broadcast` skip them;
-everything else about the build, and every value it produces, is DeepSpeed's own.
+With the optimizer's state on NVMe, a third step moves bytes for nothing: `initialize_optimizer_states`
+reads each sub-group's fp32 master in from its swap file and writes it back unchanged, only to give it
+a gradient buffer it drops again (a round trip of 4 bytes per parameter of a rank's share each way:
+2 GB read and 2 GB written per rank at 1B on 2 ranks). `optimizer_states_initialized_without_swapping`
+lets it take and release the swap buffers without the I/O.
+
+`hooks_registered_without_gathering`, `parameters_partitioned_without_broadcast` and
+`optimizer_states_initialized_without_swapping` skip them; everything else about the build, and every
+value it produces, is DeepSpeed's own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 from unittest import mock
 
@@ -87,3 +95,58 @@ def parameters_partitioned_without_broadcast() -> Iterator[None]:
 
     with mock.patch.object(Init, "_zero_init_param", partition_as_is):
         yield
+
+
+def _buffers_without_reading(opt: Any, group: int, timer_names: Any = None) -> None:
+    """`_optimizer_states_and_gradient_swap_in` (PartitionedOptimizerSwapper) without its reads: the
+    sub-group's tensors get their swap buffers, holding whatever those held."""
+    swapper = opt.optimizer_swapper
+    master = opt.fp32_partitioned_groups_flat[group]
+    info = swapper._get_param_swap_info(master)
+    if info is None:
+        return
+    count = info.num_tensors() + (1 if info.has_gradients() else 0)
+    aligned = swapper._io_aligned_numel(info.numel())
+    buffers = swapper.swap_buffer_manager.allocate(num_elems=aligned, count=count, dtype=master.dtype)
+    info.swap_buffers = buffers.copy()
+    info.set_swap_buffers(buffers[: info.num_tensors()], aligned)
+
+
+@contextmanager
+def optimizer_states_initialized_without_swapping() -> Iterator[None]:
+    """While active, a ZeRO-3 optimizer whose state is swapped to NVMe initializes it without reading
+    each sub-group in and writing it back unchanged (see the module's docstring).
+
+    Only with DeepSpeed's plain partitioned swapper and the parameters in memory: a pipelined swapper,
+    parameters swapped to NVMe, or Muon (whose momentum is created between the two) go through
+    DeepSpeed's own calls."""
+    from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import PartitionedOptimizerSwapper
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    original = DeepSpeedZeroOptimizer_Stage3.initialize_optimizer_states
+
+    def initialize(self: Any) -> None:
+        plain = (
+            getattr(self, "swap_optimizer", False)
+            and type(getattr(self, "optimizer_swapper", None)) is PartitionedOptimizerSwapper
+            and not getattr(self, "params_in_nvme_and_cpu", False)
+            and not getattr(self, "use_muon", False)
+        )
+        if not plain:
+            original(self)
+            return
+        swap_in, swap_out = partial(_buffers_without_reading, self), partial(_release_without_writing, self)
+        with (
+            mock.patch.object(self, "_optimizer_states_and_gradient_swap_in", swap_in),
+            mock.patch.object(self, "_optimizer_states_and_gradient_swap_out", swap_out),
+        ):
+            original(self)
+
+    with mock.patch.object(DeepSpeedZeroOptimizer_Stage3, "initialize_optimizer_states", initialize):
+        yield
+
+
+def _release_without_writing(opt: Any, group: int, timer_names: Any = None) -> None:
+    """`_optimizer_states_and_gradient_swap_out` without its writes: the buffers go back, the swap files
+    keep what they held."""
+    opt._release_swap_buffers(group)

@@ -20,9 +20,16 @@ on a CPU-only machine the same bytes twice, 4 bytes per parameter of a rank's sh
 `share_offloaded_gradients` makes each sub-group's optimizer gradient a view of its run of the flat
 buffer; DeepSpeed's boundary copy then copies a tensor onto itself, which torch skips.
 
+With the optimizer's state swapped to NVMe, DeepSpeed's CPU Adam creates its two moments at the first
+step, as new tensors beside the swap buffers it brings each sub-group into (which have room for
+them): 8 bytes per element of a sub-group more at that step, at the moment the forward and backward
+pass's freed temporaries are still held by the allocator. `create_swapped_adam_state` creates the
+moments of a freshly built engine at the build instead, one sub-group at a time, and swaps them out:
+from the first step on, each sub-group's moments come in through the swap buffers (a 2-rank 134M
+model's first-step peak went from 2.88 to 2.41 GiB per rank, with the build's freed memory returned).
+
 All of these are exact: the values and the update are the same, only the copies are gone. Anything
-else (mixed precision, a GPU's device buffers, sub-groups swapped to NVMe, a layout other than
-expected) is left to DeepSpeed.
+else (mixed precision, a GPU's device buffers, a layout other than expected) is left to DeepSpeed.
 """
 
 from __future__ import annotations
@@ -77,6 +84,69 @@ def share_offloaded_gradients(engine: Any, cpu_only: bool) -> int:
         freed += grad.numel() * grad.element_size()
         master.grad = run
     return freed
+
+
+def create_swapped_adam_state(engine: Any) -> int:
+    """Create DeepSpeed CPU Adam's state (step 0, zero moments, as its first step would) for every
+    sub-group swapped to NVMe that has none yet, in the sub-group's free swap buffers, and swap it out;
+    returns the sub-groups given state.
+
+    Only for DeepSpeed's CPU Adam, whose state is known; a restoring build leaves it to the loader,
+    which creates and fills it in the same pass."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    opt = engine.optimizer
+    adam = getattr(opt, "optimizer", None)
+    if not getattr(opt, "swap_optimizer", False) or not isinstance(adam, DeepSpeedCPUAdam):
+        return 0
+    created = 0
+    for group in range(len(opt.fp16_groups)):
+        if not opt._swappable_optimizer_subgroup(group):
+            continue
+        opt._optimizer_states_and_gradient_swap_in(group)
+        master = opt.fp32_partitioned_groups_flat[group]
+        state = adam.state[master]
+        if not state:
+            dtype = torch.float if adam.fp32_optimizer_states else master.dtype
+            buffers = _free_swap_buffers(opt.optimizer_swapper, master, dtype)
+            if buffers:  # zeroed: views of them are the moments, written straight from there
+                moments = [buffer.narrow(0, 0, master.numel()) for buffer in buffers]
+            else:
+                moments = [torch.zeros_like(master, dtype=dtype) for _ in range(2)]
+            state["step"] = 0
+            state["exp_avg"], state["exp_avg_sq"] = moments
+            if buffers:
+                _swap_from_buffers(
+                    opt.optimizer_swapper, master, dict(zip(map(id, moments), buffers, strict=True))
+                )
+            created += 1
+        opt._optimizer_states_and_gradient_swap_out(group)
+    return created
+
+
+def _free_swap_buffers(swapper: Any, master: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Two zeroed swap buffers for `master`'s sub-group (given back with its own at its swap-out); none
+    where the manager has no room or holds another dtype."""
+    info = swapper._get_param_swap_info(master)
+    if info is None or dtype != master.dtype or dtype != swapper.swap_buffer_manager.dtype:
+        return []
+    aligned = swapper._io_aligned_numel(info.numel())
+    buffers = swapper.swap_buffer_manager.allocate(num_elems=aligned, count=2, dtype=dtype)
+    if buffers is None:
+        return []
+    info.swap_buffers += buffers
+    return [buffer.zero_() for buffer in buffers]
+
+
+def _swap_from_buffers(swapper: Any, master: torch.Tensor, buffer_of: dict[int, torch.Tensor]) -> None:
+    """Register the new state with the sub-group's swap record (as DeepSpeed does with state it finds)
+    and give each tensor its swap buffer, so that the swap-out writes it from there as it does a
+    swapped-in one."""
+    info = swapper._get_param_swap_info(master)  # picks up the state tensors
+    for context in info.tensors:
+        buffer = buffer_of.get(id(context.compute_tensor))
+        if buffer is not None:
+            context.set_buffers(compute_buffer=context.compute_tensor, swap_buffer=buffer)
 
 
 def _same_layout(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
