@@ -205,8 +205,9 @@ def _memory_probe() -> tuple[str, int | None]:
     return socket.gethostname(), meminfo_bytes("MemTotal")
 
 
-def model_size(config: Any) -> tuple[int, int]:
-    """(parameters, parameters of the largest layer) of the model, built empty (no memory, no download)."""
+def model_size(config: Any) -> tuple[int, int, list[int]]:
+    """(parameters, parameters of the largest layer, each parameter's size in order) of the model, built
+    empty (no memory, no download)."""
     from accelerate import init_empty_weights
 
     from elastictrain.tools.adapter import base_structure
@@ -215,26 +216,27 @@ def model_size(config: Any) -> tuple[int, int]:
     forget_hf_deepspeed_config()
     with init_empty_weights():
         model = base_structure(config)
-    total = sum(p.numel() for p in model.parameters())
+    sizes = [p.numel() for p in model.parameters()]
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
-    return total, largest
+    return sum(sizes), largest, sizes
 
 
 def memory_estimate(config: Any, world_size: int) -> Any:
     """core.memory's estimate for this config at `world_size` (None for LoRA: most weights are frozen)."""
     from elastictrain.config.deepspeed_config import NVME_SUB_GROUP, live_parameters
-    from elastictrain.core.memory import estimate_rank_memory
+    from elastictrain.core.memory import estimate_rank_memory, largest_sub_group
 
     if config.model.lora.enabled:
         return None
-    params, largest = model_size(config)
+    params, largest, sizes = model_size(config)
     # What ZeRO-3 may hold gathered at once: at least the largest layer, at most its live-parameter bound.
     largest = (
         max(largest, min(params, live_parameters(config))) if config.deepspeed.zero_stage >= 3 else largest
     )
     ds, t = config.deepspeed, config.training
-    # DeepSpeed's optimizer swapper stages sub-groups through 4 fp32 buffers of a sub-group each.
-    swap = 4 * 4 * min(NVME_SUB_GROUP, params // world_size) if ds.offload_optimizer == "nvme" else 0
+    # DeepSpeed's optimizer swapper stages sub-groups through 4 fp32 buffers of its largest sub-group.
+    partitions = [-(-size // world_size) for size in sizes]
+    swap = 4 * 4 * largest_sub_group(partitions, NVME_SUB_GROUP) if ds.offload_optimizer == "nvme" else 0
     return estimate_rank_memory(
         params,
         largest,

@@ -4,7 +4,8 @@ DeepSpeed's own engine, which does that round trip and creates the state at its 
 
 Two processes (world size 2, gloo) each build the same tiny Llama under ZeRO-3 with the optimizer
 offloaded to NVMe in several sub-groups, twice: once as DeepSpeed builds it, and once inside
-`worker/zero3_build.optimizer_states_initialized_without_swapping` followed by
+`worker/zero3_build.optimizer_states_initialized_without_swapping` and `freed_partitions_returned`
+(whose memory return must come between the partitions' flattening and the swap buffers) followed by
 `worker/zero3_memory.create_swapped_adam_state`, counting the sub-group reads and writes in
 `deepspeed.initialize`. Before the first step every swapped sub-group of ours already has its moments
 swapped out (DeepSpeed's has none); both then train the same batches with gradient accumulation and
@@ -32,7 +33,10 @@ import deepspeed, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from elastictrain.worker.dist import reset_zero_counters
 from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import PartitionedOptimizerSwapper as Swapper
-from elastictrain.worker.zero3_build import optimizer_states_initialized_without_swapping
+import elastictrain.worker.host_memory as host_memory
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+from elastictrain.worker.zero3_build import (
+    freed_partitions_returned, optimizer_states_initialized_without_swapping)
 from elastictrain.worker.zero3_memory import create_swapped_adam_state
 
 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
@@ -50,6 +54,14 @@ def counting_write(self, *args, **kwargs):
     return written(self, *args, **kwargs)
 
 Swapper._swap_in_parameter, Swapper._swap_out_optimizer_state = counting_read, counting_write
+events = []  # in the order they happen while building
+release, flatten, swapping = (host_memory.release_freed_memory,
+                              Stage3._create_fp16_partitions_with_defragmentation,
+                              Stage3._configure_tensor_swapping)
+host_memory.release_freed_memory = lambda: events.append("memory returned") or release()
+Stage3._create_fp16_partitions_with_defragmentation = (
+    lambda self, *a: events.append("partitions flattened") or flatten(self, *a))
+Stage3._configure_tensor_swapping = lambda self, *a: events.append("swap buffers") or swapping(self, *a)
 
 def config(name):
     return {
@@ -74,9 +86,15 @@ def train(ours):
     with deepspeed.zero.Init(config_dict_or_path=ds):
         model = LlamaForCausalLM(hf)
     io.update(read=0, written=0)
-    with optimizer_states_initialized_without_swapping() if ours else contextlib.nullcontext():
+    events.clear()
+    built_ours = contextlib.ExitStack()
+    if ours:
+        built_ours.enter_context(optimizer_states_initialized_without_swapping())
+        built_ours.enter_context(freed_partitions_returned())
+    with built_ours:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds)
     build_io = dict(io)
+    build_events = list(events)
     opt = engine.optimizer
     allocated = []  # moments created outside the swap buffers
     zeros_like = torch.zeros_like
@@ -89,6 +107,7 @@ def train(ours):
         "created": created,
         "allocated": allocated,
         "build_io": build_io,
+        "build_events": build_events,
         "swapped": len(swapped),
         "with_state": sum(1 for m in masters if opt.optimizer.state.get(m)),
         # swapped out: the master and its moments are empty tensors until the next swap-in
@@ -148,6 +167,8 @@ def test_nvme_optimizer_built_without_the_swap_round_trip_and_with_adam_state_tr
         # DeepSpeed reads every sub-group in and writes it back unchanged while building; ours does not.
         assert theirs["build_io"] == {"read": theirs["swapped"], "written": theirs["swapped"]}
         assert ours["build_io"] == {"read": 0, "written": 0}
+        assert ours["build_events"] == ["partitions flattened", "memory returned", "swap buffers"]
+        assert theirs["build_events"] == ["partitions flattened", "swap buffers"]
         assert ours["created"] == ours["with_state"] == ours["swapped"]
         assert ours["allocated"] == []  # the moments were made in the sub-groups' free swap buffers
         assert theirs["with_state"] == 0  # DeepSpeed creates the moments at the first step

@@ -111,3 +111,29 @@ def test_a_1b_model_without_offload_fits_a_24_gib_two_slot_machine_with_jemalloc
     assert memory_shortfall(node, [2], glibc.host_need, wanted=2) == 1
     assert memory_shortfall(node, [2], jemalloc.host_need, wanted=2) is None
     assert memory_shortfall(node, [2], nvme.host_need, wanted=2) is None
+
+
+def test_the_swap_buffers_hold_deepspeeds_largest_sub_group_which_may_pass_sub_group_size() -> None:
+    from elastictrain.core.memory import largest_sub_group
+
+    # Closed once it reaches the size: the last partition added may carry a sub-group past it.
+    assert largest_sub_group([30, 30, 10, 45, 5], 50) == 60
+    assert largest_sub_group([10, 10, 80], 50) == 100
+    assert largest_sub_group([10, 10, 5], 50) == 25  # all of it in one sub-group
+    assert largest_sub_group([40, 40, 20], 50) == 80
+
+
+def test_largest_sub_group_follows_deepspeeds_own_grouping() -> None:
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    from elastictrain.core.memory import largest_sub_group
+
+    numels = [7, 52, 3, 3, 40, 11, 64, 2, 9, 30]
+    params = [SimpleNamespace(partition_numel=lambda n=n: n) for n in numels]
+    for size in (10, 50, 60, 1000):
+        groups = DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups(
+            SimpleNamespace(sub_group_size=size), params
+        )
+        assert largest_sub_group(numels, size) == max(sum(p.partition_numel() for p in g) for g in groups)

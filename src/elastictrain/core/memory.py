@@ -158,6 +158,21 @@ def estimate_rank_memory(
     )
 
 
+def largest_sub_group(partition_numels: list[int], sub_group_size: int) -> int:
+    """Elements in the largest of ZeRO-3's optimizer sub-groups (DeepSpeed's `_create_fp16_sub_groups`):
+    a rank's parameter partitions, in order, each sub-group closed once it reaches `sub_group_size`, so
+    one may exceed it by up to a partition (the 1B preset's last holds its output layer: 64M of 50M)."""
+    total = sum(partition_numels)
+    if sub_group_size >= total:
+        return total
+    largest = running = 0
+    for numel in partition_numels:
+        running += numel
+        if running >= sub_group_size:
+            largest, running = max(largest, running), 0
+    return max(largest, running)
+
+
 def ranks_that_fit(node_memory_bytes: list[int], node_slots: list[int], per_rank_bytes: int) -> int:
     """How many ranks the nodes can host by memory, each node capped by its CPU/GPU slots."""
     if per_rank_bytes <= 0:

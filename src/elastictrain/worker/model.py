@@ -16,6 +16,7 @@ import torch
 
 from elastictrain.worker.host_memory import release_freed_memory
 from elastictrain.worker.zero3_build import (
+    freed_partitions_returned,
     hooks_registered_without_gathering,
     optimizer_states_initialized_without_swapping,
 )
@@ -165,7 +166,11 @@ def new_engine(spec: Any, *, zero3: bool) -> Any:
     # The model's build frees pieces (whole parameters before partitioning, their init) that the
     # engine's large buffers, allocated next, cannot reuse: the workers' malloc would keep both.
     release_freed_memory()
-    with hooks_registered_without_gathering(), optimizer_states_initialized_without_swapping():
+    with (
+        hooks_registered_without_gathering(),
+        optimizer_states_initialized_without_swapping(),
+        freed_partitions_returned(),
+    ):
         engine, *_ = deepspeed.initialize(
             model=model,
             model_parameters=[p for p in model.parameters() if p.requires_grad],
