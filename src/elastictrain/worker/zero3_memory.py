@@ -91,13 +91,16 @@ def create_swapped_adam_state(engine: Any) -> int:
     sub-group swapped to NVMe that has none yet, in the sub-group's free swap buffers, and swap it out;
     returns the sub-groups given state.
 
-    Only for DeepSpeed's CPU Adam, whose state is known; a restoring build leaves it to the loader,
-    which creates and fills it in the same pass."""
+    Only for DeepSpeed's CPU Adam, whose state is known, and its plain (not pipelined) swapper; a
+    restoring build leaves it to the loader, which creates and fills it in the same pass."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import PartitionedOptimizerSwapper
 
     opt = engine.optimizer
     adam = getattr(opt, "optimizer", None)
-    if not getattr(opt, "swap_optimizer", False) or not isinstance(adam, DeepSpeedCPUAdam):
+    plain = type(getattr(opt, "optimizer_swapper", None)) is PartitionedOptimizerSwapper  # not pipelined
+    if not getattr(opt, "swap_optimizer", False) or not plain or not isinstance(adam, DeepSpeedCPUAdam):
         return 0
     created = 0
     for group in range(len(opt.fp16_groups)):
