@@ -94,7 +94,6 @@ def create_swapped_adam_state(engine: Any) -> int:
     Only for DeepSpeed's CPU Adam, whose state is known, and its plain (not pipelined) swapper; a
     restoring build leaves it to the loader, which creates and fills it in the same pass."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
-
     from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import PartitionedOptimizerSwapper
 
     opt = engine.optimizer
