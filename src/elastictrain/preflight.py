@@ -205,9 +205,9 @@ def _memory_probe() -> tuple[str, int | None]:
     return socket.gethostname(), meminfo_bytes("MemTotal")
 
 
-def model_size(config: Any) -> tuple[int, int, list[int]]:
-    """(parameters, parameters of the largest layer, each parameter's size in order) of the model, built
-    empty (no memory, no download)."""
+def model_size(config: Any) -> tuple[list[int], int]:
+    """(each parameter's size in order, parameters of the largest layer) of the model, built empty (no
+    memory, no download)."""
     from accelerate import init_empty_weights
 
     from elastictrain.tools.adapter import base_structure
@@ -218,7 +218,7 @@ def model_size(config: Any) -> tuple[int, int, list[int]]:
         model = base_structure(config)
     sizes = [p.numel() for p in model.parameters()]
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
-    return sum(sizes), largest, sizes
+    return sizes, largest
 
 
 def memory_estimate(config: Any, world_size: int) -> Any:
@@ -228,7 +228,8 @@ def memory_estimate(config: Any, world_size: int) -> Any:
 
     if config.model.lora.enabled:
         return None
-    params, largest, sizes = model_size(config)
+    sizes, largest = model_size(config)
+    params = sum(sizes)
     # What ZeRO-3 may hold gathered at once: at least the largest layer, at most its live-parameter bound.
     largest = (
         max(largest, min(params, live_parameters(config))) if config.deepspeed.zero_stage >= 3 else largest

@@ -71,3 +71,37 @@ def offload_overrides(offload: str, nvme_path: Path) -> list[str]:
         f"deepspeed.nvme_path={nvme_path}",
     ]
     return out + list(NVME_MODEL) if offload == "nvme" else out
+
+
+def script_on_two_ranks(script: str, *args: str, timeout_s: float = 300) -> list[dict]:
+    """Run a `python -c` script as ranks 0 and 1 of a gloo world on loopback; each rank's last stdout
+    line, parsed as JSON. The script gets its port, its rank, then `args` in sys.argv."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from readme_blocks import free_ports
+
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    port = str(free_ports(1)[0])
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, port, str(rank), *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outs = []
+    try:
+        for proc in ranks:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+            assert proc.returncode == 0, stderr[-3000:]
+            outs.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for proc in ranks:
+            proc.kill()
+    return outs

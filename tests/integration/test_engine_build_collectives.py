@@ -10,13 +10,8 @@ and their losses and gathered weights are compared bit for bit.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-from readme_blocks import free_ports
+from helpers import script_on_two_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -89,27 +84,7 @@ print(json.dumps({"ours": ours, "theirs": theirs, "losses": losses, "losses_ref"
 
 
 def test_engine_build_skips_the_hook_gathers_and_init_broadcasts_and_trains_exactly_as_deepspeed():
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    port = str(free_ports(1)[0])
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", SCRIPT, port, str(rank)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outs = []
-    try:
-        for proc in ranks:
-            stdout, stderr = proc.communicate(timeout=300)
-            assert proc.returncode == 0, stderr[-3000:]
-            outs.append(json.loads(stdout.strip().splitlines()[-1]))
-    finally:
-        for proc in ranks:
-            proc.kill()
+    outs = script_on_two_ranks(SCRIPT)
     for out in outs:
         params = out["theirs"]["params"]
         # DeepSpeed alone: every parameter broadcast at creation and gathered for its hook.

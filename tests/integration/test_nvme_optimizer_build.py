@@ -14,19 +14,16 @@ clipping, and their losses and gathered weights are compared bit for bit.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from readme_blocks import free_ports
+from helpers import script_on_two_ranks
 
 pytestmark = pytest.mark.integration
 
 SCRIPT = r"""
 import contextlib, json, os, sys
+from pathlib import Path
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK=sys.argv[2], WORLD_SIZE="2",
                   LOCAL_RANK="0")
 import deepspeed, torch
@@ -128,7 +125,6 @@ def train(ours):
         weights = {name: p.detach().clone() for name, p in params.items()}
     return before, losses, weights
 
-from pathlib import Path
 ours, losses, weights = train(ours=True)
 theirs, losses_ref, weights_ref = train(ours=False)
 differing = [k for k in weights if not torch.equal(weights[k], weights_ref[k])]
@@ -140,27 +136,7 @@ print(json.dumps({"ours": ours, "theirs": theirs, "losses": losses, "losses_ref"
 def test_nvme_optimizer_built_without_the_swap_round_trip_and_with_adam_state_trains_exactly_as_deepspeed(
     tmp_path: Path,
 ) -> None:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    port = str(free_ports(1)[0])
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", SCRIPT, port, str(rank), str(tmp_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outs = []
-    try:
-        for proc in ranks:
-            stdout, stderr = proc.communicate(timeout=300)
-            assert proc.returncode == 0, stderr[-3000:]
-            outs.append(json.loads(stdout.strip().splitlines()[-1]))
-    finally:
-        for proc in ranks:
-            proc.kill()
+    outs = script_on_two_ranks(SCRIPT, str(tmp_path))
     for out in outs:
         ours, theirs = out["ours"], out["theirs"]
         assert ours["swapped"] == theirs["swapped"] >= 3  # several sub-groups, each swapped to NVMe

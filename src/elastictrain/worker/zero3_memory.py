@@ -111,15 +111,13 @@ def create_swapped_adam_state(engine: Any) -> int:
         if not state:
             dtype = torch.float if adam.fp32_optimizer_states else master.dtype
             buffers = _free_swap_buffers(opt.optimizer_swapper, master, dtype)
-            if buffers:  # zeroed: views of them are the moments, written straight from there
-                moments = [buffer.narrow(0, 0, master.numel()) for buffer in buffers]
-            else:
-                moments = [torch.zeros_like(master, dtype=dtype) for _ in range(2)]
             state["step"] = 0
-            state["exp_avg"], state["exp_avg_sq"] = moments
-            if buffers:
-                _swap_from_buffers(
-                    opt.optimizer_swapper, master, dict(zip(map(id, moments), buffers, strict=True))
+            if buffers:  # zeroed: views of them are the moments, written straight from there
+                state["exp_avg"], state["exp_avg_sq"] = (b.narrow(0, 0, master.numel()) for b in buffers)
+                _swap_from_buffers(opt.optimizer_swapper, master, buffers)
+            else:
+                state["exp_avg"], state["exp_avg_sq"] = (
+                    torch.zeros_like(master, dtype=dtype) for _ in range(2)
                 )
             created += 1
         opt._optimizer_states_and_gradient_swap_out(group)
@@ -140,15 +138,15 @@ def _free_swap_buffers(swapper: Any, master: torch.Tensor, dtype: torch.dtype) -
     return [buffer.zero_() for buffer in buffers]
 
 
-def _swap_from_buffers(swapper: Any, master: torch.Tensor, buffer_of: dict[int, torch.Tensor]) -> None:
+def _swap_from_buffers(swapper: Any, master: torch.Tensor, buffers: list[torch.Tensor]) -> None:
     """Register the new state with the sub-group's swap record (as DeepSpeed does with state it finds)
-    and give each tensor its swap buffer, so that the swap-out writes it from there as it does a
-    swapped-in one."""
+    and give each state tensor the buffer it lies in, so that the swap-out writes it from there as it
+    does a swapped-in one."""
     info = swapper._get_param_swap_info(master)  # picks up the state tensors
     for context in info.tensors:
-        buffer = buffer_of.get(id(context.compute_tensor))
-        if buffer is not None:
-            context.set_buffers(compute_buffer=context.compute_tensor, swap_buffer=buffer)
+        for buffer in buffers:
+            if context.compute_tensor.data_ptr() == buffer.data_ptr():
+                context.set_buffers(compute_buffer=context.compute_tensor, swap_buffer=buffer)
 
 
 def _same_layout(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
