@@ -90,3 +90,20 @@ def test_the_cpu_probe_is_saved_for_this_cpu_and_read_back_instead_of_probing_ag
     assert saved.name == f"cpuinfo-{ops.cpu_fingerprint()}.json"  # another CPU reads another file
     saved.write_text("{not json")  # a torn or foreign file is probed over, not trusted
     assert ops.cpu_info_from_file(probe, tmp_path) == first and len(probes) == 2
+
+
+def test_a_worker_imports_deepspeed_without_mlflow_and_mlflow_stays_importable() -> None:
+    import subprocess
+
+    script = (
+        "import sys\n"
+        "from elastictrain.worker.ops import import_deepspeed\n"
+        "ds = import_deepspeed()\n"
+        "assert ds is sys.modules['deepspeed'], 'not the deepspeed module'\n"
+        "assert 'mlflow' not in sys.modules, 'mlflow was imported with deepspeed'\n"
+        "import mlflow\n"
+        "assert mlflow.__name__ == 'mlflow' and sys.modules['mlflow'] is mlflow\n"
+    )
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

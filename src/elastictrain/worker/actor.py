@@ -40,7 +40,7 @@ from elastictrain.worker.host_memory import (
     snapshot_budget_bytes,
 )
 from elastictrain.worker.memory import WorkerMemory
-from elastictrain.worker.ops import load_op, prefer_environment_tools, remember_cpu_info
+from elastictrain.worker.ops import import_deepspeed, load_op, prefer_environment_tools, remember_cpu_info
 from elastictrain.worker.snapshot_peer import SnapshotPeer
 
 # Frames from these files mean "waiting for the other ranks".
@@ -116,8 +116,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         return {**self.info(), "warmup_s": time.perf_counter() - t0}
 
     def _warm_up(self, config: Any) -> None:
-        import deepspeed  # noqa: F401
-
+        import_deepspeed()
         from elastictrain.worker.model import preload_engine_code, preload_model_code
 
         if not self.use_gpu:
@@ -168,8 +167,9 @@ class TrainWorker(SnapshotPeer, FaultHooks):
     # -- attempt lifecycle --
     def setup(self, spec: AttemptSpec) -> dict[str, float]:
         """Join an attempt: process group on a fresh rendezvous, engine, state from a checkpoint."""
-        import deepspeed
         import torch
+
+        deepspeed = import_deepspeed()
 
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
