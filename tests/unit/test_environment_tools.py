@@ -105,5 +105,7 @@ def test_a_worker_imports_deepspeed_without_mlflow_and_mlflow_stays_importable()
         "assert mlflow.__name__ == 'mlflow' and sys.modules['mlflow'] is mlflow\n"
     )
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]

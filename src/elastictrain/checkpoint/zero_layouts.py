@@ -29,6 +29,12 @@ from typing import Any
 
 import torch
 
+from elastictrain.checkpoint.zero_swap import (
+    adam_state_in_swap_buffers,
+    buffers_without_reading,
+    plain_swapper,
+)
+
 FP32 = "fp32"  # the field name of the fp32 master weights; optimizer states keep their own names
 
 
@@ -108,6 +114,18 @@ def rebuild_scalar(spec: dict[str, Any], accelerator: Any) -> Any:
     return int(spec["value"]) if spec["kind"] == "int" else float(spec["value"])
 
 
+def _zero_outside(tensor: torch.Tensor, slices: list[LocalSlice]) -> None:
+    """Zero the elements of a group's flat `tensor` that no slice covers (each parameter's partition
+    padding), as a swap-in of what the build wrote would have them."""
+    end = 0
+    for piece in sorted(slices, key=lambda p: p.offset):
+        if piece.offset > end:
+            tensor.narrow(0, end, piece.offset - end).zero_()
+        end = max(end, piece.offset + piece.length)
+    if end < tensor.numel():
+        tensor.narrow(0, end, tensor.numel() - end).zero_()
+
+
 class Zero3Layout:
     """ZeRO-3: per sub-group flat fp32 partitions, swapped in from NVMe where offloaded."""
 
@@ -140,10 +158,23 @@ class Zero3Layout:
         return self._slices[group]
 
     @contextmanager
-    def open(self, group: int, *, write_back: bool) -> Iterator[OpenGroup]:
+    def open(self, group: int, *, write_back: bool, overwrite: bool = False) -> Iterator[OpenGroup]:
+        """The group's tensors, swapped in from NVMe where offloaded, and out again on leaving.
+
+        `overwrite`: the caller fills every element of every slice of the fp32 master and the state (a
+        load): a sub-group swapped by DeepSpeed's plain swapper is then not read in but given its swap
+        buffers, the elements outside the slices zeroed and CPU Adam's state created in them
+        (checkpoint/zero_swap.py); a restoring build leaves its swap files unwritten for this
+        (worker/zero3_build.py)."""
         opt = self.optimizer
         swappable = opt._swappable_optimizer_subgroup(group)
-        if swappable:
+        if swappable and overwrite and write_back and plain_swapper(opt):
+            buffers_without_reading(opt, group)
+            adam_state_in_swap_buffers(opt, group)
+            flat = opt.fp32_partitioned_groups_flat[group]
+            for tensor in OpenGroup(flat, opt.optimizer.state[flat]).fields().values():
+                _zero_outside(tensor, self._slices[group])
+        elif swappable:
             opt._optimizer_states_and_gradient_swap_in(group)
         flat = opt.fp32_partitioned_groups_flat[group]
         try:
@@ -236,7 +267,7 @@ class FlatPartitionLayout:
         return self._slices[group]
 
     @contextmanager
-    def open(self, group: int, *, write_back: bool) -> Iterator[OpenGroup]:
+    def open(self, group: int, *, write_back: bool, overwrite: bool = False) -> Iterator[OpenGroup]:
         flat = self._flats[group]
         yield OpenGroup(flat, self.optimizer.optimizer.state[flat], self._slices[group])
 
@@ -285,7 +316,7 @@ class ReplicatedLayout:
         return [piece] if piece.length else []
 
     @contextmanager
-    def open(self, group: int, *, write_back: bool) -> Iterator[OpenGroup]:
+    def open(self, group: int, *, write_back: bool, overwrite: bool = False) -> Iterator[OpenGroup]:
         param, piece = self._params[group]
         flat = param.data.view(-1)
         state = self.optimizer.state[param]

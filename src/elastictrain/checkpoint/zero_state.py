@@ -158,7 +158,8 @@ def load_local_state(engine: Any, reader: FragmentReader, scalars: dict[str, Any
         raise ValueError(f"checkpoint does not match the model: missing parameters {missing[:5]}")
     layout.before_load()
     for group in range(layout.num_groups()):
-        with layout.open(group, write_back=True) as opened:
+        # Every slice of every field is filled below: nothing needs reading in first.
+        with layout.open(group, write_back=True, overwrite=True) as opened:
             pieces = opened.to_load()
             saved_fields = reader.fields(pieces[0].name) if pieces else []
             for field in saved_fields:

@@ -16,6 +16,7 @@ import torch
 
 from elastictrain.worker.host_memory import release_freed_memory
 from elastictrain.worker.zero3_build import (
+    fp32_masters_left_for_the_load,
     freed_partitions_returned,
     hooks_registered_without_gathering,
     optimizer_states_initialized_without_swapping,
@@ -170,6 +171,7 @@ def new_engine(spec: Any, *, zero3: bool) -> Any:
         hooks_registered_without_gathering(),
         optimizer_states_initialized_without_swapping(),
         freed_partitions_returned(),
+        fp32_masters_left_for_the_load() if restoring else contextlib.nullcontext(),
     ):
         engine, *_ = deepspeed.initialize(
             model=model,

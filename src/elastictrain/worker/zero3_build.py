@@ -40,6 +40,8 @@ from functools import partial
 from typing import Any
 from unittest import mock
 
+from elastictrain.checkpoint.zero_swap import buffers_without_reading, plain_swapper, release_without_writing
+
 
 def _hook_needs_no_values() -> bool:
     """Whether DeepSpeed registers gradient hooks on the Parameter itself (torch >= 2.1) rather than on
@@ -125,21 +127,6 @@ def parameters_partitioned_without_broadcast() -> Iterator[None]:
         yield
 
 
-def _buffers_without_reading(opt: Any, group: int, timer_names: Any = None) -> None:
-    """`_optimizer_states_and_gradient_swap_in` (PartitionedOptimizerSwapper) without its reads: the
-    sub-group's tensors get their swap buffers, holding whatever those held."""
-    swapper = opt.optimizer_swapper
-    master = opt.fp32_partitioned_groups_flat[group]
-    info = swapper._get_param_swap_info(master)
-    if info is None:
-        return
-    count = info.num_tensors() + (1 if info.has_gradients() else 0)
-    aligned = swapper._io_aligned_numel(info.numel())
-    buffers = swapper.swap_buffer_manager.allocate(num_elems=aligned, count=count, dtype=master.dtype)
-    info.swap_buffers = buffers.copy()
-    info.set_swap_buffers(buffers[: info.num_tensors()], aligned)
-
-
 @contextmanager
 def optimizer_states_initialized_without_swapping() -> Iterator[None]:
     """While active, a ZeRO-3 optimizer whose state is swapped to NVMe initializes it without reading
@@ -148,22 +135,15 @@ def optimizer_states_initialized_without_swapping() -> Iterator[None]:
     Only with DeepSpeed's plain partitioned swapper and the parameters in memory: a pipelined swapper,
     parameters swapped to NVMe, or Muon (whose momentum is created between the two) go through
     DeepSpeed's own calls."""
-    from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import PartitionedOptimizerSwapper
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     original = DeepSpeedZeroOptimizer_Stage3.initialize_optimizer_states
 
     def initialize(self: Any) -> None:
-        plain = (
-            getattr(self, "swap_optimizer", False)
-            and type(getattr(self, "optimizer_swapper", None)) is PartitionedOptimizerSwapper
-            and not getattr(self, "params_in_nvme_and_cpu", False)
-            and not getattr(self, "use_muon", False)
-        )
-        if not plain:
+        if not plain_swapper(self):
             original(self)
             return
-        swap_in, swap_out = partial(_buffers_without_reading, self), partial(_release_without_writing, self)
+        swap_in, swap_out = partial(buffers_without_reading, self), partial(release_without_writing, self)
         with (
             mock.patch.object(self, "_optimizer_states_and_gradient_swap_in", swap_in),
             mock.patch.object(self, "_optimizer_states_and_gradient_swap_out", swap_out),
@@ -174,7 +154,31 @@ def optimizer_states_initialized_without_swapping() -> Iterator[None]:
         yield
 
 
-def _release_without_writing(opt: Any, group: int, timer_names: Any = None) -> None:
-    """`_optimizer_states_and_gradient_swap_out` without its writes: the buffers go back, the swap files
-    keep what they held."""
-    opt._release_swap_buffers(group)
+@contextmanager
+def fp32_masters_left_for_the_load() -> Iterator[None]:
+    """While active, a ZeRO-3 optimizer whose state is swapped to NVMe records each sub-group's swap
+    files without writing its fp32 master into them.
+
+    Only for a restoring build: its loader fills every sub-group whole without reading its files and
+    writes them then (`Zero3Layout.open(..., overwrite=True)`, checkpoint/zero_layouts.py), so the
+    master the build would write (from partitions the load overwrites) is never read: 4 bytes per
+    parameter of a rank's share (1.9 GB per rank at 1B on 2 ranks) not written. Only with DeepSpeed's
+    plain partitioned swapper and the parameters in memory (`plain_swapper`), as the loader."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    original = DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions
+
+    def create(self: Any) -> None:
+        if not plain_swapper(self):
+            original(self)
+            return
+        swapper = self.optimizer_swapper
+
+        def record_only(parameters: list[Any], src_tensors: list[Any]) -> None:
+            swapper._get_swap_paths(parameters=parameters, num_elems=[src.numel() for src in src_tensors])
+
+        with mock.patch.object(swapper, "initialize_parameters", record_only):
+            original(self)
+
+    with mock.patch.object(DeepSpeedZeroOptimizer_Stage3, "_create_fp32_partitions", create):
+        yield

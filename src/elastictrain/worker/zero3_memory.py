@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from elastictrain.checkpoint.zero_swap import adam_state_in_swap_buffers
+
 
 def share_fp32_partitions(engine: Any) -> int:
     """Alias ZeRO-3's fp32 master to the fp32 training partition and hand out gradient views instead of
@@ -97,8 +99,8 @@ def create_swapped_adam_state(engine: Any) -> int:
     from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import PartitionedOptimizerSwapper
 
     opt = engine.optimizer
-    adam = getattr(opt, "optimizer", None)
     plain = type(getattr(opt, "optimizer_swapper", None)) is PartitionedOptimizerSwapper  # not pipelined
+    adam = getattr(opt, "optimizer", None)
     if not getattr(opt, "swap_optimizer", False) or not plain or not isinstance(adam, DeepSpeedCPUAdam):
         return 0
     created = 0
@@ -106,47 +108,9 @@ def create_swapped_adam_state(engine: Any) -> int:
         if not opt._swappable_optimizer_subgroup(group):
             continue
         opt._optimizer_states_and_gradient_swap_in(group)
-        master = opt.fp32_partitioned_groups_flat[group]
-        state = adam.state[master]
-        if not state:
-            dtype = torch.float if adam.fp32_optimizer_states else master.dtype
-            buffers = _free_swap_buffers(opt.optimizer_swapper, master, dtype)
-            state["step"] = 0
-            if buffers:  # zeroed: views of them are the moments, written straight from there
-                state["exp_avg"], state["exp_avg_sq"] = (b.narrow(0, 0, master.numel()) for b in buffers)
-                _swap_from_buffers(opt.optimizer_swapper, master, buffers)
-            else:
-                state["exp_avg"], state["exp_avg_sq"] = (
-                    torch.zeros_like(master, dtype=dtype) for _ in range(2)
-                )
-            created += 1
+        created += adam_state_in_swap_buffers(opt, group)
         opt._optimizer_states_and_gradient_swap_out(group)
     return created
-
-
-def _free_swap_buffers(swapper: Any, master: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Two zeroed swap buffers for `master`'s sub-group (given back with its own at its swap-out); none
-    where the manager has no room or holds another dtype."""
-    info = swapper._get_param_swap_info(master)
-    if info is None or dtype != master.dtype or dtype != swapper.swap_buffer_manager.dtype:
-        return []
-    aligned = swapper._io_aligned_numel(info.numel())
-    buffers = swapper.swap_buffer_manager.allocate(num_elems=aligned, count=2, dtype=dtype)
-    if buffers is None:
-        return []
-    info.swap_buffers += buffers
-    return [buffer.zero_() for buffer in buffers]
-
-
-def _swap_from_buffers(swapper: Any, master: torch.Tensor, buffers: list[torch.Tensor]) -> None:
-    """Register the new state with the sub-group's swap record (as DeepSpeed does with state it finds)
-    and give each state tensor the buffer it lies in, so that the swap-out writes it from there as it
-    does a swapped-in one."""
-    info = swapper._get_param_swap_info(master)  # picks up the state tensors
-    for context in info.tensors:
-        for buffer in buffers:
-            if context.compute_tensor.data_ptr() == buffer.data_ptr():
-                context.set_buffers(compute_buffer=context.compute_tensor, swap_buffer=buffer)
 
 
 def _same_layout(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
