@@ -197,7 +197,7 @@ def test_a_checkpoint_whose_writes_end_while_the_next_step_hangs_is_committed_an
         "scaling.min_workers=1",
         "scaling.max_workers=2",
         "checkpoint.memory_every_steps=0",  # disk recovery only
-        "failure.hang_timeout_s=30",
+        "failure.hang_timeout_s=10",  # the hang is noticed after it; a tiny step takes well under 1 s
     )
 
     def hang_rank_1_in_step_4(controller: Any) -> None:

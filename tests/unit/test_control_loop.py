@@ -304,3 +304,22 @@ def test_nvme_swap_folders_are_keyed_by_run_and_rank(tmp_path: Path):
         [str(swap / run_id / "rank-0")],
         [str(swap / run_id / "rank-1")],
     ]
+
+
+def test_at_the_first_start_placed_workers_warm_up_while_a_reservation_that_cannot_be_placed_is_awaited(
+    tmp_path: Path,
+):
+    r = make_run(tmp_path, "scaling.min_workers=1", "scaling.max_workers=3", capacity=2)
+    workers_when_waiting: list[int] = []
+    wait = r.group.wait_for_reservations
+
+    def recording_wait(n: int, timeout_s: float) -> int:
+        workers_when_waiting.append(len(r.group.workers))
+        return wait(n, timeout_s)
+
+    r.group.wait_for_reservations = recording_wait  # type: ignore[method-assign]
+    summary = r.run()
+    assert summary.status.value == "FINISHED"
+    # A short wait, then the two placed reservations' actors start before the long wait for the third.
+    assert workers_when_waiting[:2] == [0, 2]
+    assert [e["world_size"] for e in r.events("attempt_started")] == [2]

@@ -22,6 +22,7 @@ from elastictrain.core.policy import (
 from elastictrain.core.state import RunStatus
 
 FIRST_PLACEMENT_WAIT_S = 5.0  # at the first start, time for the reservations to be placed
+QUICK_PLACEMENT_S = 1.0  # what a reservation the cluster has room for takes to be placed (~0.1 s here)
 WARMUP_POLL_S = 1.0
 
 
@@ -86,7 +87,7 @@ class Capacity:
         """
         self._request_missing()
         if initial:
-            self.group.wait_for_reservations(len(self.group.pending), FIRST_PLACEMENT_WAIT_S)
+            self._first_placement(step)
         waiting_since: float | None = None
         announced = None
         while True:
@@ -127,6 +128,17 @@ class Capacity:
                 )
                 announced = decision.reason
             self.group.wait_for_reservations(decision.need - len(self.group.workers), timeout_s=1.0)
+
+    def _first_placement(self, step: int) -> None:
+        """At the first start, give every reservation up to FIRST_PLACEMENT_WAIT_S to be placed, so the
+        run starts at its largest size; the actors of those placed at once start warming up first, so
+        waiting for one the cluster cannot place (max_workers above its CPUs) costs no time."""
+        self.group.wait_for_reservations(len(self.group.pending), QUICK_PLACEMENT_S)
+        if self.group.pending:
+            self.start_new_workers(step)
+            self.group.wait_for_reservations(
+                len(self.group.pending), FIRST_PLACEMENT_WAIT_S - QUICK_PLACEMENT_S
+            )
 
     def _fail_on_repeated_warmup_error(self) -> None:
         """Waiting for workers whose warm-up raises the same error each time would only spin."""

@@ -157,6 +157,7 @@ def build_ops(use_gpu: bool = False) -> dict[str, str]:
     remember_cpu_info()  # probed here, once: saved for every worker that starts after
     if not use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
