@@ -20,9 +20,15 @@ a gradient buffer it drops again (a round trip of 4 bytes per parameter of a ran
 2 GB read and 2 GB written per rank at 1B on 2 ranks). `optimizer_states_initialized_without_swapping`
 lets it take and release the swap buffers without the I/O.
 
-`hooks_registered_without_gathering`, `parameters_partitioned_without_broadcast` and
-`optimizer_states_initialized_without_swapping` skip them; everything else about the build, and every
-value it produces, is DeepSpeed's own.
+A restoring build (an attempt that loads every parameter and its state next) moves more: it writes each
+sub-group's fp32 master into its swap file, which the load would read back in only to overwrite it.
+`fp32_masters_left_for_the_load` records the swap files without writing them; the load then fills each
+sub-group in its swap buffers and writes it once (checkpoint/zero_layouts.py): 1.9 GB a rank less written
+and read at 1B on 2 ranks (set-up 29.8 s -> 21.8 s).
+
+`hooks_registered_without_gathering`, `parameters_partitioned_without_broadcast`,
+`optimizer_states_initialized_without_swapping` and `fp32_masters_left_for_the_load` skip them;
+everything else about the build, and every value it produces, is DeepSpeed's own.
 
 One more keeps the build's peak memory down: the optimizer first copies each parameter's partition
 into one flat buffer per sub-group and frees the originals, one piece per parameter (4 bytes per
