@@ -17,11 +17,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import script_on_two_ranks
+from helpers import NVME_DS_CONFIG, script_on_two_ranks
 
 pytestmark = pytest.mark.integration
 
-SCRIPT = r"""
+SCRIPT = (
+    r"""
 import contextlib, json, os, sys
 from pathlib import Path
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK=sys.argv[2], WORLD_SIZE="2",
@@ -60,19 +61,9 @@ Stage3._create_fp16_partitions_with_defragmentation = (
     lambda self, *a: events.append("partitions flattened") or flatten(self, *a))
 Stage3._configure_tensor_swapping = lambda self, *a: events.append("swap buffers") or swapping(self, *a)
 
-def config(name):
-    return {
-        "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-        "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
-        "zero_optimization": {
-            "stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 300_000,
-            "offload_optimizer": {"device": "nvme", "nvme_path": f"{folder}/{name}-{rank}",
-                                  "pin_memory": False},
-        },
-        "aio": {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True},
-    }
-
+"""
+    + NVME_DS_CONFIG
+    + r"""
 def train(ours):
     reset_zero_counters()
     torch.manual_seed(0)
@@ -131,6 +122,7 @@ differing = [k for k in weights if not torch.equal(weights[k], weights_ref[k])]
 print(json.dumps({"ours": ours, "theirs": theirs, "losses": losses, "losses_ref": losses_ref,
                   "differing": differing, "names": len(weights)}))
 """
+)
 
 
 def test_nvme_optimizer_built_without_the_swap_round_trip_and_with_adam_state_trains_exactly_as_deepspeed(

@@ -16,11 +16,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import script_on_two_ranks
+from helpers import NVME_DS_CONFIG, script_on_two_ranks
 
 pytestmark = pytest.mark.integration
 
-SCRIPT = r"""
+SCRIPT = (
+    r"""
 import contextlib, json, os, sys
 from pathlib import Path
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK=sys.argv[2], WORLD_SIZE="2",
@@ -57,19 +58,9 @@ Swapper._swap_in_parameter = counting("read", read)
 Swapper._swap_out_unpinned_tensors = counting("written", written)  # the build's fp32 master
 Swapper._swap_out_optimizer_state = counting("written", state_written)  # a sub-group's swap-out
 
-def config(name):
-    return {
-        "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-        "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
-        "zero_optimization": {
-            "stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 300_000,
-            "offload_optimizer": {"device": "nvme", "nvme_path": f"{folder}/{name}-{rank}",
-                                  "pin_memory": False},
-        },
-        "aio": {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True},
-    }
-
+"""
+    + NVME_DS_CONFIG
+    + r"""
 HF = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=4)
 
@@ -145,6 +136,7 @@ differing = [k for k in after["ours"] if not torch.equal(after["ours"][k], after
 print(json.dumps({"ours": our_io, "theirs": their_io, "losses": losses, "differing": differing,
                   "names": len(after["ours"])}))
 """
+)
 
 
 def test_a_restoring_nvme_build_and_load_skip_the_swap_round_trip_and_train_exactly_as_deepspeeds(
