@@ -168,17 +168,19 @@ class Zero3Layout:
         (worker/zero3_build.py)."""
         opt = self.optimizer
         swappable = opt._swappable_optimizer_subgroup(group)
-        if swappable and overwrite and write_back and plain_swapper(opt):
+        in_buffers = swappable and overwrite and write_back and plain_swapper(opt)
+        if in_buffers:
             buffers_without_reading(opt, group)
             adam_state_in_swap_buffers(opt, group)
-            flat = opt.fp32_partitioned_groups_flat[group]
-            for tensor in OpenGroup(flat, opt.optimizer.state[flat]).fields().values():
-                _zero_outside(tensor, self._slices[group])
         elif swappable:
             opt._optimizer_states_and_gradient_swap_in(group)
         flat = opt.fp32_partitioned_groups_flat[group]
+        opened = OpenGroup(flat, opt.optimizer.state[flat], self._slices[group])
         try:
-            yield OpenGroup(flat, opt.optimizer.state[flat], self._slices[group])
+            if in_buffers:  # what the buffers held before is not this group's: no slice overwrites it
+                for tensor in opened.fields().values():
+                    _zero_outside(tensor, opened.slices)
+            yield opened
             if write_back:
                 # fp32 master -> the low-precision partitions the forward pass uses (or their NVMe swap).
                 opt._reassign_or_swap_out_partitioned_parameters(group)
