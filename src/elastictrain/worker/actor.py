@@ -33,6 +33,7 @@ from elastictrain.worker.dist import (
     zero_stage,
 )
 from elastictrain.worker.faults import FaultHooks
+from elastictrain.worker.gloo_gather import use_gather_in_pieces
 from elastictrain.worker.host_memory import (
     peak_resident_bytes,
     release_freed_memory,
@@ -48,6 +49,7 @@ _COLLECTIVE_MODULES = (
     "torch/distributed/",
     "deepspeed/comm/",
     "deepspeed/runtime/zero/partitioned_param_coordinator",
+    "elastictrain/worker/gloo_gather",
 )
 
 
@@ -193,6 +195,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
             auto_mpi_discovery=False,
             timeout=timedelta(seconds=spec.config.failure.collective_timeout_s),
         )
+        use_gather_in_pieces(spec.backend)  # a survivor of a killed gloo rank must not stay stuck
         timings["process_group_s"] = time.perf_counter() - t0
 
         t1 = time.perf_counter()
