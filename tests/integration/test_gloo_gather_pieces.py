@@ -49,13 +49,16 @@ def _gather_until_killed(rank: int, port: int, pieces: bool, abort: str, out: An
     import torch.distributed as dist
 
     from elastictrain.worker.collective_sockets import CollectiveSockets
-    from elastictrain.worker.gloo_gather import gather_in_pieces
+    from elastictrain.worker.gloo_gather import gather_in_pieces, piece_bytes
 
     sockets = CollectiveSockets()
     sockets.start()
     _init(rank, port)
     sockets.stop()
-    gather = gather_in_pieces(dist.all_gather_into_tensor) if pieces else dist.all_gather_into_tensor
+    if pieces:  # as a worker does
+        gather = gather_in_pieces(dist.all_gather_into_tensor, piece_bytes(sockets.widen_send_buffers()))
+    else:
+        gather = dist.all_gather_into_tensor
     x, gathered = torch.full((ELEMENTS,), float(rank)), torch.empty(3 * ELEMENTS)
     gather(output_tensor=gathered, input_tensor=x)
     out.put((rank, "ready"))

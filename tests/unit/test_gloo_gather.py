@@ -58,5 +58,22 @@ def test_two_ranks_and_small_gathers_run_whole(monkeypatch):
     assert sent == [10000, 4000]
 
 
+def test_a_piece_is_half_the_send_buffer_between_1_and_16_mib():
+    mib = 1 << 20
+    assert gloo_gather.piece_bytes(0) == mib  # buffers tuned by TCP
+    assert gloo_gather.piece_bytes(8 * mib) == 4 * mib
+    assert gloo_gather.piece_bytes(425_984) == mib  # a stock kernel's fixed buffer: never below 1 MiB
+    assert gloo_gather.piece_bytes(256 * mib) == 16 * mib
+
+
+def test_a_gathers_piece_size_can_be_changed_after_it_is_made(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 3)
+    sent: list[int] = []
+    gather = gloo_gather.gather_in_pieces(_fake_gather(3, sent), piece_bytes=4000)
+    gather.piece_bytes = 8000
+    gather(output_tensor=torch.empty(3 * 2500), input_tensor=torch.ones(2500))
+    assert sent == [8000, 2000]
+
+
 def test_only_gloo_gathers_in_pieces():
     assert gloo_gather.use_gather_in_pieces("nccl") is False

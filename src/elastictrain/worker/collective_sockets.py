@@ -35,6 +35,14 @@ def _socket_inodes() -> dict[int, int]:
     return out
 
 
+def _read_ints(path: str) -> list[int]:
+    try:
+        with open(path) as f:
+            return [int(v) for v in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
 def _tcp_table() -> dict[int, tuple[int, str]]:
     """Every TCP socket of this network namespace: inode -> (local port, state)."""
     table: dict[int, tuple[int, str]] = {}
@@ -70,6 +78,32 @@ class CollectiveSockets:
             for fd, ino in _socket_inodes().items()
             if ino not in self._before and ino in table and table[ino][0] not in self._servers
         }
+
+    def widen_send_buffers(self) -> int:
+        """Give each recorded connection the largest send buffer the kernel allows a process
+        (`net.core.wmem_max`, which the kernel doubles), where that beats what TCP's own tuning may
+        reach (`net.ipv4.tcp_wmem`'s maximum; a fixed size turns that tuning off). Returns the smallest
+        send buffer the connections now have, or 0 where they were left to the tuning.
+
+        A send the kernel takes whole cannot be left half-written by a peer's death (worker/gloo_gather.py).
+        """
+        wmem_max, tuned = _read_ints("/proc/sys/net/core/wmem_max"), _read_ints("/proc/sys/net/ipv4/tcp_wmem")
+        if not wmem_max or len(tuned) != 3 or 2 * wmem_max[0] < tuned[2]:
+            return 0
+        sizes = []
+        for fd, ino in self._sockets.items():
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/self/fd/{fd}") != f"socket:[{ino}]":
+                    continue
+                s = socket.socket(fileno=fd)
+                try:
+                    listening = s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                    if s.type == socket.SOCK_STREAM and not listening:
+                        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, wmem_max[0])
+                        sizes.append(s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
+                finally:
+                    s.detach()  # the descriptor stays gloo's
+        return min(sizes, default=0)
 
     def half_close(self) -> int:
         """Shut every recorded connection for writing (not listeners, not reused descriptors); how many."""

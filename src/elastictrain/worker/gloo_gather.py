@@ -12,10 +12,12 @@ whose failed receive fails the collective. Measured with three gloo processes ga
 stuck in 10 of 25 kills with whole gathers, in none of 25 with 1 MiB pieces (run
 tests/integration/test_gloo_gather_pieces.py as a script).
 
-So with three or more ranks on gloo, a gather of more than `PIECE_BYTES` a rank runs as pieces of at
-most that size (gloo sends each in two halves), started at once, copied into place on `wait()`. The
-values are the same bit for bit; the cost is one copy of the gathered bytes. NCCL (GPUs) is untouched:
-its communicators are aborted on a failure.
+So with three or more ranks on gloo, a gather of more than a piece a rank runs as pieces (gloo sends
+each in two halves), started at once, copied into place on `wait()`. The values are the same bit for
+bit; the cost is one copy of the gathered bytes and a collective per piece. A piece is 1 MiB where TCP
+tunes the send buffers itself, and half the send buffer where each connection got the kernel's largest
+(worker/collective_sockets.py: 8 MiB here, so 4 MiB pieces; in the same kill test, 0 of 20 stuck with
+those, 2 of 20 with 8 MiB pieces). NCCL (GPUs) is untouched: its communicators are aborted on a failure.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-PIECE_BYTES = 1 << 20
+PIECE_BYTES = 1 << 20  # with TCP's own send-buffer tuning
+MAX_PIECE_BYTES = 16 << 20
 
 AllGather = Callable[..., Any]  # torch.distributed.all_gather_into_tensor's signature
 
@@ -49,14 +52,21 @@ class _PiecesWork:
         return self._done
 
 
+def piece_bytes(send_buffer: int) -> int:
+    """A piece for connections whose smallest send buffer is `send_buffer` bytes (0: tuned by TCP)."""
+    if send_buffer <= 0:
+        return PIECE_BYTES
+    return max(PIECE_BYTES, min(send_buffer // 2, MAX_PIECE_BYTES))
+
+
 def gather_in_pieces(all_gather: AllGather, piece_bytes: int = PIECE_BYTES) -> AllGather:
     """`all_gather` (all_gather_into_tensor's signature) that gathers more than `piece_bytes` a rank in
-    pieces when its group has three or more ranks."""
+    pieces when its group has three or more ranks (the size can be changed later: `.piece_bytes`)."""
     import torch.distributed as dist
 
     def gather(output_tensor: Any, input_tensor: Any, group: Any = None, async_op: bool = False) -> Any:
         world = dist.get_world_size(group)
-        per_piece = max(1, piece_bytes // input_tensor.element_size())
+        per_piece = max(1, gather.piece_bytes // input_tensor.element_size())  # type: ignore[attr-defined]
         n = input_tensor.numel()
         if world < 3 or n <= per_piece or not output_tensor.is_contiguous():
             whole = {"output_tensor": output_tensor, "input_tensor": input_tensor}
@@ -74,12 +84,13 @@ def gather_in_pieces(all_gather: AllGather, piece_bytes: int = PIECE_BYTES) -> A
         handle.wait()
         return None
 
-    gather.gathers_in_pieces = True  # type: ignore[attr-defined]
+    gather.piece_bytes = piece_bytes  # type: ignore[attr-defined]
     return gather
 
 
-def use_gather_in_pieces(backend: str) -> bool:
-    """Make DeepSpeed's communication backend of this attempt gather in pieces on gloo; whether it does.
+def use_gather_in_pieces(backend: str, size: int = PIECE_BYTES) -> bool:
+    """Make DeepSpeed's communication backend of this attempt gather in pieces of `size` bytes on gloo
+    (again: change the size); whether it does.
 
     Its `all_gather_into_tensor` (which ZeRO-3's parameter gathers call) runs the function this replaces.
     """
@@ -91,6 +102,8 @@ def use_gather_in_pieces(backend: str) -> bool:
     current = getattr(cdb, "all_gather_function", None)
     if current is None:
         return False
-    if not getattr(current, "gathers_in_pieces", False):  # a backend is made per attempt; wrap it once
-        cdb.all_gather_function = gather_in_pieces(current)
+    if hasattr(current, "piece_bytes"):  # a backend is made per attempt; wrap it once
+        current.piece_bytes = size
+    else:
+        cdb.all_gather_function = gather_in_pieces(current, size)
     return True
