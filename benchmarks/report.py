@@ -116,14 +116,14 @@ WHY = {
     "fp32 master into the swap files, nor does the load read it back: the load fills each sub-group in its "
     "swap buffers and writes it once (1.9 GB a rank less written and read): set-up 29.8 s -> 21.8 s (build "
     "13.9 -> 10.7 s, load 16.0 -> 10.7 s), fixed part 7.1 s -> -4.1 s (the load beats half the disk's read "
-    "bandwidth). At 30M a survivor sometimes cannot leave the broken attempt (the last 2 benchmark runs; 1 "
-    "in 5 and 1 in 8 runs of loops of the same recovery): its training thread waits in a gloo all-gather "
-    "(DeepSpeed's parameter fetch) behind a send to a peer that stopped reading. gloo's TCP transport "
-    "never fails a send left half-written in a connection's queue when the connection closes (only its "
-    "timeout, failure.collective_timeout_s, ends it), so neither the peers' half-close nor the rank's own "
-    "can release it; the controller replaces it after the 5 s teardown timeout and the restart waits for a "
-    "new actor (16-19 s kill to first step instead of 4-6 s). A fix needs gloo to fail those sends, or a "
-    "transport that can abort (NCCL on GPUs is aborted).",
+    "bandwidth). At 30M (3 -> 2 ranks) a survivor could not leave the broken attempt in some runs (16-19 s "
+    "kill to first step, fixed part 16.2 s): its training thread waited in a gloo all-gather (DeepSpeed's "
+    "parameter fetch) behind a send to the killed peer. gloo's TCP transport never fails a send left "
+    "half-written in a connection's queue when the connection closes, so only the collective timeout "
+    "would end it and the controller replaced the rank. With 3 or more gloo ranks the gathers now run in "
+    "pieces the connections' send buffers take whole (worker/gloo_gather.py: 4 MiB pieces, buffers "
+    "widened to 8 MiB): fixed part 0.40-0.69 s in 3 runs, none replaced (3-process kill test: a survivor "
+    "stuck in 16 of 50 kills with whole gathers, 0 of 45 in these pieces).",
     "controller iteration": "most of an iteration is building one frozen WorkerObservation per worker in "
     "Python. Closing it: keep the observations in arrays (or update them incrementally) and scan only "
     "the workers whose state changed.",
