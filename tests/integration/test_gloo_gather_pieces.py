@@ -49,14 +49,15 @@ def _gather_until_killed(rank: int, port: int, pieces: bool, abort: str, out: An
     import torch.distributed as dist
 
     from elastictrain.worker.collective_sockets import CollectiveSockets
-    from elastictrain.worker.gloo_gather import gather_in_pieces, piece_bytes
+    from elastictrain.worker.gloo_gather import agreed_piece_bytes, gather_in_pieces, piece_bytes
 
     sockets = CollectiveSockets()
     sockets.start()
     _init(rank, port)
     sockets.stop()
     if pieces:  # as a worker does
-        gather = gather_in_pieces(dist.all_gather_into_tensor, piece_bytes(sockets.widen_send_buffers()))
+        size = agreed_piece_bytes(piece_bytes(sockets.widen_send_buffers()))
+        gather = gather_in_pieces(dist.all_gather_into_tensor, size)
     else:
         gather = dist.all_gather_into_tensor
     x, gathered = torch.full((ELEMENTS,), float(rank)), torch.empty(3 * ELEMENTS)
@@ -126,7 +127,7 @@ def _compare_gathers(rank: int, port: int, out: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from elastictrain.worker.gloo_gather import PIECE_BYTES, use_gather_in_pieces
+    from elastictrain.worker.gloo_gather import PIECE_BYTES, agreed_piece_bytes, use_gather_in_pieces
     from elastictrain.worker.ops import import_deepspeed
 
     deepspeed = import_deepspeed()
@@ -142,7 +143,7 @@ def _compare_gathers(rank: int, port: int, out: Any) -> None:
 
     ds_comm.comm.cdb.all_gather_function = recorded
     used = use_gather_in_pieces("gloo") and use_gather_in_pieces("gloo")  # the second must not wrap again
-    results = {"used": used}
+    results = {"used": used, "agreed": agreed_piece_bytes((rank + 1) << 20)}
     g = torch.Generator().manual_seed(rank)
     for n, dtype in [(3_000_007, torch.float32), (700_001, torch.bfloat16), (1000, torch.float32)]:
         x = torch.randn(n, generator=g).to(dtype)
@@ -178,6 +179,7 @@ def test_deepspeeds_gathers_run_in_pieces_with_the_same_values_on_three_gloo_ran
     for rank in range(3):
         r = results[rank]
         assert r["used"], r
+        assert r["agreed"] == 1 << 20, r  # every rank takes the smallest rank's size
         # 12 MB of fp32: 12 pieces of at most 1 MiB, twice (async, then synchronous).
         assert r["3000007"] == (True, 2 * 12, True, True), r
         assert r["700001"] == (True, 2 * 2, True, True), r  # 1.4 MB of bf16: 2 pieces

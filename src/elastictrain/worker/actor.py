@@ -33,7 +33,7 @@ from elastictrain.worker.dist import (
     zero_stage,
 )
 from elastictrain.worker.faults import FaultHooks
-from elastictrain.worker.gloo_gather import piece_bytes, use_gather_in_pieces
+from elastictrain.worker.gloo_gather import agreed_piece_bytes, piece_bytes, use_gather_in_pieces
 from elastictrain.worker.host_memory import (
     peak_resident_bytes,
     release_freed_memory,
@@ -211,8 +211,10 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         release_freed_memory()
         self.loss_fn = loss_function(cfg)
         self.sockets.stop()
-        if spec.backend == "gloo":  # pieces a connection's send buffer takes whole
-            use_gather_in_pieces(spec.backend, piece_bytes(self.sockets.widen_send_buffers()))
+        if spec.backend == "gloo":  # pieces a connection's send buffer takes whole, the same on every rank
+            use_gather_in_pieces(
+                spec.backend, agreed_piece_bytes(piece_bytes(self.sockets.widen_send_buffers()))
+            )
         timings["engine_s"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()
