@@ -128,3 +128,20 @@ def script_on_two_ranks(script: str, *args: str, timeout_s: float = 300) -> list
         for proc in ranks:
             proc.kill()
     return outs
+
+
+def three_ranks(ctx, target, *args, timeout_s: float = 120) -> dict:  # noqa: ANN001
+    """Run target(rank, port, *args, out) in 3 processes of the multiprocessing context `ctx`; each puts
+    (rank, result) on `out`. The results by rank; the processes are killed after."""
+    from readme_blocks import free_ports
+
+    out = ctx.Queue()
+    (port,) = free_ports(1)
+    procs = [ctx.Process(target=target, args=(r, port, *args, out), daemon=True) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        return dict(out.get(timeout=timeout_s) for _ in range(3))
+    finally:
+        for p in procs:
+            p.kill()

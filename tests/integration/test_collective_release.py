@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 import pytest
-from readme_blocks import free_ports
+from helpers import three_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -51,18 +51,7 @@ def _rank(rank: int, port: int, release: bool, out: Any) -> None:
 
 
 def _run(release: bool) -> dict[int, str]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    (port,) = free_ports(1)
-    procs = [ctx.Process(target=_rank, args=(r, port, release, out), daemon=True) for r in range(3)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(out.get(timeout=120) for _ in range(3))
-    finally:
-        for p in procs:
-            p.kill()
-    return results
+    return three_ranks(mp.get_context("spawn"), _rank, release)
 
 
 @pytest.mark.timeout(180)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import three_ranks
 from readme_blocks import free_ports
 
 pytestmark = pytest.mark.integration
@@ -165,17 +166,7 @@ def _compare_gathers(rank: int, port: int, out: Any) -> None:
 
 @pytest.mark.timeout(300)
 def test_deepspeeds_gathers_run_in_pieces_with_the_same_values_on_three_gloo_ranks():
-    ctx = _context()
-    out = ctx.Queue()
-    (port,) = free_ports(1)
-    procs = [ctx.Process(target=_compare_gathers, args=(r, port, out)) for r in range(3)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(out.get(timeout=240) for _ in range(3))
-    finally:
-        for p in procs:
-            p.kill()
+    results = three_ranks(_context(), _compare_gathers, timeout_s=240)
     for rank in range(3):
         r = results[rank]
         assert r["used"], r

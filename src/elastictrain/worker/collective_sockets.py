@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from collections.abc import Iterator
 
 _LISTEN = "0A"  # the state /proc/net/tcp gives a listening socket
 
@@ -79,6 +80,21 @@ class CollectiveSockets:
             if ino not in self._before and ino in table and table[ino][0] not in self._servers
         }
 
+    def _connections(self) -> Iterator[socket.socket]:
+        """Each recorded connection still open under its number (not a listener): a socket object on
+        gloo's descriptor, detached again after (the descriptor stays gloo's to close)."""
+        for fd, ino in self._sockets.items():
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/self/fd/{fd}") != f"socket:[{ino}]":
+                    continue  # closed since, and the number reused: not ours any more
+                s = socket.socket(fileno=fd)
+                try:
+                    listening = s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                    if s.type == socket.SOCK_STREAM and not listening:
+                        yield s
+                finally:
+                    s.detach()
+
     def widen_send_buffers(self) -> int:
         """Give each recorded connection the largest send buffer the kernel allows a process
         (`net.core.wmem_max`, which the kernel doubles), where that beats what TCP's own tuning may
@@ -91,34 +107,18 @@ class CollectiveSockets:
         if not wmem_max or len(tuned) != 3 or 2 * wmem_max[0] < tuned[2]:
             return 0
         sizes = []
-        for fd, ino in self._sockets.items():
+        for s in self._connections():
             with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/self/fd/{fd}") != f"socket:[{ino}]":
-                    continue
-                s = socket.socket(fileno=fd)
-                try:
-                    listening = s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-                    if s.type == socket.SOCK_STREAM and not listening:
-                        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, wmem_max[0])
-                        sizes.append(s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
-                finally:
-                    s.detach()  # the descriptor stays gloo's
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, wmem_max[0])
+                sizes.append(s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
         return min(sizes, default=0)
 
     def half_close(self) -> int:
         """Shut every recorded connection for writing (not listeners, not reused descriptors); how many."""
         closed = 0
-        for fd, ino in self._sockets.items():
+        for s in self._connections():
             with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/self/fd/{fd}") != f"socket:[{ino}]":
-                    continue  # closed since, and the number reused: not ours any more
-                s = socket.socket(fileno=fd)
-                try:
-                    listening = s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-                    if s.type == socket.SOCK_STREAM and not listening:
-                        s.shutdown(socket.SHUT_WR)
-                        closed += 1
-                finally:
-                    s.detach()  # the descriptor stays gloo's to close
+                s.shutdown(socket.SHUT_WR)
+                closed += 1
         self._sockets = {}
         return closed
