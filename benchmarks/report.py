@@ -122,7 +122,7 @@ WHY = {
     "half-written in a connection's queue when the connection closes, so only the collective timeout "
     "would end it and the controller replaced the rank. With 3 or more gloo ranks the gathers now run in "
     "pieces the connections' send buffers take whole (worker/gloo_gather.py: 4 MiB pieces, buffers "
-    "widened to 8 MiB): fixed part 0.40-0.69 s in 3 runs, none replaced (3-process kill test: a survivor "
+    "widened to 8 MiB): fixed part 0.40-0.69 s in 4 runs, none replaced (3-process kill test: a survivor "
     "stuck in 16 of 50 kills with whole gathers, 0 of 45 in these pieces).",
     "controller iteration": "most of an iteration is building one frozen WorkerObservation per worker in "
     "Python. Closing it: keep the observations in arrays (or update them incrementally) and scan only "
