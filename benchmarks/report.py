@@ -121,9 +121,11 @@ WHY = {
     "parameter fetch) behind a send to the killed peer. gloo's TCP transport never fails a send left "
     "half-written in a connection's queue when the connection closes, so only the collective timeout "
     "would end it and the controller replaced the rank. With 3 or more gloo ranks the gathers now run in "
-    "pieces the connections' send buffers take whole (worker/gloo_gather.py: 4 MiB pieces, buffers "
-    "widened to 8 MiB): fixed part 0.40-0.69 s in 4 runs, none replaced (3-process kill test: a survivor "
-    "stuck in 16 of 50 kills with whole gathers, 0 of 45 in these pieces).",
+    "pieces the connections' send buffers take whole (worker/gloo_gather.py: 2 MiB pieces, buffers "
+    "widened to 8 MiB): fixed part 0.48 s (0.40-0.69 s in 4 runs with 4 MiB pieces), none replaced "
+    "(3-process kill test: a survivor stuck in 23 of 75 kills with whole gathers, 0 of 25 with 2 MiB "
+    "pieces; 4 MiB pieces once left one stuck in 8 kills inside a full test-suite run). Rare, not "
+    "impossible: only gloo can fail such a send.",
     "controller iteration": "most of an iteration is building one frozen WorkerObservation per worker in "
     "Python. Closing it: keep the observations in arrays (or update them incrementally) and scan only "
     "the workers whose state changed.",

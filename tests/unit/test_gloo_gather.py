@@ -58,12 +58,12 @@ def test_two_ranks_and_small_gathers_run_whole(monkeypatch):
     assert sent == [10000, 4000]
 
 
-def test_a_piece_is_half_the_send_buffer_between_1_and_16_mib():
+def test_a_piece_is_a_quarter_of_the_send_buffer_between_1_and_16_mib():
     mib = 1 << 20
     assert gloo_gather.piece_bytes(0) == mib  # buffers tuned by TCP
-    assert gloo_gather.piece_bytes(8 * mib) == 4 * mib
+    assert gloo_gather.piece_bytes(8 * mib) == 2 * mib
     assert gloo_gather.piece_bytes(425_984) == mib  # a stock kernel's fixed buffer: never below 1 MiB
-    assert gloo_gather.piece_bytes(256 * mib) == 16 * mib
+    assert gloo_gather.piece_bytes(512 * mib) == 16 * mib
 
 
 def test_a_gathers_piece_size_can_be_changed_after_it_is_made(monkeypatch):
