@@ -35,6 +35,7 @@ from elastictrain.worker.dist import (
 from elastictrain.worker.faults import FaultHooks
 from elastictrain.worker.gloo_gather import agreed_piece_bytes, piece_bytes, use_gather_in_pieces
 from elastictrain.worker.host_memory import (
+    memory_peaks,
     peak_resident_bytes,
     release_freed_memory,
     running_allocator,
@@ -339,6 +340,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
             "tokens": len(samples) * cfg.data.seq_len,
             "step_time_s": elapsed,
             "sample_ids": samples,
+            **memory_peaks(engine),
             # How the last background checkpoint write is doing: the controller commits when all are done.
             "save": self._writer.report() if self._writer is not None else None,
         }

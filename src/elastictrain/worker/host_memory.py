@@ -29,6 +29,19 @@ def peak_resident_bytes(status: str = "/proc/self/status") -> int | None:
     return _proc_kib_field(status, "VmHWM")
 
 
+def memory_peaks(engine: object) -> dict[str, int | None]:
+    """This rank's high-water marks so far: host (VmHWM) and, on a GPU, the device memory torch
+    allocated. Both cheap reads, reported with every step so a run's peaks are known without asking."""
+    import torch
+
+    device = getattr(engine, "device", None)
+    on_gpu = device is not None and torch.device(device).type == "cuda"
+    return {
+        "host_peak_bytes": peak_resident_bytes(),
+        "device_peak_bytes": int(torch.cuda.max_memory_allocated(device)) if on_gpu else None,
+    }
+
+
 def snapshot_budget_bytes(max_host_memory_mb: float | None, ranks_on_node: int) -> float:
     """The largest snapshot a rank may hold: the setting, or half the available memory split between
     the node's ranks (they snapshot at the same moment). Above it the checkpoint is streamed instead."""

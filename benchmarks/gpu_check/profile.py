@@ -1,0 +1,116 @@
+"""What the GPU check runs, as a value: the GPU profile (an H100) and the dry profile (CPU, gloo, tiny).
+
+The dry profile runs every part of the check with the same code on a CPU, small enough for a test, so
+the script cannot rot between the rare runs on a GPU machine. Only sizes, device and precision differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "conf" / "tiny-cpu.yaml"
+GPU_1B = ROOT / "conf" / "gpu-llama-1b.yaml"
+
+# The H100 SXM's dense bf16 tensor-core peak (NVIDIA's datasheet: 1,979 TFLOP/s with sparsity, half
+# without). MFU is stated against this figure; the PCIe card's is 756.
+H100_SXM_BF16_DENSE_FLOPS = 989.4e12
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str  # "gpu" or "dry"
+    use_gpu: bool
+    precision: str  # the training precision of every part: bf16 on the GPU, fp32 on CPU
+    small_model: tuple[str, ...]  # overrides of conf/tiny-cpu.yaml: the numerics and cross-device model
+    numerics_steps: int
+    big_config: Path  # the throughput, offload and checkpoint model
+    big_model: tuple[str, ...]
+    warmup_steps: int  # skipped by every system alike
+    measured_steps: int
+    offload_steps: int
+    peak_flops: float | None  # the device's dense peak for the training precision (None: no MFU)
+    cpus_per_worker: int
+    # Each part's time limit in seconds (the check's whole budget is their sum plus the kit's install).
+    limits: dict[str, int] = field(default_factory=dict)
+
+    def scaling(self, workers: int = 1) -> list[str]:
+        return [
+            f"scaling.min_workers={workers}",
+            f"scaling.max_workers={workers}",
+            f"scaling.use_gpu={str(self.use_gpu).lower()}",
+            "scaling.gpus_per_worker=1",
+            f"scaling.cpus_per_worker={self.cpus_per_worker}",
+        ]
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.use_gpu else "cpu"
+
+
+_PARTS = ("environment", "numerics", "throughput", "offload", "checkpoint", "cross_device")
+
+GPU = Profile(
+    name="gpu",
+    use_gpu=True,
+    precision="bf16",
+    small_model=(
+        "model.hf_config.hidden_size=256",
+        "model.hf_config.intermediate_size=688",
+        "model.hf_config.num_hidden_layers=4",
+        "model.hf_config.num_attention_heads=8",
+        "model.hf_config.num_key_value_heads=8",
+        "model.hf_config.vocab_size=256",
+        "model.hf_config.max_position_embeddings=256",
+        "data.seq_len=256",
+        "training.global_batch_size=16",
+        "training.micro_batch_size=4",
+    ),
+    numerics_steps=20,
+    big_config=GPU_1B,
+    big_model=(
+        "training.global_batch_size=16",
+        "training.micro_batch_size=4",  # 4 x 2048 tokens a micro-batch, 4 accumulated: 131k tokens a step
+        "data.generated_chars=2000000",
+    ),
+    warmup_steps=3,
+    measured_steps=8,
+    offload_steps=3,
+    peak_flops=H100_SXM_BF16_DENSE_FLOPS,
+    cpus_per_worker=8,
+    limits={
+        "environment": 30,
+        "numerics": 100,
+        "throughput": 150,
+        "offload": 130,
+        "checkpoint": 60,
+        "cross_device": 45,
+    },
+)
+
+DRY = Profile(
+    name="dry",
+    use_gpu=False,
+    precision="fp32",
+    small_model=(),  # tiny-cpu's own model: hidden 64, 2 layers, sequence 64
+    numerics_steps=6,
+    big_config=TINY,
+    big_model=("training.global_batch_size=8", "training.micro_batch_size=4", "data.generated_chars=50000"),
+    warmup_steps=1,
+    measured_steps=3,
+    offload_steps=2,
+    peak_flops=None,
+    cpus_per_worker=1,
+    limits={
+        "environment": 60,
+        "numerics": 180,
+        "throughput": 150,
+        "offload": 300,  # the first NVMe offload on a fresh machine builds DeepSpeed's async_io op
+        "checkpoint": 120,
+        "cross_device": 150,
+    },
+)
+
+PROFILES = {p.name: p for p in (GPU, DRY)}
+PARTS = _PARTS

@@ -1,0 +1,87 @@
+"""elastictrain runs as the check makes them: the product's own entry point (`run_training`), on Ray or
+`--local`, with each completed step's loss, time and memory peaks recorded as the controller sees them."""
+
+from __future__ import annotations
+
+import io
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.gpu_check.profile import Profile
+
+
+def config(profile: Profile, base: Path, run_dir: Path, *overrides: str, workers: int = 1) -> Any:
+    from elastictrain.config import load_config
+
+    return load_config(
+        base,
+        [
+            f"run.dir={run_dir}",
+            f"training.precision={profile.precision}",
+            *profile.scaling(workers),
+            "failure.max_failures=0",  # a failure here is a finding, not something to recover from
+            *overrides,
+        ],
+    )
+
+
+def train(cfg: Any, *, local: bool = False) -> dict[str, Any]:
+    """Train `cfg` to its end; returns every completed step's record, the set-up and the run's events."""
+    from elastictrain.core.losses import step_loss
+    from elastictrain.launch import prepare_run_dir, run_training
+    from elastictrain.progress import Reporter
+
+    steps: list[dict[str, Any]] = []
+
+    def after_step(controller: Any, index: int, results: list[dict[str, Any]]) -> None:
+        steps.append(
+            {
+                "step": index + 1,
+                "time": time.time(),
+                "loss": step_loss(results),
+                "rank_step_s": max(float(r["step_time_s"]) for r in results),
+                "host_peak_bytes": max((r.get("host_peak_bytes") or 0) for r in results),
+                "device_peak_bytes": max((r.get("device_peak_bytes") or 0) for r in results),
+            }
+        )
+
+    def hook(controller: Any) -> None:
+        controller.callbacks.after_step.append(after_step)
+
+    run_dir, _ = prepare_run_dir(cfg, fresh=True)
+    t0 = time.perf_counter()
+    summary = run_training(
+        cfg,
+        run_dir,
+        tracking=False,
+        reporter=Reporter(cfg.training.max_steps, stream=io.StringIO(), live=False),
+        controller_hook=hook,
+        local=local,
+    )
+    events = run_dir.read_events()
+    if summary.status.value != "FINISHED":
+        story = [f"{e['event']}: {str(e.get('message') or '')[:300]}" for e in events[-10:]]
+        raise RuntimeError(
+            f"run {run_dir.path} ended {summary.status.value}: {summary.message}\n" + "\n".join(story)
+        )
+    return {
+        "steps": steps,
+        "wall_s": time.perf_counter() - t0,
+        "events": events,
+        "run_dir": str(run_dir.path),
+    }
+
+
+def step_intervals(steps: list[dict[str, Any]]) -> list[float]:
+    """Wall seconds between consecutive completed steps as the controller saw them (the driver's own
+    overhead counted), the first step having no predecessor."""
+    times = [s["time"] for s in steps]
+    return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+
+def median(values: list[float]) -> float | None:
+    import statistics
+
+    clean = [v for v in values if v is not None and v == v]
+    return statistics.median(clean) if clean else None
