@@ -11,19 +11,21 @@ from typing import Any
 from benchmarks.gpu_check.profile import Profile
 
 
-def config(profile: Profile, base: Path, run_dir: Path, *overrides: str, workers: int = 1) -> Any:
+def overrides(profile: Profile, run_dir: Path, *extra: str, workers: int = 1) -> list[str]:
+    """The dotlist every run of the check is made with: the profile's device, precision and world size."""
+    return [
+        f"run.dir={run_dir}",
+        f"training.precision={profile.precision}",
+        *profile.scaling(workers),
+        "failure.max_failures=0",  # a failure here is a finding, not something to recover from
+        *extra,
+    ]
+
+
+def config(profile: Profile, base: Path, run_dir: Path, *extra: str, workers: int = 1) -> Any:
     from elastictrain.config import load_config
 
-    return load_config(
-        base,
-        [
-            f"run.dir={run_dir}",
-            f"training.precision={profile.precision}",
-            *profile.scaling(workers),
-            "failure.max_failures=0",  # a failure here is a finding, not something to recover from
-            *overrides,
-        ],
-    )
+    return load_config(base, overrides(profile, run_dir, *extra, workers=workers))
 
 
 def train(cfg: Any, *, local: bool = False) -> dict[str, Any]:
@@ -73,11 +75,12 @@ def train(cfg: Any, *, local: bool = False) -> dict[str, Any]:
     }
 
 
-def step_intervals(steps: list[dict[str, Any]]) -> list[float]:
-    """Wall seconds between consecutive completed steps as the controller saw them (the driver's own
-    overhead counted), the first step having no predecessor."""
-    times = [s["time"] for s in steps]
-    return [b - a for a, b in zip(times, times[1:], strict=False)]
+def measured_intervals(steps: list[dict[str, Any]], first: int, last: int) -> list[float]:
+    """Wall seconds each of steps `first`..`last` (1-based) took, read as the time between its completion
+    and the previous step's, as the system itself saw them (elastictrain: the controller, its driver's
+    overhead counted; the plain script: rank 0)."""
+    done = {int(s["step"]): float(s["time"]) for s in steps}
+    return [done[k] - done[k - 1] for k in range(max(first, 2), last + 1) if k in done and k - 1 in done]
 
 
 def median(values: list[float]) -> float | None:

@@ -7,6 +7,7 @@ around the step. Rank 0 appends one JSON line per completed step to `spec["steps
 time included), so recovery can be read across restarts of the processes.
 
 Besides steps, a run can (all timed, results in `spec["out"]`, written by rank 0):
+  - time one DeepSpeed `save_checkpoint` into `deepspeed_save_dir` after the steps;
   - kill rank `kill_rank` at step `kill_at_step` once (a marker file remembers it across restarts);
   - save DeepSpeed checkpoints every `ckpt_every` steps and resume from the newest one;
   - after the steps, time `save_reps` DeepSpeed `save_checkpoint` calls against elastictrain's fragment
@@ -46,11 +47,19 @@ def _append_line(path: str, record: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def _max_over_ranks(value: float) -> float:
+def _scalar(value: float) -> Any:
+    """A one-element tensor on the device the process group's backend reduces (NCCL: the GPU)."""
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor([value], dtype=torch.float64)
+    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    return torch.tensor([value], dtype=torch.float64, device=device)
+
+
+def _max_over_ranks(value: float) -> float:
+    import torch.distributed as dist
+
+    t = _scalar(value)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
@@ -136,10 +145,9 @@ def _eval_loss(engine: Any, plan: Any, dataset: Any, cfg: Any, rank: int) -> flo
 
 
 def _mean_over_ranks(value: float) -> float:
-    import torch
     import torch.distributed as dist
 
-    t = torch.tensor([value], dtype=torch.float64)
+    t = _scalar(value)
     dist.all_reduce(t)
     return float(t.item()) / dist.get_world_size()
 
@@ -204,12 +212,13 @@ def train(spec: dict[str, Any], rank: int, world_size: int, *, report: Any = Non
 
     t_start = time.time()
     rss_before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    backend = spec.get("backend", "gloo")  # "nccl" on GPUs (the environment then sets DS_ACCELERATOR=cuda)
     if not dist.is_initialized():
         deepspeed.init_distributed(
-            dist_backend="gloo", auto_mpi_discovery=False, timeout=timedelta(seconds=120)
+            dist_backend=backend, auto_mpi_discovery=False, timeout=timedelta(seconds=120)
         )
     else:
-        deepspeed.init_distributed(dist_backend="gloo")  # wraps the group the launcher (Ray Train) made
+        deepspeed.init_distributed(dist_backend=backend)  # wraps the group the launcher (Ray Train) made
     cfg = _config(spec)
     engine, plan, dataset = build_engine(cfg, world_size, load_universal=bool(spec.get("load_universal")))
     setup_done = time.time()
@@ -272,6 +281,15 @@ def train(spec: dict[str, Any], rank: int, world_size: int, *, report: Any = Non
                     {"event": "checkpoint", "step": step, "s": seconds, "total_s": time.perf_counter() - t0},
                 )
 
+    # DeepSpeed's own save once, timed (the GPU check sets it beside elastictrain's checkpoint pause).
+    if spec.get("deepspeed_save_dir"):
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.save_checkpoint(spec["deepspeed_save_dir"], tag="timed", client_state={"step": step})
+        out["deepspeed_save_checkpoint_s"] = _max_over_ranks(time.perf_counter() - t0)
+        if rank == 0:
+            out["deepspeed_checkpoint_bytes"] = _dir_bytes(Path(spec["deepspeed_save_dir"]) / "timed")
+
     # Checkpoint stall: DeepSpeed's synchronous save against elastictrain's save, same state, same ranks.
     if spec.get("save_reps"):
         save_dir = Path(spec["save_dir"])
@@ -333,9 +351,10 @@ def train(spec: dict[str, Any], rank: int, world_size: int, *, report: Any = Non
 
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     peaks: list[Any] = [None] * world_size
-    dist.all_gather_object(
-        peaks, {"rank": rank, "peak_rss_bytes": peak_kb * 1024, "start_rss_bytes": rss_before_kb * 1024}
-    )
+    mine = {"rank": rank, "peak_rss_bytes": peak_kb * 1024, "start_rss_bytes": rss_before_kb * 1024}
+    if torch.cuda.is_available() and backend == "nccl":
+        mine["device_peak_bytes"] = int(torch.cuda.max_memory_allocated())
+    dist.all_gather_object(peaks, mine)
     out["memory"] = peaks
     out["steps_done"] = step
     if rank == 0 and spec.get("out"):

@@ -1,0 +1,119 @@
+"""Parts c and e: throughput and MFU of the ~1B preset against plain DeepSpeed, and checkpoint costs.
+
+The ~1B Llama of conf/gpu-llama-1b.yaml (bf16, ZeRO-3, no offload, activation checkpointing) trained at
+world size 1 by elastictrain on a Ray actor and by the plain DeepSpeed script (benchmarks/peers/
+train_step.py under torchrun: same model build, DeepSpeed config and batches), one after the other in
+this process's lifetime. A step's time is the wall time between two completed steps as each system sees
+them; the first `warmup_steps` are skipped by both.
+
+Model FLOPs per token: 6 x (parameters less the input embedding) + 12 x layers x hidden x sequence
+(attention's score and value products), PaLM's accounting as torchtitan uses it; activation
+checkpointing's recomputation is not counted (it is not model work). MFU is against the profile's peak.
+
+Part e rides on the same two runs (a 1B model's set-up is the dearest thing on the machine): elastictrain
+takes a checkpoint after the last measured step with its default settings (a snapshot to host memory,
+written in the background), whose pause and time to commit its events record; the plain script times one
+DeepSpeed `save_checkpoint` of the same state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.gpu_check import plain_deepspeed, runs
+
+
+def flops_per_token(cfg: Any) -> tuple[float, int]:
+    """(model FLOPs per trained token, parameters)."""
+    from elastictrain.preflight import model_size
+
+    sizes, _ = model_size(cfg)
+    hf = cfg.model.hf_config
+    params = sum(sizes)
+    dense = params - int(hf["vocab_size"]) * int(hf["hidden_size"])  # the input embedding is a lookup
+    attention = 12 * int(hf["num_hidden_layers"]) * int(hf["hidden_size"]) * int(cfg.data.seq_len)
+    return float(6 * dense + attention), params
+
+
+def _event(events: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    return next((e for e in reversed(events) if e.get("event") == name), None)
+
+
+def run(ctx: Any) -> None:
+    p = ctx.profile
+    n = p.warmup_steps + p.measured_steps
+    first = p.warmup_steps + 1
+    # elastictrain checkpoints after step n; step n + 1 carries its background write and is not measured.
+    extra = (*p.big_model, f"training.max_steps={n + 1}", f"checkpoint.every_steps={n}")
+    cfg = runs.config(p, p.big_config, ctx.work / "elastictrain", *extra)
+    per_token, params = flops_per_token(cfg)
+    tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_len
+    ctx.record(
+        "setting",
+        {
+            "config": p.big_config.name,
+            "parameters": params,
+            "flops_per_token": per_token,
+            "tokens_per_step": tokens_per_step,
+            "global_batch_size": cfg.training.global_batch_size,
+            "micro_batch_size": cfg.training.micro_batch_size,
+            "seq_len": cfg.data.seq_len,
+            "precision": p.precision,
+            "activation_checkpointing": cfg.deepspeed.activation_checkpointing,
+            "measured_steps": f"{first}..{n}",
+            "peak_flops": p.peak_flops,
+        },
+    )
+
+    def figures(intervals: list[float]) -> dict[str, Any]:
+        step_s = runs.median(intervals)
+        tps = tokens_per_step / step_s if step_s else None
+        mfu = tps * per_token / p.peak_flops if tps and p.peak_flops else None
+        return {"step_s": intervals, "median_step_s": step_s, "tokens_per_s": tps, "mfu": mfu}
+
+    plain = plain_deepspeed.run(
+        p,
+        p.big_config,
+        runs.overrides(p, ctx.work / "plain-run", *extra),
+        n,
+        ctx.work / "deepspeed",
+        timeout_s=0.45 * p.limits["throughput"],
+        deepspeed_save_dir=str(ctx.work / "deepspeed-save"),
+    )
+    ds = figures(runs.measured_intervals(plain["steps"], first, n))
+    ds["memory"] = plain["out"].get("memory")
+    ds["setup_s"] = plain["out"].get("setup_s")
+    ctx.record("deepspeed", ds)
+
+    et_run = runs.train(cfg)
+    et = figures(runs.measured_intervals(et_run["steps"], first, n))
+    et["device_peak_bytes"] = max(s["device_peak_bytes"] for s in et_run["steps"])
+    et["host_peak_bytes"] = max(s["host_peak_bytes"] for s in et_run["steps"])
+    started = _event(et_run["events"], "attempt_started") or {}
+    et["setup_s"] = started.get("setup_s")
+    ctx.record("elastictrain", et)
+    ratio = et["tokens_per_s"] / ds["tokens_per_s"] if et["tokens_per_s"] and ds["tokens_per_s"] else None
+    ctx.target("throughput: elastictrain / plain DeepSpeed (tokens/s)", ratio, 0.97, ">=")
+    if et["mfu"] is not None:
+        ctx.record("mfu", {"elastictrain": et["mfu"], "deepspeed": ds["mfu"], "peak_flops": p.peak_flops})
+
+    pause = _event(et_run["events"], "checkpoint_pause") or {}
+    commit = _event(et_run["events"], "checkpoint") or {}
+    ctx.record(
+        "checkpoint",
+        {
+            "elastictrain_pause_s": pause.get("pause_s"),
+            "elastictrain_commit_after_step_s": commit.get("seconds"),
+            "elastictrain_bytes": commit.get("bytes"),
+            "deepspeed_save_checkpoint_s": plain["out"].get("deepspeed_save_checkpoint_s"),
+            "deepspeed_bytes": plain["out"].get("deepspeed_checkpoint_bytes"),
+        },
+    )
+    if pause.get("pause_s") is not None and plain["out"].get("deepspeed_save_checkpoint_s"):
+        ctx.target(
+            "checkpoint: elastictrain's pause / DeepSpeed's save_checkpoint",
+            pause["pause_s"] / plain["out"]["deepspeed_save_checkpoint_s"],
+            1.0,
+            "<=",
+            note="the time training stops for a checkpoint, same state",
+        )
