@@ -1,0 +1,68 @@
+"""Part d: the ~1B preset with its optimizer offloaded to host memory, then to NVMe (a local folder).
+
+A few steps each: step time, the device's and the host's memory peaks (every step reports its rank's
+high-water marks) against the estimate elastictrain prints at start (core.memory, through
+preflight.memory_estimate). DeepSpeed compiles its CPU Adam and async I/O ops on first use: the runner
+starts `elastictrain build-ops` in the background when the check starts, and this part waits for it,
+so the compile's time is stated apart (in gpu-check.json's `build_ops`) and not counted in a step.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.gpu_check import runs
+
+OPS_DONE = "build-ops.done"  # written by the runner's background build when it ends
+
+
+def wait_for_ops(work: Path, timeout_s: float) -> float:
+    """Seconds waited for the background op build (the runner's work folder is this part's parent)."""
+    marker = work.parent / OPS_DONE
+    t0 = time.perf_counter()
+    while not marker.exists() and time.perf_counter() - t0 < timeout_s:
+        time.sleep(0.5)
+    return time.perf_counter() - t0
+
+
+def run(ctx: Any) -> None:
+    from elastictrain.preflight import memory_estimate
+
+    p = ctx.profile
+    steps = p.offload_steps
+    ctx.record("waited_for_ops_s", wait_for_ops(ctx.work, 0.5 * p.limits["offload"]))
+    for where in ("cpu", "nvme"):
+        nvme = ctx.work / "nvme"
+        extra = [
+            *p.big_model,
+            f"training.max_steps={steps}",
+            f"checkpoint.every_steps={steps + 1}",
+            f"deepspeed.offload_optimizer={where}",
+        ]
+        if where == "nvme":
+            nvme.mkdir(parents=True, exist_ok=True)
+            extra.append(f"deepspeed.nvme_path={nvme}")
+        cfg = runs.config(p, p.big_config, ctx.work / f"run-{where}", *extra)
+        estimate = memory_estimate(cfg, 1)
+        result = runs.train(cfg)
+        s = result["steps"]
+        figures = {
+            "step_s": runs.measured_intervals(s, 2, steps),
+            "first_step_rank_s": s[0]["rank_step_s"] if s else None,
+            "device_peak_bytes": max(x["device_peak_bytes"] for x in s),
+            "host_peak_bytes": max(x["host_peak_bytes"] for x in s),
+            "estimate": {
+                "device_bytes": estimate.device_bytes,
+                "host_bytes": estimate.host_bytes,
+                "nvme_bytes": estimate.nvme_bytes,
+                "text": estimate.describe(),
+            },
+            "wall_s": result["wall_s"],
+        }
+        figures["median_step_s"] = runs.median(figures["step_s"])
+        for place in ("device", "host"):
+            est = figures["estimate"][f"{place}_bytes"]
+            figures[f"{place}_peak_over_estimate"] = figures[f"{place}_peak_bytes"] / est if est else None
+        ctx.record(where, figures)
