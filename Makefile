@@ -8,7 +8,7 @@ IN_VENV = PATH="$(abspath $(BIN)):$$PATH"
 # The CPU build of torch lies on these machines' disk; an unpinned torch would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install system-deps run test test-unit test-bench lint bench clean image image-test
+.PHONY: install system-deps run test test-unit test-bench lint bench clean image image-test gpu-kit gpu-check
 
 install: system-deps $(BIN)/elastictrain
 	$(IN_VENV) $(BIN)/elastictrain build-ops
@@ -67,6 +67,22 @@ image:
 
 image-test:
 	bash docker/image-test.sh $(IMAGE)
+
+# The GPU check (docs/gpu-check.md). `make gpu-kit` here gathers into .gpu-kit/ what the GPU machine lacks
+# (cp312 wheels, libaio, a checkpoint saved on CPU) and fails when kit and working tree exceed 60 MiB;
+# `make gpu-check` there installs it offline and runs every part; GPU_CHECK_DRY=1 runs them here on CPU.
+GPU_KIT ?= .gpu-kit
+GPU_CHECK_DRY ?= 0
+GPU_CHECK_DRY ?= 0
+gpu-kit: $(BIN)/elastictrain
+	$(IN_VENV) $(BIN)/python -m benchmarks.gpu_check.kit build --kit $(GPU_KIT)
+	mkdir -p $(GPU_KIT)/debs && cd $(GPU_KIT)/debs && { apt-get download libaio1 libaio-dev 2>/dev/null || \
+	  { apt-get update -qq && apt-get download libaio1 libaio-dev; }; }
+	$(IN_VENV) $(BIN)/python -m benchmarks.gpu_check.cross_device prepare --dest $(GPU_KIT)/cpu-checkpoint
+	$(IN_VENV) $(BIN)/python -m benchmarks.gpu_check.kit size --kit $(GPU_KIT)
+
+gpu-check:
+	GPU_KIT=$(GPU_KIT) GPU_CHECK_DRY=$(GPU_CHECK_DRY) bash benchmarks/gpu_check/gpu-check.sh $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache
