@@ -73,7 +73,7 @@ image-test:
 # `make gpu-check` there installs it offline and runs every part; GPU_CHECK_DRY=1 runs them here on CPU.
 GPU_KIT ?= .gpu-kit
 GPU_CHECK_DRY ?= 0
-GPU_CHECK_DRY ?= 0
+
 gpu-kit: $(BIN)/elastictrain
 	$(IN_VENV) $(BIN)/python -m benchmarks.gpu_check.kit build --kit $(GPU_KIT)
 	mkdir -p $(GPU_KIT)/debs && cd $(GPU_KIT)/debs && { apt-get download libaio1 libaio-dev 2>/dev/null || \

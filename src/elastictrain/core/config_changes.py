@@ -4,7 +4,8 @@ A checkpoint holds the model's weights, the optimizer's state and a position in 
 order. A change is safe mid-run when what was saved stays valid and the steps after the resume
 compute what they would have computed: how long to train (and so the LR schedule's length), how
 many workers and where, how often to checkpoint, how to react to failures, where to log, and how
-each rank holds the state (ZeRO stage, offload, micro-batch size: the global batch stays the same).
+each rank holds the state (ZeRO stage, offload, micro-batch size: the global batch stays the same),
+and the compute precision between fp32 and bf16 (a run moved from a CPU to a GPU and back).
 Anything that changes the model's shape, the global batch, the data or its order, the optimizer
 or the numbers it computes is refused, with the reason.
 """
@@ -27,6 +28,13 @@ SAFE_KEYS = {
     "eval.every_steps": "how often to validate",
     "eval.steps": "how much of the validation set each evaluation reads",
 }
+# Keys that may change between some values only: key -> (those values, why the change is safe).
+SAFE_BETWEEN = {
+    "training.precision": (
+        frozenset({"fp32", "bf16"}),
+        "the compute precision; checkpoints hold fp32 master weights and optimizer state in either",
+    ),
+}
 REFUSED_PREFIXES = {
     "model.": "the model's shape and weights",
     "data.": "the data and its order",
@@ -34,6 +42,7 @@ REFUSED_PREFIXES = {
     "eval.data": "the validation set, so evaluations before and after would not compare",
     "training.global_batch_size": "the global batch",
     "training.seed": "the data order",
+    "training.precision": "fp16's loss scale, which fp32 and bf16 do not carry (fp32 <-> bf16 may change)",
     "training.": "what the optimizer computes",
     "deepspeed.": "what the optimizer computes",
     "run.": "the run's identity and folder",
@@ -59,6 +68,10 @@ def classify_changes(before: dict[str, Any], after: dict[str, Any]) -> ConfigCha
         if old == new:
             continue
         if key in SAFE_KEYS or key.startswith(SAFE_PREFIXES):
+            allowed[key] = (old, new)
+            continue
+        values = SAFE_BETWEEN.get(key, (frozenset(), ""))[0]
+        if old in values and new in values:
             allowed[key] = (old, new)
             continue
         refused[key] = next(
