@@ -197,6 +197,9 @@ def write_markdown(results: list[dict[str, Any]], out: Path, plots: dict[str, st
         if notes:
             lines += [""] + [f"- {n}" for n in notes]
         lines.append("")
+    from benchmarks.gpu_check import report as gpu_report
+
+    lines += gpu_report.section(gpu_report.load(gpu_report.ROOT / "benchmarks" / "results"))
     out.write_text("\n".join(lines))
 
 

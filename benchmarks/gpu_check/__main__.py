@@ -45,7 +45,9 @@ def _tail(path: Path, lines: int = 40) -> list[str]:
         return []
 
 
-def run_part(name: str, profile_name: str, limit_s: float, work: Path, out: Path) -> dict[str, Any]:
+def run_part(
+    name: str, profile_name: str, limit_s: float, work: Path, out: Path, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Run one part to its end or its limit; its figures survive either way."""
     part_work = work / name
     part_work.mkdir(parents=True, exist_ok=True)
@@ -53,7 +55,7 @@ def run_part(name: str, profile_name: str, limit_s: float, work: Path, out: Path
     log_file = work / f"{name}.log"
     cmd = [sys.executable, "-m", "benchmarks.gpu_check.part", name, "--profile", profile_name]
     cmd += ["--work", str(part_work), "--out", str(out), "--result", str(result_file)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
     with open(log_file, "wb") as log:
         # A session of its own: at the limit the part and everything it started (Ray's processes, the

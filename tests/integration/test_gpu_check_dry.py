@@ -1,0 +1,54 @@
+"""`make gpu-check GPU_CHECK_DRY=1`: every part of the GPU check runs here on CPU (gloo, the tiny model),
+through the same script the GPU machine runs, so the check cannot rot between the rare GPU runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from benchmarks.gpu_check.profile import PARTS
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_dry_gpu_check_runs_every_part_and_writes_its_results(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, "GPU_CHECK_DRY": "1", "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", "benchmarks/gpu_check/gpu-check.sh", "--out", str(out), "--work", str(tmp_path / "work")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    report = json.loads((out / "gpu-check.json").read_text())
+    statuses = {name: part["status"] for name, part in report["parts"].items()}
+    assert done.returncode == 0, f"{statuses}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert list(statuses) == list(PARTS) and set(statuses.values()) == {"ok"}
+    parts = report["parts"]
+    assert report["build_ops"]["status"] == "ok"
+    # On CPU in fp32 elastictrain must match plain PyTorch through Ray and --local, as the CPU tests say.
+    numerics = {t["name"]: t for t in parts["numerics"]["targets"]}
+    assert len(numerics) == 2 and all(t["met"] for t in numerics.values()), numerics
+    throughput = parts["throughput"]["figures"]
+    for system in ("deepspeed", "elastictrain"):
+        assert throughput[system]["tokens_per_s"] > 0
+    assert throughput["checkpoint"]["elastictrain_pause_s"] is not None
+    assert throughput["checkpoint"]["deepspeed_save_checkpoint_s"] > 0
+    for where in ("cpu", "nvme"):
+        offload = parts["offload"]["figures"][where]
+        assert offload["host_peak_bytes"] > 0 and offload["estimate"]["host_bytes"] > 0
+    assert all(t["met"] for t in parts["cross_device"]["targets"]), parts["cross_device"]["targets"]
+    with tarfile.open(out / "gpu-checkpoint.tar.gz") as archive:
+        assert any(name.endswith("gpu-checkpoint.json") for name in archive.getnames())
+    log = (out / "gpu-check.log").read_text()
+    assert all(f"===== part {name} =====" in log for name in PARTS)
