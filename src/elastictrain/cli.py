@@ -165,7 +165,8 @@ def resume(
     """Continue a run from its latest committed checkpoint, into the same MLflow run.
 
     Overrides may change what is safe mid-run (training.max_steps to extend a finished run, scaling.*,
-    checkpoint.*, failure.*, tracking.*, the ZeRO stage and offload); others are refused by name.
+    checkpoint.*, failure.*, tracking.*, the ZeRO stage and offload, training.precision between fp32 and
+    bf16); others are refused by name.
     """
     from elastictrain.config import ConfigError, load_config
     from elastictrain.launch import apply_resume_changes

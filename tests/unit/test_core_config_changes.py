@@ -73,3 +73,17 @@ def test_a_key_that_appears_or_disappears_counts_as_a_change():
 def test_shortening_below_the_steps_already_trained_is_refused():
     assert extension_problem(40, 80) is None and extension_problem(40, 40) is None
     assert "already trained 40 steps (expected >= 40)" in (extension_problem(40, 30) or "")
+
+
+def test_precision_may_change_between_fp32_and_bf16_only():
+    # Checkpoints hold fp32 master weights and optimizer state whatever the precision (a run moved from
+    # a CPU in fp32 to a GPU in bf16 and back: tests/integration/test_gpu_checkpoint_on_cpu.py).
+    for old, new in (("fp32", "bf16"), ("bf16", "fp32")):
+        changes = classify_changes({**BASE, "training.precision": old}, {**BASE, "training.precision": new})
+        assert changes.allowed == {"training.precision": (old, new)} and not changes.refused
+    for old, new in (("fp32", "fp16"), ("fp16", "bf16")):  # fp16 carries a loss scale the others lack
+        changes = classify_changes({**BASE, "training.precision": old}, {**BASE, "training.precision": new})
+        assert not changes.allowed
+        assert "training.precision: cannot change when resuming; it changes fp16's loss scale" in (
+            changes.refusal()
+        )
