@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
 import platform
 import re
@@ -26,9 +27,12 @@ def op_report(text: str) -> dict[str, dict[str, bool]]:
 
 
 def _version(dist: str) -> str | None:
+    """The installed version of an importable package (None where it cannot be imported here)."""
     try:
+        if importlib.util.find_spec(dist) is None:
+            return None
         return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
+    except (importlib.metadata.PackageNotFoundError, ValueError):
         return None
 
 

@@ -1,5 +1,8 @@
 """`make gpu-check GPU_CHECK_DRY=1`: every part of the GPU check runs here on CPU (gloo, the tiny model),
-through the same script the GPU machine runs, so the check cannot rot between the rare GPU runs."""
+through the same script the GPU machine runs, so the check cannot rot between the rare GPU runs.
+
+It runs with the packages the kit leaves out (MLflow, datasets, s3fs: kit.NOT_BROUGHT) made unimportable
+in every process, Ray's workers included, as they are on the GPU machine."""
 
 from __future__ import annotations
 
@@ -12,16 +15,38 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.gpu_check.kit import NOT_BROUGHT
 from benchmarks.gpu_check.profile import PARTS
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 
+# Imported by every Python process started with this folder on PYTHONPATH: the names are then missing
+# as on a machine without them (importlib.util.find_spec says None, `import` raises ImportError).
+SITECUSTOMIZE = """
+import sys
+for name in {names!r}:
+    sys.modules[name] = None
+"""
+
+
+def without_packages(tmp_path: Path, names: list[str]) -> str:
+    folder = tmp_path / "blocked"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(SITECUSTOMIZE.format(names=names))
+    return os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])
+
 
 def test_dry_gpu_check_runs_every_part_and_writes_its_results(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    env = {**os.environ, "GPU_CHECK_DRY": "1", "PYTHON": sys.executable}
+    blocked = sorted(NOT_BROUGHT)
+    env = {
+        **os.environ,
+        "GPU_CHECK_DRY": "1",
+        "PYTHON": sys.executable,
+        "PYTHONPATH": without_packages(tmp_path, blocked),
+    }
     done = subprocess.run(
         ["bash", "benchmarks/gpu_check/gpu-check.sh", "--out", str(out), "--work", str(tmp_path / "work")],
         cwd=REPO,
@@ -51,4 +76,5 @@ def test_dry_gpu_check_runs_every_part_and_writes_its_results(tmp_path: Path) ->
     with tarfile.open(out / "gpu-checkpoint.tar.gz") as archive:
         assert any(name.endswith("gpu-checkpoint.json") for name in archive.getnames())
     log = (out / "gpu-check.log").read_text()
+    assert parts["environment"]["figures"]["versions"]["mlflow"].startswith("absent")
     assert all(f"===== part {name} =====" in log for name in PARTS)
