@@ -6,7 +6,7 @@ the script cannot rot between the rare runs on a GPU machine. Only sizes, device
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,5 +117,9 @@ DRY = Profile(
     },
 )
 
-PROFILES = {p.name: p for p in (GPU, DRY)}
+# The GPU's precision on the CPU: DeepSpeed's CPU accelerator trains bf16 too, so the bf16 reference and its
+# tolerance are checked here before a GPU ever runs them (tests/integration/test_gpu_check_dry.py).
+DRY_BF16 = replace(DRY, name="dry-bf16", precision="bf16")
+
+PROFILES = {p.name: p for p in (GPU, DRY, DRY_BF16)}
 PARTS = _PARTS

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.gpu_check.__main__ import run_part
 from benchmarks.gpu_check.kit import NOT_BROUGHT
 from benchmarks.gpu_check.profile import PARTS
 
@@ -78,3 +79,14 @@ def test_dry_gpu_check_runs_every_part_and_writes_its_results(tmp_path: Path) ->
     log = (out / "gpu-check.log").read_text()
     assert parts["environment"]["figures"]["versions"]["mlflow"].startswith("absent")
     assert all(f"===== part {name} =====" in log for name in PARTS)
+
+
+def test_bf16_runs_match_the_bf16_reference_within_its_derived_tolerance(tmp_path: Path) -> None:
+    """The GPU's comparison, made here: DeepSpeed's bf16 ZeRO-3 (CPU accelerator) through Ray and --local
+    against the plain PyTorch loop in DeepSpeed's bf16 scheme (bf16 weights, fp32 master)."""
+    result = run_part("numerics", "dry-bf16", 400, tmp_path, tmp_path)
+    assert result["status"] == "ok", result["log_tail"]
+    reference = result["figures"]["reference"]
+    assert reference["noise"] > 1e-6  # bf16's summation-order noise, far above fp32's
+    targets = result["targets"]
+    assert len(targets) == 2 and all(t["met"] for t in targets), targets
