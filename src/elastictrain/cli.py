@@ -11,7 +11,8 @@ import typer
 
 from elastictrain.cli_data import prepare_data_command
 from elastictrain.cli_eval import eval_lines, evaluate_command
-from elastictrain.cli_mlflow import log_export, plot_command
+from elastictrain.cli_export import export_command
+from elastictrain.cli_mlflow import plot_command
 from elastictrain.cli_output import choose as _choose
 from elastictrain.cli_output import err, out
 from elastictrain.cli_output import fail as _fail
@@ -28,6 +29,7 @@ install_exception_redaction()
 app.command("eval")(evaluate_command)
 app.command("prepare-data")(prepare_data_command)
 app.command("plot")(plot_command)
+app.command("export")(export_command)
 
 
 def _load(config_path: Path | None, overrides: list[str]):  # noqa: ANN202 - Config, imported lazily
@@ -230,7 +232,7 @@ def status(run_dir: Annotated[str, typer.Argument(help="a run folder (a path or 
         out.print(f"  not used: {line}; a resume loads {latest or 'no checkpoint (starts at step 0)'}")
     out.print("last metrics: " + json.dumps(info.last_metrics))
     for line in eval_lines(info.extra):
-        out.print(line)
+        out.print(line, markup=False)  # the model's own text may hold [brackets]
 
 
 @app.command()
@@ -322,31 +324,6 @@ def sync(
     out.print(
         f"{run_dir}: sent {pending} spooled record(s) to MLflow run {tracker.run_id} at {redact_text(uri)}"
     )
-
-
-@app.command()
-def export(
-    checkpoint: Annotated[str, typer.Argument(help="a checkpoint folder, checkpoints/ folder or run folder")],
-    out_dir: Annotated[Path, typer.Option("--out", help="output folder for safetensors + config.json")],
-    log_to_mlflow: Annotated[
-        bool, typer.Option("--log-to-mlflow", help="also log the exported model to the run's MLflow run")
-    ] = False,
-) -> None:
-    """Write consolidated weights (safetensors) and the model config, loadable with from_pretrained."""
-    from elastictrain.checkpoint.store import CheckpointError, verify_checkpoint
-    from elastictrain.tools.export import export_checkpoint
-
-    path = _choose(checkpoint)
-    try:
-        problems = verify_checkpoint(path)  # never read a checkpoint whose files do not match its manifest
-        if problems:
-            _fail(f"{path} does not verify, not exporting it:\n" + "\n".join(problems), code=1)
-        written = export_checkpoint(path, out_dir)
-    except (CheckpointError, ValueError) as e:
-        _fail(str(e))
-    out.print(f"exported {path} to {out_dir}: {', '.join(p.name for p in written)}")
-    if log_to_mlflow:
-        log_export(path, out_dir)
 
 
 @app.command()

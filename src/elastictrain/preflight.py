@@ -72,6 +72,12 @@ def check_user_code(config: Any) -> None:
         problem = vocab_problem(config, rows, "model.factory's input embedding rows")
         if problem:
             raise ConfigError([problem])
+        if config.eval.prompts is not None and not callable(getattr(model, "generate", None)):
+            raise UserCodeError(
+                f"eval.prompts: set, but the model of model.factory {config.model.factory!r} "
+                f"({type(model).__name__}) has no generate(); completions need a transformers causal LM "
+                "(a PreTrainedModel); remove eval.prompts, or return a transformers model from the factory"
+            )
         if config.deepspeed.activation_checkpointing and not hasattr(model, "gradient_checkpointing_enable"):
             raise UserCodeError(
                 f"deepspeed.activation_checkpointing: true, but the model of model.factory "

@@ -4,6 +4,7 @@ checkpoint files written here, without Ray or DeepSpeed: what they use, what the
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 from pathlib import Path
@@ -22,7 +23,17 @@ from elastictrain.rundir.run_dir import RunDir
 
 cli = CliRunner()
 TINY = Path(__file__).resolve().parents[2] / "conf" / "tiny-cpu.yaml"
-PARAMS = {"model.embed.weight": (6, 4), "model.norm.weight": (4,)}
+
+
+@functools.cache
+def tiny_model_parameters() -> dict[str, tuple[int, ...]]:
+    """The parameters of the default config's model (names, shapes): what `export` checks a checkpoint for."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = dict(load_config(None).model.hf_config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(hf.pop("model_type"), **hf))
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def real_checkpoint(root: Path, step: int) -> Path:
@@ -30,9 +41,9 @@ def real_checkpoint(root: Path, step: int) -> Path:
     store = CheckpointStore(root)
     staging = store.begin(step)
     tensors, fragments = {}, {}
-    for name, shape in PARAMS.items():
+    for name, shape in tiny_model_parameters().items():
         numel = int(torch.tensor(shape).prod())
-        tensors[f"{name}::fp32"] = torch.arange(numel, dtype=torch.float32) + step
+        tensors[f"{name}::fp32"] = torch.linspace(-0.1, 0.1, numel) + step / 1000
         fragments[name] = Fragment(0, numel, numel, shape)
     data = save_safetensors(
         tensors, metadata={FRAGMENTS_KEY: fragments_metadata(fragments), "rank": "0", "world_size": "1"}
@@ -157,7 +168,7 @@ def test_reshard_refuses_a_world_size_beyond_the_largest_parameter(tmp_path):
     out = " ".join(
         invoke(["reshard", str(rd.path), "--world-size", "100000", "--out", str(tmp_path / "x")], 2).split()
     )
-    assert "--world-size: got 100000; expected 1 to 24" in out and "model.embed.weight" in out
+    assert "--world-size: got 100000; expected 1 to 16384" in out and "lm_head.weight" in out
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".staging-*"))
 
 

@@ -248,16 +248,3 @@ def verify(path: AnyPath, threads: int = 8) -> Verification:
 def verify_checkpoint(path: AnyPath) -> list[str]:
     """Problems found in a committed checkpoint folder: missing, truncated or altered files."""
     return verify(path).problems
-
-
-def model_mismatch(manifest: dict[str, Any], hf_config: dict[str, Any]) -> list[str]:
-    """How the model a checkpoint was saved from differs from the configured one (empty: same model)."""
-    saved = (manifest.get("model") or {}).get("hf_config")
-    if not isinstance(saved, dict):
-        return []  # an older manifest without the model: the load itself checks every shape
-    keys = sorted(set(saved) | set(hf_config))
-    return [
-        f"model.hf_config.{k}: checkpoint has {saved.get(k)!r}, config has {hf_config.get(k)!r}"
-        for k in keys
-        if saved.get(k) != hf_config.get(k)
-    ]

@@ -5,12 +5,17 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from elastictrain.config.schema import Config, DataConfig
+from elastictrain.core.prompts import BYTES, prompt_tokenizer
+
+# Files that make a folder loadable by AutoTokenizer (a fast tokenizer, or a slow one's config).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def pop_eval_data(*raws: dict[str, Any]) -> dict[str, Any] | None:
@@ -70,7 +75,64 @@ def eval_problems(config: Config, data_problems: Callable[[Config], list[str]]) 
             )
         own = data_problems(replace(config, data=e.data))
         p.extend(re.sub(r"\bdata\.", "eval.data.", line) for line in own)
+    p.extend(prompts_problems(config))
     return p
+
+
+def prompts_problems(config: Config) -> list[str]:
+    """`eval.prompts` and what generating from them needs: a validation, a tokenizer, room to generate."""
+    e, p = config.eval, []
+    if e.max_new_tokens < 1:
+        p.append(f"eval.max_new_tokens: got {e.max_new_tokens}; expected >= 1 (tokens generated per prompt)")
+    prompts = e.prompts
+    if prompts is None:
+        return p
+    if isinstance(prompts, bool) or not isinstance(prompts, int | list):
+        return [
+            *p,
+            f"eval.prompts: got {prompts!r}; expected a list of prompt strings, or a number N (the prompt "
+            "part of the validation set's first N records)",
+        ]
+    if isinstance(prompts, int) and prompts < 1:
+        p.append(f"eval.prompts: got {prompts}; expected N >= 1 validation records (or null: no prompts)")
+    if isinstance(prompts, list) and (not prompts or not all(isinstance(x, str) and x for x in prompts)):
+        p.append(
+            f"eval.prompts: got {prompts!r}; expected a non-empty list of non-empty strings (quote a prompt "
+            "that YAML would read as a number)"
+        )
+    if not evaluates(config):
+        p.append(
+            "eval.prompts: set, but the run does not validate; completions are generated at each "
+            "validation: set eval.steps (> 0) and eval.split or eval.data"
+        )
+    p.extend(_tokenizer_problems(config))
+    positions = config.model.hf_config.get("max_position_embeddings")
+    from_hf_config = not (config.model.factory or config.model.pretrained)
+    if from_hf_config and isinstance(positions, int) and e.max_new_tokens >= positions:
+        p.append(
+            f"eval.max_new_tokens: got {e.max_new_tokens}; expected < the model's positions "
+            f"(model.hf_config.max_position_embeddings: {positions}), leaving room for the prompt"
+        )
+    return p
+
+
+def _tokenizer_problems(config: Config) -> list[str]:
+    data = config.eval.data or config.data
+    source = prompt_tokenizer(data, config.model.pretrained)
+    field = "eval.data.tokenizer" if config.eval.data is not None else "data.tokenizer"
+    if source is None:
+        return [
+            f"eval.prompts: no tokenizer to encode prompts and decode completions; set {field} (a local "
+            "tokenizer folder) or use model.pretrained (a folder holding its tokenizer)"
+        ]
+    if source == BYTES or any((Path(source) / name).is_file() for name in _TOKENIZER_FILES):
+        return []
+    hint = f"; or set {field}" if not data.tokenizer else ""
+    field = field if data.tokenizer else "model.pretrained"
+    return [
+        f"eval.prompts: {field} {source!r} holds no tokenizer ({' or '.join(_TOKENIZER_FILES)}); expected a "
+        f"folder written by a tokenizer's save_pretrained{hint}"
+    ]
 
 
 def evaluates(config: Config) -> bool:

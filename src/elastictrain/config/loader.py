@@ -22,11 +22,12 @@ from omegaconf.errors import OmegaConfBaseException
 from elastictrain.cluster.allocator import ALLOCATORS
 from elastictrain.config.errors import ConfigError
 from elastictrain.config.eval_check import eval_problems, pop_eval_data, set_eval_data
+from elastictrain.config.lora_check import lora_problems
 from elastictrain.config.schema import Config, DataConfig
 from elastictrain.core.batch import workable_world_sizes
 from elastictrain.core.zero import stage_problems
 from elastictrain.redact import install_log_redaction
-from elastictrain.storage import as_path, is_url, url_problems
+from elastictrain.storage import as_path, url_problems
 from elastictrain.worker.token_index import index_problems
 
 log = logging.getLogger("elastictrain.config")
@@ -310,18 +311,7 @@ def _model_problems(config: Config) -> list[str]:
         )
     if not (m.factory or m.pretrained) and "model_type" not in m.hf_config:
         p.append("model.hf_config.model_type: missing; expected a transformers model type such as 'llama'")
-    lora = m.lora
-    if lora.enabled:
-        _at_least(p, "model.lora.r", lora.r, 1)
-        _at_least(p, "model.lora.alpha", lora.alpha, 0, strict=True)
-        if not 0 <= lora.dropout < 1:
-            p.append(f"model.lora.dropout: got {lora.dropout}; expected a number in [0, 1)")
-        if not lora.target_modules:
-            p.append("model.lora.target_modules: got []; expected module names such as [q_proj, v_proj]")
-        if not lora.export_dir:
-            p.append("model.lora.export_dir: got ''; expected a folder path")
-        elif is_url(lora.export_dir):  # peft writes a local folder
-            p.append(f"model.lora.export_dir: got {lora.export_dir!r}; expected a local folder path")
+    p.extend(lora_problems(config))
     return p
 
 

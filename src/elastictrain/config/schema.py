@@ -32,12 +32,20 @@ class RunConfig:
 
 @dataclass
 class LoraConfig:
-    # LoRA adapters (peft) on top of the model; only the adapters train, and they are saved at the end.
+    # LoRA adapters (peft) on top of the model; only the adapters (and modules_to_save) train, are
+    # checkpointed and are saved at the end. docs/lora.md: each field's LLaMA-Factory name.
     enabled: bool = False
     r: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    # A list of layer names (the last part of a module's name), or all-linear (also `all`, LLaMA-Factory's
+    # spelling): every linear layer but the output head. A string or a list, so typed Any.
+    target_modules: Any = field(default_factory=lambda: ["q_proj", "v_proj"])
+    use_dora: bool = False  # DoRA: a trained magnitude vector per adapted layer, next to A and B
+    use_rslora: bool = False  # rank-stabilized scale alpha/sqrt(r) instead of alpha/r
+    # Modules trained in full (a trainable copy each, in the optimizer and checkpoints) and saved with the
+    # adapter, e.g. [lm_head, embed_tokens] for new tokens (LLaMA-Factory's additional_target).
+    modules_to_save: list[str] = field(default_factory=list)
     export_dir: str = "${run.dir}/adapter"  # written when the run finishes (peft's save_pretrained layout)
 
 
@@ -82,6 +90,11 @@ class EvalConfig:
     steps: int = 0  # 0: no validation
     split: float = 0.0
     data: DataConfig | None = None
+    # What the model says (docs/validation.md): at every validation, greedy completions of `prompts`, a
+    # list of strings or N (the prompt part of the validation set's first N records; so typed Any).
+    prompts: Any = None
+    max_new_tokens: int = 32
+    chat_template: bool = True  # string prompts go through the tokenizer's chat template where it has one
 
 
 @dataclass

@@ -3,7 +3,8 @@
 An evaluation reads the same validation batches every time, so one repeated after a restart or a
 resize gives the same numbers (tested at world sizes 1, 2 and 3); it is logged once, like a step's
 metrics. Results go to the terminal, events.jsonl (`eval`), MLflow (`eval_loss`, `eval_perplexity`,
-`eval_tokens`) and run.json (`last_eval`, and `best_eval`: the lowest loss so far).
+`eval_tokens`) and run.json (`last_eval`, and `best_eval`: the lowest loss so far). With eval.prompts,
+what the model says comes with it (completions.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from elastictrain.cluster.calls import Calls, Group
 from elastictrain.config.eval_check import evaluates
+from elastictrain.control.completions import Completions
 from elastictrain.control.failures import gather_results
 from elastictrain.control.record import RunRecorder
 from elastictrain.core.checkpoints import tag_for_step
@@ -39,6 +41,7 @@ class Evaluations:
         info = recorder.run_dir.read_info()
         self.logged_step = int(info.extra.get("last_eval", {}).get("step", 0))
         self.best: dict[str, Any] = dict(info.extra.get("best_eval", {}))
+        self.completions = Completions(config, recorder) if self.enabled else None
 
     def due(self, step: int) -> bool:
         """Whether a validation follows step `step` (0-based)."""
@@ -83,4 +86,6 @@ class Evaluations:
             step=step_done,
             **summary,
         )
+        if self.completions is not None:
+            self.completions.record(step_done, results)
         return summary

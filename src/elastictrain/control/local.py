@@ -18,6 +18,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastictrain.checkpoint.model_record import configured_model
 from elastictrain.checkpoint.store import CheckpointStore
 from elastictrain.control.callbacks import Callbacks
 from elastictrain.control.errors import RunFailed
@@ -63,7 +64,7 @@ class LocalRun:
         self.callbacks = callbacks or Callbacks()
         self.store = CheckpointStore(run_dir.checkpoints_dir)
         self.recorder = RunRecorder(run_dir, tracker, reporter)
-        self.resume = ResumePoints(self.store, dict(config.model.hf_config), self.recorder)
+        self.resume = ResumePoints(self.store, configured_model(config), self.recorder)
         self.step = 0
         self.step_results: list[dict[str, Any]] = []  # for callers that inspect a run (tests, notebooks)
 
@@ -176,6 +177,7 @@ class LocalRun:
             samples=self.step * self.cfg.training.global_batch_size,
             engine_state=report["engine_state"],
             info=self.recorder.run_dir.read_info(),
+            built=report.get("model"),
         )
         committed = self.store.commit(self.step, staging, [report["file"]], fields)
         best = best_checkpoint(self.cfg, self.recorder)

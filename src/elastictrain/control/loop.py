@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastictrain.checkpoint.model_record import configured_model
 from elastictrain.checkpoint.store import CheckpointStore
 from elastictrain.cluster.calls import Group
 from elastictrain.control.callbacks import Callbacks
@@ -70,7 +71,7 @@ class Controller:
         self.callbacks = callbacks or Callbacks()
         self.store = CheckpointStore(run_dir.checkpoints_dir)
         self.recorder = RunRecorder(run_dir, tracker, reporter)
-        self.resume = ResumePoints(self.store, dict(config.model.hf_config), self.recorder)
+        self.resume = ResumePoints(self.store, configured_model(config), self.recorder)
         self.capacity = Capacity(config, group, self.recorder, clock=clock)
         self.saves = SaveCoordinator(config, group, self.store, self.recorder, self.resume, clock=clock)
         self.pipeline = StepPipeline(

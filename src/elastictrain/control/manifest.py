@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from elastictrain.checkpoint.model_record import configured_model
 from elastictrain.core.batch import BatchPlan
 from elastictrain.rundir.run_dir import RunDir, RunInfo
 
@@ -17,7 +18,9 @@ def manifest_fields(
     samples: int,
     engine_state: dict[str, Any],
     info: RunInfo,
+    built: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """`built`: the model as rank 0 built it (checkpoint/model_record.py), None where none reported it."""
     seed = config.training.seed
     return {
         "world_size": world_size,
@@ -27,7 +30,7 @@ def manifest_fields(
         "global_batch_size": config.training.global_batch_size,
         "plan": {"micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.grad_accum_steps},
         "engine_state": engine_state,
-        "model": {"hf_config": dict(config.model.hf_config)},
+        "model": {**configured_model(config), **({"built": built} if built is not None else {})},
         "run_id": info.run_id,
         "config_digest": info.config_digest,
     }
@@ -35,10 +38,12 @@ def manifest_fields(
 
 def manifest_for(
     config: Any, run_dir: RunDir, size: int, plan: BatchPlan
-) -> Callable[[int, dict[str, Any]], dict[str, Any]]:
-    """The manifest fields of an attempt's checkpoints, as a function of (step, engine state)."""
+) -> Callable[[int, dict[str, Any], dict[str, Any] | None], dict[str, Any]]:
+    """The manifest fields of an attempt's checkpoints, as a function of (step, engine state, built model)."""
 
-    def fields(step: int, engine_state: dict[str, Any]) -> dict[str, Any]:
+    def fields(
+        step: int, engine_state: dict[str, Any], built: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         samples = step * config.training.global_batch_size
         return manifest_fields(
             config,
@@ -47,6 +52,7 @@ def manifest_for(
             samples=samples,
             engine_state=engine_state,
             info=run_dir.read_info(),
+            built=built,
         )
 
     return fields

@@ -8,12 +8,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from elastictrain.checkpoint.model_record import model_mismatch
 from elastictrain.checkpoint.store import (
     CheckpointError,
     CheckpointStore,
     Committed,
     Verification,
-    model_mismatch,
     verify,
 )
 from elastictrain.control.errors import RunFailed
@@ -22,9 +22,9 @@ from elastictrain.core.checkpoints import choose_resume_tag
 
 
 class ResumePoints:
-    def __init__(self, store: CheckpointStore, hf_config: dict[str, Any], recorder: RunRecorder) -> None:
+    def __init__(self, store: CheckpointStore, configured: dict[str, Any], recorder: RunRecorder) -> None:
         self.store = store
-        self.hf_config = hf_config
+        self.configured = configured  # the model as the config describes it (model_record.configured_model)
         self.recorder = recorder
         self.rejected: list[str] = []  # checkpoints that failed verification: never loaded again
         self.last_verify_s = 0.0
@@ -79,7 +79,7 @@ class ResumePoints:
                     "(moves this run folder aside)"
                 )
             return None
-        mismatch = model_mismatch(found.manifest, self.hf_config)
+        mismatch = model_mismatch(found.manifest, self.configured)
         if mismatch:
             raise RunFailed(
                 f"checkpoint {found.path} was saved from another model: {'; '.join(mismatch[:5])}. "

@@ -55,7 +55,8 @@ class QueuedSave:
     error: str = ""
 
 
-ManifestFields = Callable[[int, dict[str, Any]], dict[str, Any]]  # (step, engine_state) -> fields
+# (step, engine_state, the model as rank 0 built it) -> fields
+ManifestFields = Callable[[int, dict[str, Any], dict[str, Any] | None], dict[str, Any]]
 
 
 class SaveCoordinator:
@@ -134,7 +135,7 @@ class SaveCoordinator:
             names=[r["name"] for r in ordered],
             engine_state=ordered[0]["engine_state"],
             started=step_ended,
-            manifest=self._manifest(step, ordered[0]["engine_state"]),
+            manifest=self._manifest(step, ordered[0]["engine_state"], ordered[0].get("model")),
             files={r["name"]: r["file"] for r in ordered if r.get("file")},
         )
         # A rank whose snapshot would exceed checkpoint.max_host_memory_mb streamed its file inline.

@@ -27,6 +27,9 @@ SAFE_KEYS = {
     "deepspeed.activation_checkpointing": "memory against recomputation; the numbers stay the same",
     "eval.every_steps": "how often to validate",
     "eval.steps": "how much of the validation set each evaluation reads",
+    "eval.prompts": "what the model is asked at each validation",
+    "eval.max_new_tokens": "how long each completion may be",
+    "eval.chat_template": "how string prompts are formatted",
 }
 # Keys that may change between some values only: key -> (those values, why the change is safe).
 SAFE_BETWEEN = {

@@ -1,4 +1,8 @@
-"""Export of a LoRA run's adapter in peft's layout, from a committed checkpoint (offline, on the driver)."""
+"""Export of a LoRA run's adapter in peft's layout, from a committed checkpoint (offline, on the driver).
+
+Two callers: the run's end (`export_adapter`, from the run's config, into model.lora.export_dir) and
+`elastictrain export` (`adapter_from_record`, from the checkpoint's own record of the model).
+"""
 
 from __future__ import annotations
 
@@ -24,26 +28,52 @@ def export_adapter(config: Any, checkpoint: Path, out_dir: Path) -> list[Path]:
     reader = FragmentReader(
         [checkpoint / f["name"] for f in manifest["files"] if f["name"].endswith(".safetensors")]
     )
+    with _empty_weights():
+        wrapped = apply_lora(base_structure(config), config.model.lora)
+    base = str(Path(config.model.pretrained).resolve()) if config.model.pretrained else None
+    return write_adapter(wrapped, reader, out_dir, base, torch.float32)
+
+
+def adapter_from_record(record: Any, reader: Any, out_dir: Path, dtype: torch.dtype) -> list[Path]:
+    """The adapter of a checkpoint whose manifest records the model (checkpoint/model_record.py)."""
+    from peft import get_peft_model
+
+    from elastictrain.tools.export_models import lora_config, structure
+
+    with _empty_weights():
+        wrapped = get_peft_model(structure(record), lora_config(record))
+    return write_adapter(wrapped, reader, out_dir, record.pretrained, dtype)
+
+
+def write_adapter(
+    wrapped: Any, reader: Any, out_dir: Path, base: str | None, dtype: torch.dtype
+) -> list[Path]:
+    """peft's save_pretrained of `wrapped` (a structure), with the adapter weights of the fragments.
+
+    `base`: the base model's folder, named in adapter_config.json (None: a base built from a config).
+    """
+    expected = {n for n, p in wrapped.named_parameters() if p.requires_grad}
+    if expected != set(reader.params):
+        raise ValueError(
+            f"the checkpoint's parameters do not match the adapters of this config "
+            f"(only in checkpoint: {sorted(set(reader.params) - expected)[:3]}, "
+            f"only in model: {sorted(expected - set(reader.params))[:3]})"
+        )
+    state = {name: reader.full(name).to(dtype).contiguous() for name in sorted(reader.params)}
+    wrapped.peft_config["default"].base_model_name_or_path = base
+    out_dir.mkdir(parents=True, exist_ok=True)
+    wrapped.save_pretrained(str(out_dir), state_dict=state)
+    return [out_dir / "adapter_config.json", out_dir / "adapter_model.safetensors"]
+
+
+def _empty_weights() -> Any:
+    """Parameters on the meta device, buffers real (some inits need them)."""
     from accelerate import init_empty_weights  # a peft dependency
 
     from elastictrain.worker.model import forget_hf_deepspeed_config
 
     forget_hf_deepspeed_config()  # a local run's finished worker may have left it set in this process
-    with init_empty_weights():  # parameters on the meta device, buffers real (some inits need them)
-        wrapped = apply_lora(base_structure(config), config.model.lora)
-    expected = {n for n, p in wrapped.named_parameters() if p.requires_grad}
-    if expected != set(reader.params):
-        raise ValueError(
-            f"{checkpoint}: its parameters do not match the adapters of this config "
-            f"(only in checkpoint: {sorted(set(reader.params) - expected)[:3]}, "
-            f"only in model: {sorted(expected - set(reader.params))[:3]})"
-        )
-    state = {name: reader.full(name).contiguous() for name in sorted(reader.params)}
-    if config.model.pretrained:
-        wrapped.peft_config["default"].base_model_name_or_path = str(Path(config.model.pretrained).resolve())
-    out_dir.mkdir(parents=True, exist_ok=True)
-    wrapped.save_pretrained(str(out_dir), state_dict=state)
-    return [out_dir / "adapter_config.json", out_dir / "adapter_model.safetensors"]
+    return init_empty_weights()
 
 
 def base_structure(config: Any) -> torch.nn.Module:

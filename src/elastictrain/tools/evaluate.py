@@ -11,11 +11,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from elastictrain.checkpoint.model_record import configured_model, model_mismatch
 from elastictrain.config.eval_check import evaluates
 
 
-def evaluate_checkpoint(config: Any, checkpoint: Path) -> dict[str, float]:
-    """Validation loss, perplexity, tokens and samples of `checkpoint` under the run's `config`."""
+def evaluate_checkpoint(config: Any, checkpoint: Path) -> dict[str, Any]:
+    """Validation loss, perplexity, tokens and samples of `checkpoint` under the run's `config`, and
+    with eval.prompts what the model says (`completions`)."""
     from elastictrain.control.specs import single_rank_spec
     from elastictrain.core.losses import eval_summary
     from elastictrain.worker.actor import TrainWorker
@@ -25,11 +27,20 @@ def evaluate_checkpoint(config: Any, checkpoint: Path) -> dict[str, float]:
             "eval: this run has no validation set; give eval.steps (> 0) and eval.split or eval.data, "
             "e.g. `elastictrain eval RUN_DIR eval.steps=2` for a run that has eval.split"
         )
-    step = int(json.loads((checkpoint / "manifest.json").read_text())["step"])
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    # The same record of the model that resume and export read: never evaluate another model's weights.
+    mismatch = model_mismatch(manifest, configured_model(config))
+    if mismatch:
+        raise ValueError(
+            f"{checkpoint} was saved from another model than this config's: {'; '.join(mismatch[:5])}"
+        )
+    step = int(manifest["step"])
     worker = TrainWorker("eval", config.scaling.use_gpu)
     spec = single_rank_spec(config, checkpoint_dir=str(checkpoint), start_step=step)
     try:
         worker.setup(spec)
-        return {"step": float(step), **eval_summary([worker.evaluate(step)])}
+        result = worker.evaluate(step)
+        said = {"completions": result["completions"]} if "completions" in result else {}
+        return {"step": float(step), **eval_summary([result]), **said}
     finally:
         worker.teardown()

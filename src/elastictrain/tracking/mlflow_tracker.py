@@ -26,6 +26,7 @@ from elastictrain.redact import install_log_redaction, redact, redact_text
 from elastictrain.tracking.mlflow_send import SendLoop
 from elastictrain.tracking.spool import Spool
 from elastictrain.tracking.tracker import (
+    LOGGED_ARTIFACTS_TAG,
     MAX_PARAM_VAL_LENGTH,
     MAX_TAG_VAL_LENGTH,
     TERMINAL_STATUSES,
@@ -91,6 +92,7 @@ class MlflowTracker(SendLoop):
         self._event_lines: list[str] = []
         self._events_dirty = False
         self._texts: dict[str, str] = {}
+        self._tables: set[str] = set()  # artifact files logged as tables
         self._terminal: str | None = None
         self._busy = False  # the thread holds data it is sending
         self._failures = 0
@@ -167,7 +169,7 @@ class MlflowTracker(SendLoop):
                 elif kind == "event":
                     self._queue_event(str(data), seq)
                 elif kind == "text":
-                    self._queue_text(str(data[1]), str(data[0]), seq)
+                    self._queue_text(str(data[1]), str(data[0]), seq, table=len(data) > 2 and bool(data[2]))
             self._replayed_upto = int(records[-1]["seq"])
         log.warning(
             "sending %d tracking record(s) an earlier process spooled but did not get into MLflow",
@@ -322,13 +324,18 @@ class MlflowTracker(SendLoop):
             self._event_seqs.append(seq)
             self._open[seq] = 1
 
-    def log_artifact_text(self, text: str, artifact_file: str) -> None:
+    def log_artifact_text(self, text: str, artifact_file: str, *, table: bool = False) -> None:
         with self._cond:
             text = redact_text(text)
-            self._queue_text(text, artifact_file, self._spool_append("text", [artifact_file, text]))
+            record = [artifact_file, text, *([True] if table else [])]
+            self._queue_text(text, artifact_file, self._spool_append("text", record), table=table)
 
-    def _queue_text(self, text: str, artifact_file: str, seq: int) -> None:
+    def _queue_text(self, text: str, artifact_file: str, seq: int, *, table: bool = False) -> None:
         self._texts[artifact_file] = text
+        if table:  # as mlflow.log_table tags its files (only this run's own tables are listed)
+            self._tables.add(artifact_file)
+            listed = [{"path": path, "type": "table"} for path in sorted(self._tables)]
+            self._tags[LOGGED_ARTIFACTS_TAG] = json.dumps(listed)
         old = self._text_seqs.pop(artifact_file, None)
         if old is not None:
             self._done(old)  # superseded by the newer text

@@ -19,6 +19,7 @@ MAX_KEY_LENGTH = 250
 
 TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
 EVENTS_ARTIFACT = "events.jsonl"
+LOGGED_ARTIFACTS_TAG = "mlflow.loggedArtifacts"  # the tables mlflow.log_table wrote: [{path, type}]
 
 
 class TrackerError(RuntimeError):
@@ -30,7 +31,8 @@ class Tracker(Protocol):
     def log_params(self, params: dict[str, Any]) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def log_event(self, record: dict[str, Any]) -> None: ...
-    def log_artifact_text(self, text: str, artifact_file: str) -> None: ...
+    # table: a .json file in mlflow.log_table's layout, listed as a table in the run's tags (MLflow's UI)
+    def log_artifact_text(self, text: str, artifact_file: str, *, table: bool = False) -> None: ...
     def finish(self, status: str) -> None: ...
     def close(self) -> None: ...
 
@@ -52,7 +54,7 @@ class NullTracker:
     def log_event(self, record: dict[str, Any]) -> None:
         pass
 
-    def log_artifact_text(self, text: str, artifact_file: str) -> None:
+    def log_artifact_text(self, text: str, artifact_file: str, *, table: bool = False) -> None:
         pass
 
     def flush(self, timeout_s: float = 30.0) -> bool:

@@ -74,6 +74,9 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         self.eval_dataset: Any = None  # the validation set (worker/eval_data.py), or None
         self.collate: Any = None  # data.collate, or None for the default
         self.loss_fn: Any = None  # loss(model, batch) -> scalar tensor
+        self.prompts: Any = None  # eval.prompts encoded (worker/generate.py), or None
+        self._prompts_key: tuple[Any, ...] | None = None
+        self.built_model: dict[str, Any] | None = None  # rank 0 reports it with each save (model_record.py)
         self._dataset_key: tuple[Any, ...] | None = None
         self._faults: dict[int, str] = {}
         # Progress marks, read by `progress` from the control thread while a step runs.
@@ -211,6 +214,10 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         # without this a 1B rank kept them beside that state (10.4 GiB against an 8.5 GiB build peak).
         release_freed_memory()
         self.loss_fn = loss_function(cfg)
+        from elastictrain.checkpoint.model_record import built_model
+
+        checkpointing = cfg.deepspeed.activation_checkpointing
+        self.built_model = built_model(self.engine.module, activation_checkpointing=checkpointing)
         self.sockets.stop()
         if spec.backend == "gloo":  # pieces a connection's send buffer takes whole, the same on every rank
             use_gather_in_pieces(
@@ -256,6 +263,12 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         if key != self._dataset_key:  # kept across attempts: part of what a warm actor saves
             self.dataset, self.eval_dataset = train_and_eval_datasets(cfg)
             self._dataset_key = key
+        prompts_key = (key, repr(cfg.eval.prompts), cfg.eval.chat_template)
+        if prompts_key != self._prompts_key:  # a tokenizer load: once per actor, not per attempt
+            from elastictrain.worker.generate import prompt_set
+
+            self.prompts = prompt_set(cfg, self.eval_dataset)
+            self._prompts_key = prompts_key
         self.collate = user_callable(cfg, "data.collate")
 
     def train_step(self, step: int, snapshot: bool | None = None) -> dict[str, Any]:
@@ -352,6 +365,12 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         assert self.spec is not None and self.engine is not None, "evaluate before setup"
         self._set_mark("eval", step)
         out = evaluate_share(self.engine, self.eval_dataset, self.collate, self.loss_fn, self.spec)
+        if self.prompts is not None:  # every rank, in lockstep (worker/generate.py)
+            from elastictrain.worker.generate import complete
+
+            synced = self.spec.world_size > 1 and zero_stage(self.spec) == 3
+            new_tokens = self.spec.config.eval.max_new_tokens
+            out["completions"] = complete(self.engine, self.prompts, new_tokens, synced=synced)
         self._set_mark("done", step)
         return {**out, "step": step}
 
@@ -408,6 +427,8 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         else:
             out["file"] = write.file
         self._set_mark("saved", spec.start_step)
+        if spec.rank == 0:  # the manifest's record of the model as built
+            out["model"] = self.built_model
         out["save_s"] = time.perf_counter() - t0
         out["waited_s"] = waited
         self._idle_since = time.time()
