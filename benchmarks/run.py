@@ -4,10 +4,11 @@
                              [--sizes 30m,125m,350m,1b] [--redo] [--parts reshard,recovery,checkpoint]
 
 Benchmarks: throughput, checkpoint_stall, memory, reshard, recovery, memory_recovery, controller_scale,
-zero_stages; and, only when named with --only: goodput (a long run with failures injected) and scale
-(30M to 1B parameters: hours on 2 cores; `--sizes` picks sizes, and sizes already in
-results/scale.json are skipped unless `--redo`). Runs that several benchmarks read (the plain training
-runs of each system) happen once per repetition.
+zero_stages; and, only when named with --only: goodput (a long run with failures injected), sft (one
+epoch of instruction records against Hugging Face's Trainer) and scale (30M to 1B parameters: hours
+on 2 cores; `--sizes` picks sizes, and sizes already in results/scale.json are skipped unless
+`--redo`). Runs that several benchmarks read (the plain training runs of each system) happen once per
+repetition.
 `--smoke` runs every benchmark at its smallest size, for the harness's own test: not a measurement.
 """
 
@@ -31,6 +32,7 @@ from benchmarks import (
     report,
     reshard,
     scale,
+    sft,
     throughput,
     zero_stages,
 )
@@ -47,8 +49,9 @@ MODULES = {
     "zero_stages": zero_stages,
     "goodput": goodput,
     "scale": scale,
+    "sft": sft,
 }
-OPT_IN = {"goodput", "scale"}  # long: run with --only (GOODPUT_MINUTES sets goodput's length)
+OPT_IN = {"goodput", "scale", "sft"}  # long: run with --only (GOODPUT_MINUTES sets goodput's length)
 DEFAULT_REPS = 1  # the full run stays under 25 minutes on 2 cores; more with --reps
 
 

@@ -88,6 +88,10 @@ def fit(
     cfg = validate(cfg)
     attach(cfg, objects)
     check_before_start(cfg)
+    from elastictrain.run_length import resolve_length
+
+    for line in resolve_length(cfg):  # epochs to steps, before config.yaml and its digest are written
+        log.info(line)
     from elastictrain.rundir.lock import RunLock
 
     with RunLock(cfg.run.dir):  # raises RunFolderBusy while another driver has the folder

@@ -16,6 +16,7 @@ from elastictrain.cli_mlflow import plot_command
 from elastictrain.cli_output import choose as _choose
 from elastictrain.cli_output import err, out
 from elastictrain.cli_output import fail as _fail
+from elastictrain.cli_preview import preview_data_command
 from elastictrain.redact import install_exception_redaction
 
 # typer's own traceback printer would show locals (a config holding a token): ours masks instead.
@@ -28,6 +29,7 @@ app = typer.Typer(
 install_exception_redaction()
 app.command("eval")(evaluate_command)
 app.command("prepare-data")(prepare_data_command)
+app.command("preview-data")(preview_data_command)
 app.command("plot")(plot_command)
 app.command("export")(export_command)
 
@@ -95,6 +97,7 @@ def train(
 
     _lock_run_dir(cfg.run.dir)  # before the folder is created, moved (--fresh) or resumed
     _check_user_code(cfg)
+    _resolve_length(cfg)  # epochs to steps, before config.yaml and its digest are written
     if not local:
         _check_ray_address(address or cfg.ray.address)
     from elastictrain.rundir.run_dir import RunDirError
@@ -138,6 +141,18 @@ def _check_ray_address(address: str | None) -> None:
         _fail(str(e))
 
 
+def _resolve_length(cfg) -> None:  # noqa: ANN001
+    """training.num_epochs and warmup_ratio as fixed step counts (run_length.py), said as computed."""
+    from elastictrain.config import ConfigError
+    from elastictrain.run_length import resolve_length
+
+    try:
+        for line in resolve_length(cfg):
+            out.print(line, markup=False)
+    except (ConfigError, ValueError) as e:
+        _fail(f"invalid configuration:\n{e}")
+
+
 def _check_user_code(cfg) -> None:  # noqa: ANN001
     from elastictrain.config import ConfigError
     from elastictrain.launch import check_before_start
@@ -166,9 +181,9 @@ def resume(
 ) -> None:
     """Continue a run from its latest committed checkpoint, into the same MLflow run.
 
-    Overrides may change what is safe mid-run (training.max_steps to extend a finished run, scaling.*,
-    checkpoint.*, failure.*, tracking.*, the ZeRO stage and offload, training.precision between fp32 and
-    bf16); others are refused by name.
+    Overrides may change what is safe mid-run (training.max_steps or training.num_epochs to extend a run,
+    scaling.*, checkpoint.*, failure.*, tracking.*, the ZeRO stage and offload, training.precision between
+    fp32 and bf16); others are refused by name.
     """
     from elastictrain.config import ConfigError, load_config
     from elastictrain.launch import apply_resume_changes
@@ -178,6 +193,7 @@ def resume(
     try:
         rd = RunDir.open(run_dir)
         cfg = load_config(rd.config_yaml, overrides or [])
+        _resolve_length(cfg)  # training.num_epochs=N: max_steps from the epoch_samples recorded at start
         if overrides:
             for line in apply_resume_changes(rd, cfg):
                 out.print(line)

@@ -173,7 +173,7 @@ def apply_resume_changes(run_dir: RunDir, config: Config) -> list[str]:
     changes = classify_changes(to_flat_dict(before), to_flat_dict(config))
     problems = [changes.refusal()] if changes.refused else []
     info = run_dir.read_info()
-    extension = extension_problem(info.last_step, config.training.max_steps)
+    extension = extension_problem(info.last_step, config.training.max_steps, config.training.num_epochs)
     problems += [extension] if extension else []
     if problems:
         raise ConfigError(problems)

@@ -93,6 +93,7 @@ def check_user_code(config: Any) -> None:
             check_hf_data(config.data)
         except ValueError as e:
             raise UserCodeError(str(e)) from e
+    check_sft_records(config)
     if config.data.source == "factory":
         from elastictrain.worker.data import collate_items
 
@@ -106,6 +107,23 @@ def check_user_code(config: Any) -> None:
                 f"{'data.collate ' + repr(config.data.collate) if collate else 'the default collate'} "
                 f"failed: {type(e).__name__}: {e}"
             ) from e
+
+
+def check_sft_records(config: Any) -> None:
+    """Instruction records (data.source sft, for training and eval.data) built here once: bad records are
+    named and the run refused (unless data.on_bad_record is skip), the template checked on every record."""
+    import re
+
+    from elastictrain.data.sft.dataset import SftDataError, build_sft_dataset
+
+    for prefix, data in (("data", config.data), ("eval.data", config.eval.data)):
+        if data is None or data.source != "sft" or (prefix == "eval.data" and data == config.data):
+            continue
+        try:
+            build_sft_dataset(data, config.model.pretrained)
+        except SftDataError as e:
+            # Each line opens with the field (data.x: ...); file names further on stay as they are.
+            raise UserCodeError(re.sub(r"(?m)^data([.:])", prefix + r"\1", str(e))) from e
 
 
 def check_targets(config: Any) -> None:

@@ -119,3 +119,31 @@ def test_every_benchmark_at_smoke_size(tmp_path: Path) -> None:
     text = markdown.read_text()
     assert "| Benchmark | Figure | Measured | Target | Status |" in text
     assert "Repetitions:" in text and "Versions:" in text and "Machine:" in text
+
+
+@pytest.mark.timeout(420)
+def test_sft_benchmark_at_smoke_size(tmp_path: Path) -> None:
+    """The opt-in sft benchmark (elastictrain's `data.source: sft` against Hugging Face's Trainer under
+    torchrun), on its own: 1-2 minutes on 2 cores, too long to add to the run above."""
+    results = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--smoke", "--only", "sft", "--results", str(results),
+         "--markdown", str(tmp_path / "BENCHMARKS.md")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"benchmarks.run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    data = json.loads((results / "sft.json").read_text())
+    assert data["benchmark"] == "sft" and data["smoke"] is True
+    for key in ("samples_per_s", "real_tokens_per_s"):
+        for system in ("elastictrain", "hf_trainer"):
+            value = _get(data["metrics"], f"ws2.{key}.{system}")
+            assert isinstance(value, float) and math.isfinite(value) and value > 0, (key, system, value)
+    # Both trained every record once, in the same micro-batches: the same epoch, step for step.
+    assert data["metrics"]["trainer_same_batches"] is True
+    from benchmarks.sft import SMOKE
+
+    assert {r["steps"] for r in data["runs"]} == {SMOKE.steps}
+    assert (results / "sft.png").stat().st_size > 0

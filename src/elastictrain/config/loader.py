@@ -20,8 +20,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from elastictrain.cluster.allocator import ALLOCATORS
+from elastictrain.config.data_check import sft_problems
 from elastictrain.config.errors import ConfigError
 from elastictrain.config.eval_check import eval_problems, pop_eval_data, set_eval_data
+from elastictrain.config.length import layer_length, length_pending, length_problems
 from elastictrain.config.lora_check import lora_problems
 from elastictrain.config.schema import Config, DataConfig
 from elastictrain.core.batch import workable_world_sizes
@@ -149,6 +151,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
                 OmegaConf.update(cfg, key, value, merge=True)
             except OmegaConfBaseException:
                 problems.append(f"{key}: got {value!r}; expected {_type_words(_field_type(key))}")
+    layer_length(cfg, raw_file, raw_overrides, problems)
     if eval_data is not None:
         set_eval_data(cfg, {k: v for k, v in eval_data.items() if k in _schema_fields(DataConfig)}, problems)
     if problems:
@@ -201,6 +204,7 @@ def validate(config: Config) -> Config:
         )
     p.extend(_data_problems(config))
     p.extend(eval_problems(config, _data_problems))
+    p.extend(length_problems(config))
     _at_least(p, "data.generated_chars", d.generated_chars, 1)
     _at_least(p, "data.seq_len", d.seq_len, 2)
     max_pos = hf.get("max_position_embeddings") if from_hf_config else None
@@ -219,7 +223,7 @@ def validate(config: Config) -> Config:
     if t.min_lr > t.lr:
         p.append(f"training.min_lr: got {t.min_lr}; expected <= training.lr ({t.lr})")
     _at_least(p, "training.warmup_steps", t.warmup_steps, 0)
-    if t.warmup_steps > t.max_steps:
+    if t.warmup_steps > t.max_steps and not length_pending(t):
         p.append(
             f"training.warmup_steps: got {t.warmup_steps}; expected <= training.max_steps ({t.max_steps})"
         )
@@ -317,7 +321,8 @@ def _model_problems(config: Config) -> list[str]:
 
 def _data_problems(config: Config) -> list[str]:
     d, p = config.data, []
-    _choice(p, "data.source", d.source, ["generated", "file", "hf", "tokens", "factory"])
+    _choice(p, "data.source", d.source, ["generated", "file", "hf", "tokens", "factory", "sft"])
+    p.extend(sft_problems(config))  # files, dataset_info.json entries, options (config/data_check.py)
     p.extend(index_problems(d.path, d.dtype) if d.source == "tokens" else [])  # shards against their index
     p.extend(_code_path_problems("data.factory", d.factory))
     p.extend(_code_path_problems("data.collate", d.collate))

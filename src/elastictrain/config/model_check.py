@@ -128,7 +128,7 @@ def vocab_problem(config: Any, vocab: int | None, field: str) -> str | None:
             f"(its index.json), more than the model's {field} ({vocab}); token ids {vocab} and up would "
             f"index past the embedding. Expected a model with vocab_size >= {used}"
         )
-    if d.source != "hf" or not d.tokenizer or not isinstance(vocab, int):
+    if d.source not in ("hf", "sft") or not d.tokenizer or not isinstance(vocab, int):
         return None
     from elastictrain.worker.hf_data import load_tokenizer
 

@@ -62,7 +62,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "generated"  # generated | file | hf | tokens | factory
+    source: str = "generated"  # generated | file | hf | tokens | factory | sft
     path: str | None = None  # file: a UTF-8 text file; hf: data file(s), a glob allowed; tokens: a folder
     generated_chars: int = 400_000
     seq_len: int = 64
@@ -71,6 +71,8 @@ class DataConfig:
     text_field: str = "text"  # the column tokenized (json, csv, parquet)
     tokenizer: str | None = None  # a local folder (AutoTokenizer.from_pretrained)
     packing: bool = True  # true: concatenate and cut into seq_len blocks; false: pad/truncate each record
+    # (source=sft: true packs whole records into bins of seq_len, a bin per sample, no record attending to
+    # another; false pads each micro-batch to its longest record. data/sft/packing.py)
     # source=tokens: shards of token ids (.bin/.npy, `elastictrain prepare-data`); the dtype of .bin
     # shards when their folder has no index.json yet (uint16 | uint32; default: the index's, else uint16)
     dtype: str | None = None
@@ -79,6 +81,23 @@ class DataConfig:
     factory: str | None = None
     collate: str | None = None  # "module:attr": list of items -> batch (default: stack tensors / dicts)
     args: dict[str, Any] = field(default_factory=dict)  # free-form, for your factories (config.data.args)
+    # source=sft: instruction records (docs/instruction-data.md) from data.path (json, jsonl, csv, parquet)
+    # or from data.dataset_dir's dataset_info.json (LLaMA-Factory's), rendered with the chat template of
+    # data.tokenizer (else model.pretrained's) or data.template; labels -100 except on the answers.
+    formatting: str | None = None  # alpaca | sharegpt | openai; default: detected from the records
+    # LLaMA-Factory's renames: columns (prompt, query, response, history, system, messages, tools) and
+    # tags (role_tag, content_tag, user_tag, assistant_tag, observation_tag, function_tag, system_tag); a
+    # mapping given names every column (tag) read, as in dataset_info.json.
+    columns: dict[str, Any] = field(default_factory=dict)
+    tags: dict[str, Any] = field(default_factory=dict)
+    dataset_dir: str | None = None  # a folder holding dataset_info.json
+    dataset: Any = None  # names in dataset_info.json: "a,b" or a list; trained on in that order
+    max_samples: int | None = None  # the first N records of each dataset
+    template: str | None = None  # a Jinja chat template file, instead of the tokenizer's own
+    system: str | None = None  # the system prompt of records that have none
+    train_on_prompt: bool = False  # also train on the prompt tokens
+    mask_history: bool = False  # train only on each conversation's last answer
+    on_bad_record: str = "error"  # error: name bad records and refuse to start | skip: drop and count them
 
 
 @dataclass
@@ -102,9 +121,15 @@ class TrainingConfig:
     global_batch_size: int = 24
     micro_batch_size: int = 4  # the largest per-rank micro batch; the split is recomputed per world size
     max_steps: int = 40
+    # Instead of max_steps: passes over the training set (after eval.split). At start max_steps becomes
+    # ceil(num_epochs x training samples / global_batch_size), printed and written to the run's config.yaml
+    # with epoch_samples (core/epochs.py: why rounded up). Resuming with training.num_epochs=N extends it.
+    num_epochs: float | None = None
+    epoch_samples: int | None = None  # written at start with num_epochs: the training samples it counted
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 4
+    warmup_ratio: float | None = None  # instead of warmup_steps: ceil(ratio x max_steps), fixed at start
     lr_schedule: str = "cosine"  # cosine | linear | constant
     weight_decay: float = 0.0
     adam_beta1: float = 0.9

@@ -18,6 +18,8 @@ from typing import Any
 SAFE_PREFIXES = ("scaling.", "checkpoint.", "failure.", "tracking.", "ray.")
 SAFE_KEYS = {
     "training.max_steps": "how long to train (the LR schedule's length)",
+    "training.num_epochs": "how long to train, in passes over the data (training.max_steps follows)",
+    "training.epoch_samples": "the training set's size that num_epochs counts, recorded at start",
     "training.log_every_steps": "how often to log",
     "training.micro_batch_size": "a rank's memory cap; the global batch stays the same",
     "deepspeed.zero_stage": "how ranks hold the state; checkpoints load under any stage",
@@ -83,11 +85,12 @@ def classify_changes(before: dict[str, Any], after: dict[str, Any]) -> ConfigCha
     return ConfigChanges(allowed, refused)
 
 
-def extension_problem(last_step: int, max_steps: int) -> str | None:
-    """A resume that shortens a run below what it already trained is refused."""
+def extension_problem(last_step: int, max_steps: int, num_epochs: float | None = None) -> str | None:
+    """A resume that shortens a run below what it already trained is refused (naming what was set)."""
     if max_steps < last_step:
+        given = f"training.num_epochs: got {num_epochs:g} ({max_steps} steps)" if num_epochs else None
         return (
-            f"training.max_steps: got {max_steps}; the run has already trained {last_step} steps "
-            f"(expected >= {last_step})"
+            f"{given or f'training.max_steps: got {max_steps}'}; the run has already trained {last_step} "
+            f"steps (expected >= {last_step})"
         )
     return None

@@ -72,7 +72,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         self.engine: Any = None
         self.dataset: Any = None  # any map-style dataset: len() and [i]
         self.eval_dataset: Any = None  # the validation set (worker/eval_data.py), or None
-        self.collate: Any = None  # data.collate, or None for the default
+        self.collate: Any = None  # data.collate, or the default with the dataset's pad id
         self.loss_fn: Any = None  # loss(model, batch) -> scalar tensor
         self.prompts: Any = None  # eval.prompts encoded (worker/generate.py), or None
         self._prompts_key: tuple[Any, ...] | None = None
@@ -269,7 +269,9 @@ class TrainWorker(SnapshotPeer, FaultHooks):
 
             self.prompts = prompt_set(cfg, self.eval_dataset)
             self._prompts_key = prompts_key
-        self.collate = user_callable(cfg, "data.collate")
+        from elastictrain.worker.data import run_collate
+
+        self.collate = run_collate(self.dataset, user_callable(cfg, "data.collate"))  # pad id: the dataset's
 
     def train_step(self, step: int, snapshot: bool | None = None) -> dict[str, Any]:
         """One optimizer step: `grad_accum_steps` micro-batches of this rank's share of the global batch;

@@ -129,7 +129,7 @@ def build_dataset(
 
 
 def dataset_from_config(config: Any) -> Any:
-    """The run's map-style dataset, by `data.source`: generated | file | hf | tokens | factory."""
+    """The run's map-style dataset, by `data.source`: generated | file | hf | tokens | factory | sft."""
     d = config.data
     if d.source == "factory":
         from elastictrain.worker.user_code import user_dataset
@@ -139,6 +139,16 @@ def dataset_from_config(config: Any) -> Any:
         from elastictrain.worker.hf_data import build_hf_dataset
 
         return build_hf_dataset(d)
+    if d.source == "sft":
+        from elastictrain.data.sft.dataset import build_sft_dataset
+
+        # Variable-length {input_ids, labels} records (data/sft/dataset.py); packing bins them.
+        records = build_sft_dataset(d, config.model.pretrained)
+        if not d.packing:
+            return records  # padded to each micro-batch's longest record by the default collate
+        from elastictrain.data.sft.packing import PackedRecords
+
+        return PackedRecords(records, d.seq_len)  # a sample is a bin, fixed here (core/packing.py)
     if d.source == "tokens":
         from elastictrain.worker.token_data import TokenShards
 
@@ -146,12 +156,20 @@ def dataset_from_config(config: Any) -> Any:
     return build_dataset(d.source, d.path, d.generated_chars, d.seq_len, config.training.seed)
 
 
-def default_collate(items: Sequence[Any]) -> Any:
-    """Stack tensors; a dict (or tuple/list) of tensors becomes a dict (tuple) of stacked tensors."""
+def default_collate(items: Sequence[Any], pad_id: int = 0) -> Any:
+    """Stack tensors; a dict (or tuple/list) of tensors becomes a dict (tuple) of stacked tensors.
+
+    Records of unequal length ({input_ids, labels} dicts) and packed bins are padded to the longest
+    (data/sft/packing.py), with `pad_id`.
+    """
     first = items[0]
     if isinstance(first, torch.Tensor):
         return torch.stack(list(items))
     if isinstance(first, Mapping):
+        from elastictrain.data.sft.packing import collate_records, is_record_batch
+
+        if is_record_batch(items):
+            return collate_records(items, pad_id)
         return {k: default_collate([item[k] for item in items]) for k in first}
     if isinstance(first, tuple | list):
         return type(first)(default_collate(list(col)) for col in zip(*items, strict=True))
@@ -165,6 +183,17 @@ def default_collate(items: Sequence[Any]) -> Any:
 
 def collate_items(items: Sequence[Any], collate: Callable[[list[Any]], Any] | None = None) -> Any:
     return (collate or default_collate)(list(items))
+
+
+def run_collate(dataset: Any, collate: Callable[[list[Any]], Any] | None) -> Callable[[list[Any]], Any]:
+    """`data.collate`, else the default collate padding with the dataset's pad id (its tokenizer's)."""
+    if collate is not None:
+        return collate
+    from functools import partial
+
+    from elastictrain.data.sft.packing import pad_token_id
+
+    return partial(default_collate, pad_id=pad_token_id(dataset))
 
 
 def to_device(batch: Any, device: Any) -> Any:

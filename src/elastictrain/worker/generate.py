@@ -106,7 +106,12 @@ def _record_tokens(item: Any, asked: int) -> tuple[list[int], list[int] | None, 
     if isinstance(item, Mapping) and "input_ids" in item:
         ids = listed(item["input_ids"])
         assert ids is not None
-        return ids, listed(item.get("labels")), listed(item.get("attention_mask"))
+        labels, mask = listed(item.get("labels")), listed(item.get("attention_mask"))
+        positions = listed(item.get("position_ids"))
+        if positions is not None:  # a packed bin (data/sft/packing.py): its first record only
+            end = next((i for i in range(1, len(positions)) if positions[i] == 0), len(positions))
+            ids, labels, mask = ids[:end], labels and labels[:end], mask and mask[:end]
+        return ids, labels, mask
     if isinstance(item, torch.Tensor) and not item.is_floating_point():
         return [int(t) for t in item.reshape(-1).tolist()], None, None
     raise ValueError(

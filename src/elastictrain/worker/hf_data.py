@@ -60,8 +60,12 @@ def check_hf_data(data: Any) -> None:
     except Exception as e:  # noqa: BLE001 - a parse error of the user's file, reported with the field
         raise ValueError(f"data.path: {files[0]} does not read as {fmt}: {e}") from e
     if data.text_field not in first:
+        # Instruction records (alpaca, sharegpt, openai) are a source of their own.
+        chat = {"instruction", "output", "conversations", "messages"} & set(first)
+        hint = "; instruction records train with data.source=sft" if chat else ""
         raise ValueError(
-            f"data.text_field: got {data.text_field!r}; the columns of {files[0]} are {', '.join(first)}"
+            f"data.text_field: got {data.text_field!r}; the columns of {files[0]} are "
+            f"{', '.join(first)}{hint}"
         )
 
 

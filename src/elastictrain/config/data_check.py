@@ -1,0 +1,42 @@
+"""Checks of `data.source: sft` that need no tokenizer and no record: the files, the dataset_info.json
+entries (hub and ranking ones refused with their reason), the options' values.
+
+The records themselves are checked on the driver before any worker starts (preflight.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from elastictrain.data.sft.dataset_info import sources_and_problems
+
+ON_BAD_RECORD = ("error", "skip")
+
+
+def sft_problems(config: Any) -> list[str]:
+    d, p = config.data, []
+    if d.source != "sft":
+        return p
+    if d.dataset is not None and not isinstance(d.dataset, str | list):
+        p.append(f"data.dataset: got {d.dataset!r}; expected names of dataset_info.json: 'a,b' or a list")
+        return p
+    p.extend(sources_and_problems(d)[1])
+    if d.on_bad_record not in ON_BAD_RECORD:
+        p.append(
+            f"data.on_bad_record: got {d.on_bad_record!r}; expected error (name bad records and refuse to "
+            "start) or skip (drop them and say how many)"
+        )
+    if d.max_samples is not None and d.max_samples < 1:
+        p.append(f"data.max_samples: got {d.max_samples}; expected >= 1 (records per dataset) or null (all)")
+    folder = d.tokenizer or config.model.pretrained
+    if not folder:
+        p.append(
+            "data.tokenizer: missing; expected a local tokenizer folder when data.source is 'sft' (or "
+            "model.pretrained, whose folder holds its tokenizer)"
+        )
+    elif d.tokenizer and not Path(d.tokenizer).is_dir():
+        p.append(f"data.tokenizer: got {d.tokenizer!r}; expected an existing folder (save_pretrained)")
+    if d.template and not Path(d.template).is_file():
+        p.append(f"data.template: got {d.template!r}; expected a Jinja chat template file")
+    return p

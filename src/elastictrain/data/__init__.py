@@ -1,0 +1,1 @@
+"""Data pipelines beyond the built-in sources: instruction records (sft/)."""
