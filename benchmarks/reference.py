@@ -4,7 +4,7 @@ No DeepSpeed, no Ray, no elastictrain engine: the model comes from transformers'
 `from_pretrained`), the optimizer is `torch.optim.AdamW`, clipping is `clip_grad_norm_`. What it shares
 with elastictrain is only the specification of a run: the dataset a config names, which sample each
 global position reads (`core.data_order.sample_at`) and the learning-rate schedule
-(`core.schedule.learning_rate`), all pure functions of the config.
+(`core.schedule.step_learning_rate`), all pure functions of the config.
 
 On a GPU it runs on `device`; with `precision="bf16"` it trains as DeepSpeed's bf16 mode does, written
 out in plain PyTorch: the model computes in bf16 (its weights rounded from the fp32 initialization,
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from elastictrain.core.data_order import sample_at
-from elastictrain.core.schedule import learning_rate
+from elastictrain.core.schedule import step_learning_rate
 
 
 def reference_model(config: Any, device: str = "cpu") -> torch.nn.Module:
@@ -83,14 +83,7 @@ def train_reference(
     )
     losses = []
     for step in range(steps):
-        lr = learning_rate(
-            step,
-            lr=t.lr,
-            min_lr=t.min_lr,
-            warmup_steps=t.warmup_steps,
-            max_steps=t.max_steps,
-            schedule=t.lr_schedule,
-        )
+        lr = step_learning_rate(step, t)
         for group in optimizer.param_groups:
             group["lr"] = lr
         total = 0.0

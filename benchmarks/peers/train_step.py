@@ -104,18 +104,11 @@ def train_step(engine: Any, plan: Any, dataset: Any, cfg: Any, step: int, rank: 
     import torch
 
     from elastictrain.core.data_order import derive_seed, micro_batch_positions
-    from elastictrain.core.schedule import learning_rate
+    from elastictrain.core.schedule import step_learning_rate
     from elastictrain.worker.model import loss_function
 
     t = cfg.training
-    lr = learning_rate(
-        step,
-        lr=t.lr,
-        min_lr=t.min_lr,
-        warmup_steps=t.warmup_steps,
-        max_steps=t.max_steps,
-        schedule=t.lr_schedule,
-    )
+    lr = step_learning_rate(step, t)
     for group in engine.optimizer.param_groups:
         group["lr"] = lr
     loss_fn = loss_function(cfg)

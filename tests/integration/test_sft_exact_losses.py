@@ -29,7 +29,7 @@ from reference import reference_model
 
 from elastictrain.core.data_order import sample_at
 from elastictrain.core.losses import step_loss
-from elastictrain.core.schedule import learning_rate
+from elastictrain.core.schedule import step_learning_rate
 from elastictrain.data.sft.packing import PackedRecords
 from elastictrain.worker.data import dataset_from_config, default_collate
 from elastictrain.worker.token_loss import IGNORE_INDEX
@@ -115,14 +115,7 @@ def reference_losses(cfg: Any, dataset: Any, how: str) -> list[float]:
     )
     losses = []
     for step in range(STEPS):
-        lr = learning_rate(
-            step,
-            lr=t.lr,
-            min_lr=t.min_lr,
-            warmup_steps=t.warmup_steps,
-            max_steps=t.max_steps,
-            schedule=t.lr_schedule,
-        )
+        lr = step_learning_rate(step, t)
         for group in opt.param_groups:
             group["lr"] = lr
         n, g = len(dataset), t.global_batch_size

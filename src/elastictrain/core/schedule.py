@@ -7,6 +7,7 @@ the step counter, which every checkpoint already holds: nothing to reshard.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 
 def learning_rate(
@@ -24,3 +25,16 @@ def learning_rate(
     if schedule == "cosine":
         return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
     raise ValueError(f"training.lr_schedule: got {schedule!r}; expected one of constant, linear, cosine")
+
+
+def step_learning_rate(step: int, training: Any) -> float:
+    """LR of optimizer step `step` under a run's `training` section (lr, min_lr, warmup, length, schedule):
+    the one reading of the config that the workers, the peers' script and the reference loops share."""
+    return learning_rate(
+        step,
+        lr=training.lr,
+        min_lr=training.min_lr,
+        warmup_steps=training.warmup_steps,
+        max_steps=training.max_steps,
+        schedule=training.lr_schedule,
+    )

@@ -20,7 +20,7 @@ from typing import Any
 
 from elastictrain.config.deepspeed_config import nvme_paths
 from elastictrain.core.data_order import derive_seed, micro_batch_positions, sample_at
-from elastictrain.core.schedule import learning_rate
+from elastictrain.core.schedule import step_learning_rate
 from elastictrain.storage import as_path
 from elastictrain.worker.attempt import AttemptSpec
 from elastictrain.worker.collective_sockets import CollectiveSockets
@@ -316,14 +316,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         self._maybe_fault(step)
         self._set_mark("step", step)
         t0 = time.perf_counter()
-        lr = learning_rate(
-            step,
-            lr=cfg.training.lr,
-            min_lr=cfg.training.min_lr,
-            warmup_steps=cfg.training.warmup_steps,
-            max_steps=cfg.training.max_steps,
-            schedule=cfg.training.lr_schedule,
-        )
+        lr = step_learning_rate(step, cfg.training)
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
         n = len(self.dataset)
