@@ -26,6 +26,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from benchmarks.validity import judge
+
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on loopback (launch.py)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -149,26 +151,16 @@ class Target:
     note: str = ""
 
     def as_dict(self) -> dict[str, Any]:
-        met = None
-        missed_by = None
-        if self.value is not None and math.isfinite(self.value):
-            met = {
-                ">=": self.value >= self.target,
-                ">": self.value > self.target,
-                "<=": self.value <= self.target,
-                "<": self.value < self.target,
-            }[self.direction]
-            if not met:
-                # How far off, as a fraction of the target (0.25 = 25% short of / over it).
-                missed_by = abs(self.value - self.target) / abs(self.target) if self.target else None
+        verdict = judge(self.name, self.value, self.target, self.direction)
         return {
             "name": self.name,
             "value": self.value,
             "target": self.target,
             "direction": self.direction,
             "unit": self.unit,
-            "met": met,
-            "missed_by": missed_by,
+            "met": verdict.met,
+            "missed_by": verdict.missed_by,
+            "invalid": verdict.invalid,
             "note": self.note,
         }
 

@@ -135,7 +135,7 @@ def config(model_dir: Path, data_dir: Path, run_dir: Path, size: Size, world_siz
 def write_samples(cfg: Any, path: Path) -> dict[str, Any]:
     """elastictrain's samples of the epoch, tokenized and masked, in its data order, one JSON line each."""
     from elastictrain.core.data_order import epoch_permutation
-    from elastictrain.worker.data import dataset_from_config
+    from elastictrain.data.sources import dataset_from_config
 
     dataset = dataset_from_config(cfg)
     real = trained = 0

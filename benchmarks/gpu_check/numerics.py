@@ -34,7 +34,7 @@ def largest_difference(losses: list[float], reference: list[float]) -> float:
 
 def run(ctx: Any) -> None:
     from benchmarks.reference import train_reference
-    from elastictrain.worker.data import dataset_from_config
+    from elastictrain.data.sources import dataset_from_config
 
     p = ctx.profile
     steps = p.numerics_steps

@@ -71,8 +71,8 @@ def build_engine(cfg: Any, world_size: int, *, load_universal: bool = False) -> 
 
     from elastictrain.config.deepspeed_config import build_deepspeed_config
     from elastictrain.core.batch import plan_batch
-    from elastictrain.worker.data import dataset_from_config
-    from elastictrain.worker.model import build_model, preload_model_code
+    from elastictrain.data.sources import dataset_from_config
+    from elastictrain.model.build import build_model, preload_model_code
 
     plan = plan_batch(cfg.training.global_batch_size, cfg.training.micro_batch_size, world_size)
     if plan is None:
@@ -92,8 +92,8 @@ def build_engine(cfg: Any, world_size: int, *, load_universal: bool = False) -> 
 
 def _batch(cfg: Any, dataset: Any, engine: Any, positions: range) -> Any:
     from elastictrain.core.data_order import sample_at
-    from elastictrain.worker.data import collate_items, to_device
-    from elastictrain.worker.user_code import user_callable
+    from elastictrain.data.sources import collate_items, to_device
+    from elastictrain.user_code import user_callable
 
     items = [dataset[sample_at(p, len(dataset), cfg.training.seed)] for p in positions]
     return to_device(collate_items(items, user_callable(cfg, "data.collate")), engine.device)
@@ -105,7 +105,7 @@ def train_step(engine: Any, plan: Any, dataset: Any, cfg: Any, step: int, rank: 
 
     from elastictrain.core.data_order import derive_seed, micro_batch_positions
     from elastictrain.core.schedule import step_learning_rate
-    from elastictrain.worker.model import loss_function
+    from elastictrain.model.build import loss_function
 
     t = cfg.training
     lr = step_learning_rate(step, t)
@@ -129,7 +129,7 @@ def _eval_loss(engine: Any, plan: Any, dataset: Any, cfg: Any, rank: int) -> flo
     at any world size, give equal values."""
     import torch
 
-    from elastictrain.worker.model import loss_function
+    from elastictrain.model.build import loss_function
 
     batch = _batch(cfg, dataset, engine, range(cfg.training.micro_batch_size))
     with torch.no_grad():

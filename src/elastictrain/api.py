@@ -63,7 +63,7 @@ def fit(
     over). Returns the run's summary: `summary.status.value` is "FINISHED" when it finished.
     """
     from elastictrain.launch import check_before_start, prepare_run_dir, run_training
-    from elastictrain.worker.user_code import attach, label_for
+    from elastictrain.user_code import attach, label_for
 
     if isinstance(config, Config):
         if overrides:

@@ -156,7 +156,7 @@ def _resolve_length(cfg) -> None:  # noqa: ANN001
 def _check_user_code(cfg) -> None:  # noqa: ANN001
     from elastictrain.config import ConfigError
     from elastictrain.launch import check_before_start
-    from elastictrain.worker.user_code import UserCodeError
+    from elastictrain.user_code import UserCodeError
 
     try:
         check_before_start(cfg)

@@ -79,8 +79,8 @@ def sample_origin(dataset: Any, index: int) -> str:
 
 def _training_set(cfg: Any) -> Any:
     """The samples training reads (after eval.split's hold-out), as the workers build them."""
+    from elastictrain.data.eval_data import train_and_eval_datasets
     from elastictrain.data.sft.dataset import SftDataError
-    from elastictrain.worker.eval_data import train_and_eval_datasets
 
     try:
         return train_and_eval_datasets(cfg)[0]
@@ -90,8 +90,8 @@ def _training_set(cfg: Any) -> Any:
 
 def _codec(cfg: Any) -> Any:
     from elastictrain.core.prompts import BYTES, prompt_tokenizer
+    from elastictrain.data.hf_files import load_tokenizer
     from elastictrain.worker.generate import ByteCodec, TokenizerCodec
-    from elastictrain.worker.hf_data import load_tokenizer
 
     source = prompt_tokenizer(cfg.data, cfg.model.pretrained)
     if source is None:

@@ -276,8 +276,8 @@ def check_before_start(config: Config) -> None:
     Also puts the folders of user modules on PYTHONPATH, so workers started from here import them.
     """
     from elastictrain.preflight import check_user_code
+    from elastictrain.user_code import share_module_roots
     from elastictrain.worker.ops import prefer_environment_tools
-    from elastictrain.worker.user_code import share_module_roots
 
     prefer_environment_tools()  # a --local run loads DeepSpeed's ops in this process
     if not config.scaling.use_gpu:

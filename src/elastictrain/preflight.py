@@ -6,7 +6,7 @@ import os
 import socket
 from typing import Any
 
-from elastictrain.worker.user_code import (
+from elastictrain.user_code import (
     FIELDS,
     UserCodeError,
     resolve,
@@ -87,7 +87,7 @@ def check_user_code(config: Any) -> None:
     if config.model.lora.enabled:
         check_targets(config)
     if config.data.source == "hf":
-        from elastictrain.worker.hf_data import check_hf_data
+        from elastictrain.data.hf_files import check_hf_data
 
         try:
             check_hf_data(config.data)
@@ -95,7 +95,7 @@ def check_user_code(config: Any) -> None:
             raise UserCodeError(str(e)) from e
     check_sft_records(config)
     if config.data.source == "factory":
-        from elastictrain.worker.data import collate_items
+        from elastictrain.data.sources import collate_items
 
         dataset = user_dataset(config)
         collate = user_callable(config, "data.collate")
@@ -130,9 +130,9 @@ def check_targets(config: Any) -> None:
     """On the driver, before workers start: every LoRA target names modules of the model (built empty)."""
     from accelerate import init_empty_weights
 
+    from elastictrain.model.build import forget_hf_deepspeed_config
+    from elastictrain.model.lora import _check_targets
     from elastictrain.tools.adapter import base_structure
-    from elastictrain.worker.lora import _check_targets
-    from elastictrain.worker.model import forget_hf_deepspeed_config
 
     forget_hf_deepspeed_config()
     with init_empty_weights():
@@ -234,8 +234,8 @@ def model_size(config: Any) -> tuple[list[int], int]:
     memory, no download)."""
     from accelerate import init_empty_weights
 
+    from elastictrain.model.build import forget_hf_deepspeed_config
     from elastictrain.tools.adapter import base_structure
-    from elastictrain.worker.model import forget_hf_deepspeed_config
 
     forget_hf_deepspeed_config()
     with init_empty_weights():

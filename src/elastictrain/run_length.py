@@ -9,7 +9,7 @@ from elastictrain.core.epochs import epoch_length, warmup_for_ratio
 
 def training_samples(config: Config) -> tuple[int, int]:
     """(samples training reads, samples held out for validation by eval.split), counted on this process."""
-    from elastictrain.worker.eval_data import train_and_eval_datasets
+    from elastictrain.data.eval_data import train_and_eval_datasets
 
     train, held = train_and_eval_datasets(config)
     return len(train), (len(held) if held is not None and config.eval.data is None else 0)

@@ -27,8 +27,8 @@ from probe import save_checkpoint, train_steps
 from reference import causal_lm_loss, global_batch, reference_model
 
 from elastictrain.config import validate
+from elastictrain.data.sources import dataset_from_config
 from elastictrain.tools.export import export_checkpoint
-from elastictrain.worker.data import dataset_from_config
 
 pytestmark = pytest.mark.integration
 

@@ -92,7 +92,7 @@ def check_adapter(run_dir: Path, last: FragmentReader, base: Any = None) -> None
     from transformers import AutoModelForCausalLM
 
     from elastictrain.config import load_config
-    from elastictrain.worker.model import build_hf_config
+    from elastictrain.model.build import build_hf_config
 
     written = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
     cfg = load_config(run_dir / "config.yaml")

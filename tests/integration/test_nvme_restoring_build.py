@@ -33,7 +33,7 @@ from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import Partitio
 from elastictrain.checkpoint.rank_save import prepare_rank_write
 from elastictrain.checkpoint.zero_state import FragmentReader, load_local_state
 from elastictrain.worker.dist import reset_zero_counters
-from elastictrain.worker.hf_init import exact_hf_init_under_zero3, skip_parameter_init
+from elastictrain.model.hf_init import exact_hf_init_under_zero3, skip_parameter_init
 from elastictrain.worker.zero3_build import (
     fp32_masters_left_for_the_load, optimizer_states_initialized_without_swapping,
     parameters_partitioned_without_broadcast)

@@ -26,9 +26,9 @@ from helpers import run, tiny_config
 from mlflow.tracking import MlflowClient
 from reference import global_batch, train_reference
 
+from elastictrain.data.sources import dataset_from_config
 from elastictrain.rundir.run_dir import RunDir
 from elastictrain.tracking.tracker import resolve_tracking_uri
-from elastictrain.worker.data import dataset_from_config
 
 pytestmark = pytest.mark.integration
 

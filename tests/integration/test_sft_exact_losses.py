@@ -31,9 +31,9 @@ from elastictrain.core.data_order import sample_at
 from elastictrain.core.losses import step_loss
 from elastictrain.core.schedule import step_learning_rate
 from elastictrain.data.sft.packing import PackedRecords
-from elastictrain.worker.data import dataset_from_config, default_collate
-from elastictrain.worker.token_loss import IGNORE_INDEX
-from elastictrain.worker.user_code import attach
+from elastictrain.data.sources import dataset_from_config, default_collate
+from elastictrain.model.loss import IGNORE_INDEX
+from elastictrain.user_code import attach
 
 pytestmark = pytest.mark.integration
 

@@ -35,7 +35,7 @@ def test_a_lora_fine_tune_on_chat_records_exports_a_model_that_answers_held_out_
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    from elastictrain.worker.data import dataset_from_config
+    from elastictrain.data.sources import dataset_from_config
 
     base = make_pretrained(tmp_path / "base", "qwen2")
     train_file = write_records(tmp_path / "train", "sharegpt", 96, seed=1)

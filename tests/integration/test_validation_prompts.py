@@ -42,7 +42,7 @@ def logged_table(run_dir: Any) -> list[list[Any]]:
 
 @pytest.mark.timeout(240)
 def test_two_zero3_workers_say_the_same_thing_at_every_validation(ray_local, tmp_path):
-    from elastictrain.worker.eval_data import train_and_eval_datasets
+    from elastictrain.data.eval_data import train_and_eval_datasets
 
     cfg = tiny_config(
         tmp_path / "run",

@@ -187,8 +187,8 @@ def tiny_tokenizer(folder: Path, chat_template: str | None) -> Any:
 
 
 def test_string_prompts_go_through_the_chat_template_where_the_tokenizer_has_one(tmp_path):
+    from elastictrain.data.hf_files import load_tokenizer
     from elastictrain.worker.generate import TokenizerCodec
-    from elastictrain.worker.hf_data import load_tokenizer
 
     template = (
         "{% for m in messages %}user : {{ m['content'] }} {% endfor %}"
@@ -267,7 +267,7 @@ def test_completions_are_recorded_once_per_validation_everywhere_and_survive_a_d
 
 def test_a_model_without_generate_is_refused_before_any_worker_starts(tmp_path, monkeypatch):
     from elastictrain.preflight import check_user_code
-    from elastictrain.worker.user_code import UserCodeError
+    from elastictrain.user_code import UserCodeError
 
     (tmp_path / "prompt_factories.py").write_text(
         "import torch\n"

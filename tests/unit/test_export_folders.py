@@ -158,7 +158,7 @@ def test_a_checkpoint_with_an_older_manifest_still_exports_the_model_of_its_hf_c
     from transformers import AutoModelForCausalLM
 
     from elastictrain.config import load_config
-    from elastictrain.worker.model import build_causal_lm
+    from elastictrain.model.build import build_causal_lm
 
     hf_config = dict(load_config(None).model.hf_config)
     torch.manual_seed(0)
@@ -211,7 +211,7 @@ def test_a_lora_run_on_a_base_built_from_a_config_exports_its_adapter_but_cannot
     from peft import LoraConfig, get_peft_model
 
     from elastictrain.config import load_config
-    from elastictrain.worker.model import build_causal_lm
+    from elastictrain.model.build import build_causal_lm
 
     base = build_causal_lm(dict(load_config(None).model.hf_config))
     wrapped = get_peft_model(base, LoraConfig(target_modules=["q_proj"]))

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from elastictrain.config import ConfigError, load_config
+from elastictrain.model.build import build_causal_lm
+from elastictrain.model.lora import apply_lora, peft_config
 from elastictrain.preflight import check_user_code
-from elastictrain.worker.lora import apply_lora, peft_config
-from elastictrain.worker.model import build_causal_lm
-from elastictrain.worker.user_code import UserCodeError
+from elastictrain.user_code import UserCodeError
 
 LORA = "model.lora.enabled=true"
 
@@ -164,7 +164,7 @@ def test_modules_to_save_that_match_nothing_are_refused_with_the_names_the_model
 
 
 def test_all_linear_on_a_model_without_linear_layers_says_so(tmp_path):
-    from elastictrain.worker.lora import _check_targets
+    from elastictrain.model.lora import _check_targets
 
     cfg = config(tmp_path, "model.lora.target_modules=all-linear")
     with pytest.raises(ValueError, match="all-linear matches no linear layer of the model"):

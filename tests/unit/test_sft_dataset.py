@@ -14,7 +14,7 @@ from sft_fixtures import CHATML, messages_of, write_dataset_info, write_records
 
 from elastictrain.config import ConfigError, load_config
 from elastictrain.data.sft.dataset import SftDataError, build_sft_dataset
-from elastictrain.worker.data import dataset_from_config
+from elastictrain.data.sources import dataset_from_config
 
 TINY = Path(__file__).resolve().parents[2] / "conf" / "tiny-cpu.yaml"
 END = "<|im_end|>\n"
@@ -253,7 +253,7 @@ def test_unrecognised_records_ask_for_data_formatting(tmp_path, tok):
 
 
 def test_an_hf_source_on_instruction_records_points_at_data_source_sft(tmp_path, tok):
-    from elastictrain.worker.hf_data import check_hf_data
+    from elastictrain.data.hf_files import check_hf_data
 
     path = write_records(tmp_path, "alpaca", 2)
     cfg = load_config(TINY, ["data.source=hf", f"data.path={path}", f"data.tokenizer={tok}"])

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from elastictrain.core.packing import bin_fill, first_fit_bins
+from elastictrain.data.eval_data import IndexView
 from elastictrain.data.sft.packing import PackedRecords, collate_records, is_record_batch, pad_token_id
-from elastictrain.worker.data import default_collate, run_collate
-from elastictrain.worker.eval_data import IndexView
-from elastictrain.worker.token_loss import IGNORE_INDEX, causal_lm_loss_sum, target_tokens
+from elastictrain.data.sources import default_collate, run_collate
+from elastictrain.model.loss import IGNORE_INDEX, causal_lm_loss_sum, target_tokens
 
 
 def records(lengths: list[int], seed: int = 0, vocab: int = 256) -> list[dict[str, torch.Tensor]]:

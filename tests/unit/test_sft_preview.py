@@ -36,7 +36,7 @@ def args(tok: Path, path: Path, *more: str) -> list[str]:
 
 def test_preview_marks_the_trained_spans_and_json_gives_the_samples_in_order(tmp_path, tok):
     from elastictrain.config import load_config
-    from elastictrain.worker.data import dataset_from_config
+    from elastictrain.data.sources import dataset_from_config
 
     path = write_records(tmp_path, "alpaca", 6)
     records = json.loads(path.read_text())

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from elastictrain.core.losses import perplexity, step_loss
-from elastictrain.worker.token_loss import causal_lm_loss_sum, target_tokens
+from elastictrain.model.loss import causal_lm_loss_sum, target_tokens
 
 
 def _tiny_lm() -> torch.nn.Module:

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from elastictrain.cli import app
 from elastictrain.config import ConfigError, load_config
 from elastictrain.config.model_check import model_problems
-from elastictrain.worker.token_data import TokenShards
-from elastictrain.worker.token_index import INDEX, build_index, write_index
+from elastictrain.data.token_data import TokenShards
+from elastictrain.data.token_index import INDEX, build_index, write_index
 
 WORDS = ["the", "fox", "sees", "a", "lamp", "river", "builds", "map", "near", "bridge"]
 

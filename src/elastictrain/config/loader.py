@@ -28,9 +28,9 @@ from elastictrain.config.lora_check import lora_problems
 from elastictrain.config.schema import Config, DataConfig
 from elastictrain.core.batch import workable_world_sizes
 from elastictrain.core.zero import stage_problems
+from elastictrain.data.token_index import index_problems
 from elastictrain.redact import install_log_redaction
 from elastictrain.storage import as_path, url_problems
-from elastictrain.worker.token_index import index_problems
 
 log = logging.getLogger("elastictrain.config")
 install_log_redaction()  # secrets given in the config or environment never reach a log line

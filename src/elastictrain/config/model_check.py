@@ -118,7 +118,7 @@ def vocab_problem(config: Any, vocab: int | None, field: str) -> str | None:
     """A `data.tokenizer` with more tokens than the model's embedding has rows (`field` names that)."""
     d = config.data
     if d.source == "tokens" and d.path and isinstance(vocab, int):
-        from elastictrain.worker.token_index import vocab_of
+        from elastictrain.data.token_index import vocab_of
 
         used = vocab_of(d.path)
         if used is None or used <= vocab:
@@ -130,7 +130,7 @@ def vocab_problem(config: Any, vocab: int | None, field: str) -> str | None:
         )
     if d.source not in ("hf", "sft") or not d.tokenizer or not isinstance(vocab, int):
         return None
-    from elastictrain.worker.hf_data import load_tokenizer
+    from elastictrain.data.hf_files import load_tokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:

@@ -1,1 +1,2 @@
-"""Data pipelines beyond the built-in sources: instruction records (sft/)."""
+"""Where a run's samples come from: generated text, a text file, Hugging Face datasets on local files, token
+shards and their index, instruction records (sft/), and the held-out split for validation."""

@@ -34,7 +34,7 @@ def source_ids(dataset: Any, indices: list[int]) -> list[int]:
 
 def train_and_eval_datasets(config: Any) -> tuple[Any, Any | None]:
     """(what training reads, the validation set or None)."""
-    from elastictrain.worker.data import dataset_from_config
+    from elastictrain.data.sources import dataset_from_config
 
     dataset = dataset_from_config(config)
     e = config.eval

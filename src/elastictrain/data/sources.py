@@ -6,7 +6,7 @@ picks indices by position, so resuming at any world size neither skips nor repea
 Built in: a generated (or user-given) text corpus with a byte tokenizer, fixed-length samples. Bytes as
 tokens need no vocabulary file and no download; every sample has exactly `seq_len` tokens, so every
 micro-batch's mean loss has the same weight and the global batch's gradient is exact at any world size.
-Hugging Face `datasets` on local files: worker/hf_data.py. Your own: `data.factory`.
+Hugging Face `datasets` on local files: data/hf_files.py. Your own: `data.factory`.
 """
 
 from __future__ import annotations
@@ -132,11 +132,11 @@ def dataset_from_config(config: Any) -> Any:
     """The run's map-style dataset, by `data.source`: generated | file | hf | tokens | factory | sft."""
     d = config.data
     if d.source == "factory":
-        from elastictrain.worker.user_code import user_dataset
+        from elastictrain.user_code import user_dataset
 
         return user_dataset(config)
     if d.source == "hf":
-        from elastictrain.worker.hf_data import build_hf_dataset
+        from elastictrain.data.hf_files import build_hf_dataset
 
         return build_hf_dataset(d)
     if d.source == "sft":
@@ -150,7 +150,7 @@ def dataset_from_config(config: Any) -> Any:
 
         return PackedRecords(records, d.seq_len)  # a sample is a bin, fixed here (core/packing.py)
     if d.source == "tokens":
-        from elastictrain.worker.token_data import TokenShards
+        from elastictrain.data.token_data import TokenShards
 
         return TokenShards(str(d.path), d.seq_len, d.dtype)
     return build_dataset(d.source, d.path, d.generated_chars, d.seq_len, config.training.seed)

@@ -1,6 +1,6 @@
 """`data.source: tokens`: shards of token ids as one stream, memory-mapped, read by global position.
 
-The folder's layout and its index: worker/token_index.py. Sample i is tokens [i*seq_len, (i+1)*seq_len)
+The folder's layout and its index: data/token_index.py. Sample i is tokens [i*seq_len, (i+1)*seq_len)
 of the shards in name order, so a sample may span two shards; only the bytes a sample needs are read.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from elastictrain.worker.token_index import load_index, open_shard
+from elastictrain.data.token_index import load_index, open_shard
 
 
 class TokenShards:

@@ -1,8 +1,8 @@
 """The run's model: your `model.factory`, a transformers model from a local folder, or one from a config.
 
 Whatever the source, the model is built inside DeepSpeed's zero.Init (parameters partitioned as they
-are created) with transformers' own weight initialization (worker/hf_init.py), optionally wrapped
-with LoRA adapters (worker/lora.py), and trained with a loss
+are created) with transformers' own weight initialization (model/hf_init.py), optionally wrapped
+with LoRA adapters (model/lora.py), and trained with a loss
 `loss(model, batch) -> scalar tensor`: yours (`training.loss`) or the causal LM loss below.
 """
 
@@ -48,7 +48,7 @@ def preload_model_code(config: Any) -> None:
 
     m = config.model
     if m.factory:
-        from elastictrain.worker.user_code import resolve
+        from elastictrain.user_code import resolve
 
         resolve(config, "model.factory")  # imports the user's module
     else:
@@ -117,11 +117,11 @@ def build_model(
         if checkpointing:
             _enable_checkpointing(model)
     else:
-        from elastictrain.worker.hf_init import exact_hf_init_under_zero3, skip_parameter_init
+        from elastictrain.model.hf_init import exact_hf_init_under_zero3, skip_parameter_init
         from elastictrain.worker.zero3_build import parameters_partitioned_without_broadcast
 
         # zero.Init partitions each module as it is built; without the second context transformers'
-        # own weight init would write into empty partitions and be lost (see worker/hf_init.py).
+        # own weight init would write into empty partitions and be lost (see model/hf_init.py).
         init = contextlib.ExitStack()
         if restoring and not m.factory and not m.lora.enabled:
             # Every parameter is loaded next: no init to be exact about, no values to make equal.
@@ -132,7 +132,7 @@ def build_model(
             init.enter_context(exact_hf_init_under_zero3())
         with init, deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=zero3):
             if m.factory:
-                from elastictrain.worker.user_code import user_model
+                from elastictrain.user_code import user_model
 
                 model = user_model(config)
                 if checkpointing:
@@ -140,7 +140,7 @@ def build_model(
             else:
                 model = build_causal_lm(dict(m.hf_config), activation_checkpointing=checkpointing)
     if m.lora.enabled:
-        from elastictrain.worker.lora import apply_lora
+        from elastictrain.model.lora import apply_lora
 
         model = apply_lora(model, m.lora, activation_checkpointing=checkpointing)
     return model
@@ -230,6 +230,6 @@ def causal_lm_loss(model: Any, batch: Any) -> torch.Tensor:
 
 
 def loss_function(config: Any) -> Any:
-    from elastictrain.worker.user_code import user_callable
+    from elastictrain.user_code import user_callable
 
     return user_callable(config, "training.loss") or causal_lm_loss

@@ -92,7 +92,7 @@ def apply_lora(
 def _base_weights_gathered_for_peft(model: torch.nn.Module) -> Iterator[None]:
     """Let peft gather a ZeRO-3 layer where it reads its weight (DoRA's magnitude starts as the norm of
     each base weight's rows): peft does it only when transformers says ZeRO-3 is on, which only a
-    pretrained model's build sets (worker/model.py); a config-built or factory model would give peft
+    pretrained model's build sets (model/build.py); a config-built or factory model would give peft
     the empty local tensors of its partitioned weights."""
     if not any(hasattr(p, "ds_id") for p in model.parameters()):
         yield

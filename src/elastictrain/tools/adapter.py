@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from elastictrain.worker.lora import apply_lora
+from elastictrain.model.lora import apply_lora
 
 
 def export_adapter(config: Any, checkpoint: Path, out_dir: Path) -> list[Path]:
@@ -70,7 +70,7 @@ def _empty_weights() -> Any:
     """Parameters on the meta device, buffers real (some inits need them)."""
     from accelerate import init_empty_weights  # a peft dependency
 
-    from elastictrain.worker.model import forget_hf_deepspeed_config
+    from elastictrain.model.build import forget_hf_deepspeed_config
 
     forget_hf_deepspeed_config()  # a local run's finished worker may have left it set in this process
     return init_empty_weights()
@@ -78,11 +78,11 @@ def _empty_weights() -> Any:
 
 def base_structure(config: Any) -> torch.nn.Module:
     """The model of this config as built before LoRA wraps it (on the caller's device context)."""
-    from elastictrain.worker.model import build_causal_lm
+    from elastictrain.model.build import build_causal_lm
 
     m = config.model
     if m.factory:
-        from elastictrain.worker.user_code import user_model
+        from elastictrain.user_code import user_model
 
         return user_model(config)
     if m.pretrained:

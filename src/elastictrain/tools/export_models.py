@@ -57,7 +57,7 @@ def check_same_parameters(model_params: set[str], saved: set[str], what: str) ->
 
 def full_model(record: ModelRecord, reader: Any) -> torch.nn.Module:
     """The checkpoint's model in float32: built without computing an init, every parameter read in."""
-    from elastictrain.worker.hf_init import skip_parameter_init
+    from elastictrain.model.hf_init import skip_parameter_init
 
     with skip_parameter_init():  # the fragments overwrite every parameter; buffers are still computed
         model = _build(record)

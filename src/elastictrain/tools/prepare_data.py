@@ -4,7 +4,7 @@ Records are read in order (a text file: one record per line, as `data.source: hf
 and Parquet: the `--text-field` column), tokenized in parallel worker processes with a tokenizer from
 a local folder (an end-of-text token after each record when the tokenizer has one), and written as
 flat `uint16` shards (`uint32` when the vocabulary needs more than 16 bits) of `--shard-tokens` tokens.
-`index.json` (worker/token_index.py) records the shards, the tokenizer, its vocabulary size, the dtype
+`index.json` (data/token_index.py) records the shards, the tokenizer, its vocabulary size, the dtype
 and the token count: `train` checks the shards against it and the vocabulary against the model's.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from elastictrain.worker.token_index import DTYPES, build_index, write_index
+from elastictrain.data.token_index import DTYPES, build_index, write_index
 
 RECORDS_PER_TASK = 512
 _tokenizer: Any = None  # in each worker process, loaded once
@@ -71,7 +71,7 @@ def input_files(inputs: list[Path]) -> list[Path]:
 
 def _load(folder: str) -> None:
     global _tokenizer
-    from elastictrain.worker.hf_data import load_tokenizer
+    from elastictrain.data.hf_files import load_tokenizer
 
     _tokenizer = load_tokenizer(folder)
 
@@ -131,7 +131,7 @@ def prepare_data(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Tokenize `inputs` into shards in `out` (new or empty); returns the index written."""
-    from elastictrain.worker.hf_data import load_tokenizer
+    from elastictrain.data.hf_files import load_tokenizer
 
     if shard_tokens < 1:
         raise ValueError(f"--shard-tokens: got {shard_tokens}; expected a positive number of tokens")

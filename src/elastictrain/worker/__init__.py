@@ -1,1 +1,1 @@
-"""Runs inside a worker actor: the actor, its attempt, model, data, LoRA and user code."""
+"""The worker actor's lifecycle: attempt set-up and teardown, steps, validation, in-memory snapshots."""

@@ -71,7 +71,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         self.spec: AttemptSpec | None = None
         self.engine: Any = None
         self.dataset: Any = None  # any map-style dataset: len() and [i]
-        self.eval_dataset: Any = None  # the validation set (worker/eval_data.py), or None
+        self.eval_dataset: Any = None  # the validation set (data/eval_data.py), or None
         self.collate: Any = None  # data.collate, or the default with the dataset's pad id
         self.loss_fn: Any = None  # loss(model, batch) -> scalar tensor
         self.prompts: Any = None  # eval.prompts encoded (worker/generate.py), or None
@@ -123,7 +123,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
 
     def _warm_up(self, config: Any) -> None:
         import_deepspeed()
-        from elastictrain.worker.model import preload_engine_code, preload_model_code
+        from elastictrain.model.build import preload_engine_code, preload_model_code
 
         if not self.use_gpu:
             # The CPU all-reduce op is loaded at the first init_distributed; load it now instead.
@@ -205,7 +205,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         t1 = time.perf_counter()
         cfg = spec.config
         self._ensure_dataset(cfg)
-        from elastictrain.worker.model import loss_function, new_engine
+        from elastictrain.model.build import loss_function, new_engine
 
         reset_zero_counters()
         self.engine = new_engine(spec, zero3=zero_stage(spec) == 3)
@@ -256,8 +256,8 @@ class TrainWorker(SnapshotPeer, FaultHooks):
     def _ensure_dataset(self, cfg: Any) -> None:
         import dataclasses
 
-        from elastictrain.worker.eval_data import train_and_eval_datasets
-        from elastictrain.worker.user_code import user_callable
+        from elastictrain.data.eval_data import train_and_eval_datasets
+        from elastictrain.user_code import user_callable
 
         key = (repr(dataclasses.asdict(cfg.data)), repr((cfg.eval.split, cfg.eval.data)), cfg.training.seed)
         if key != self._dataset_key:  # kept across attempts: part of what a warm actor saves
@@ -269,7 +269,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
 
             self.prompts = prompt_set(cfg, self.eval_dataset)
             self._prompts_key = prompts_key
-        from elastictrain.worker.data import run_collate
+        from elastictrain.data.sources import run_collate
 
         self.collate = run_collate(self.dataset, user_callable(cfg, "data.collate"))  # pad id: the dataset's
 
@@ -307,8 +307,8 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         destroy_process_group(self.use_gpu, self.sockets)
 
     def _train_step(self, step: int) -> dict[str, Any]:
-        from elastictrain.worker.data import collate_items, to_device
-        from elastictrain.worker.eval_data import source_ids
+        from elastictrain.data.eval_data import source_ids
+        from elastictrain.data.sources import collate_items, to_device
         from elastictrain.worker.micro_steps import run_micro_batches
 
         assert self.spec is not None

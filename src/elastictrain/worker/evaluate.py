@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from elastictrain.core.data_order import eval_positions
+from elastictrain.data.eval_data import source_ids
+from elastictrain.data.sources import collate_items, to_device
+from elastictrain.model.build import causal_lm_loss
+from elastictrain.model.loss import causal_lm_loss_sum
 from elastictrain.worker.attempt import AttemptSpec
-from elastictrain.worker.data import collate_items, to_device
-from elastictrain.worker.eval_data import source_ids
-from elastictrain.worker.model import causal_lm_loss
-from elastictrain.worker.token_loss import causal_lm_loss_sum
 
 
 def evaluate_share(

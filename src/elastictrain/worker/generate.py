@@ -19,7 +19,7 @@ from elastictrain.core.prompts import BYTES, keep_last, prompt_count, prompt_tok
 
 
 class ByteCodec:
-    """The built-in byte tokenizer of generated and file data (worker/data.py): token i is byte i."""
+    """The built-in byte tokenizer of generated and file data (data/sources.py): token i is byte i."""
 
     eos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -80,7 +80,7 @@ def prompt_set(config: Any, eval_dataset: Any) -> PromptSet | None:
     if source == BYTES:
         codec = ByteCodec()
     else:
-        from elastictrain.worker.hf_data import load_tokenizer
+        from elastictrain.data.hf_files import load_tokenizer
 
         codec = TokenizerCodec(load_tokenizer(source), chat=e.chat_template, special_tokens=not data.packing)
     if isinstance(e.prompts, int):

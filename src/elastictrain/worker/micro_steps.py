@@ -1,7 +1,7 @@
 """One optimizer step's micro-batches on one rank: forward, backward, and DeepSpeed's step.
 
 With the built-in causal LM loss every micro-batch's summed token loss is divided by the target tokens
-of the whole global batch (worker/token_loss.py), so padding and masked labels weigh the same at any
+of the whole global batch (model/loss.py), so padding and masked labels weigh the same at any
 world size. A loss of your own (`training.loss`) returns a scalar per micro-batch, averaged as before:
 exact across world sizes when every micro-batch weighs the same.
 """
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from elastictrain.worker.model import causal_lm_loss
-from elastictrain.worker.token_loss import causal_lm_loss_sum, global_count, target_tokens
+from elastictrain.model.build import causal_lm_loss
+from elastictrain.model.loss import causal_lm_loss_sum, global_count, target_tokens
 
 
 @dataclass

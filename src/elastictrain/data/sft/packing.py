@@ -20,7 +20,7 @@ A record is {"input_ids": LongTensor[L], "labels": LongTensor[L]} (labels -100 w
 
 Padding of a packed micro-batch (bins of different lengths) is a sequence of its own, positions from 0.
 The loss is the built-in sum over target tokens divided by the global batch's count
-(worker/token_loss.py), so neither padding nor packing changes it at any world size or split.
+(model/loss.py), so neither padding nor packing changes it at any world size or split.
 """
 
 from __future__ import annotations

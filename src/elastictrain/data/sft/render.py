@@ -39,7 +39,7 @@ def template_origin(data: Any, pretrained: str | None) -> str:
 
 def chat_tokenizer(data: Any, pretrained: str | None) -> Any:
     """The tokenizer of `data.tokenizer` (else model.pretrained's), with data.template when given."""
-    from elastictrain.worker.hf_data import load_tokenizer
+    from elastictrain.data.hf_files import load_tokenizer
 
     folder = data.tokenizer or pretrained
     if not folder:
