@@ -2,6 +2,7 @@
 
     python -m benchmarks.run [--only NAME[,NAME]] [--smoke] [--reps N] [--results DIR] [--markdown FILE]
                              [--sizes 30m,125m,350m,1b] [--redo] [--parts reshard,recovery,checkpoint]
+    python -m benchmarks.run --report-only    # BENCHMARKS.md again from results/*.json, nothing run
 
 Benchmarks: throughput, checkpoint_stall, memory, reshard, recovery, memory_recovery, controller_scale,
 zero_stages; and, only when named with --only: goodput (a long run with failures injected), sft (one
@@ -78,7 +79,14 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="scale: measure these parts (reshard, recovery, checkpoint) of measured sizes again",
     )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: write the markdown from the stored results, linking the plots already there",
+    )
     args = parser.parse_args(argv)
+    if args.report_only:
+        return _report_only(args.results, args.markdown)
 
     names = [n.strip() for n in args.only.split(",") if n.strip()] or [n for n in MODULES if n not in OPT_IN]
     unknown = [n for n in names if n not in MODULES]
@@ -131,6 +139,18 @@ def main(argv: list[str] | None = None) -> int:
             plots[r["benchmark"]] = _relative(png, args.markdown.parent)
     report.write_markdown(results, args.markdown, plots)
     print(f"wrote {args.markdown}; all benchmarks took {time.time() - t_all:.0f}s", flush=True)
+    return 0
+
+
+def _report_only(results_dir: Path, markdown: Path) -> int:
+    results = report.load_results(results_dir, list(MODULES))
+    if not results:
+        print(f"no results in {results_dir}: run the benchmarks first", file=sys.stderr)
+        return 1
+    pngs = {r["benchmark"]: results_dir / f"{r['benchmark']}.png" for r in results}
+    plots = {name: _relative(png, markdown.parent) for name, png in pngs.items() if png.exists()}
+    report.write_markdown(results, markdown, plots)
+    print(f"wrote {markdown} from {len(results)} stored result(s)", flush=True)
     return 0
 
 
