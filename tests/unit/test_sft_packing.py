@@ -208,7 +208,7 @@ def test_eval_prompts_from_a_packed_bin_take_its_first_record():
 
 
 def test_preview_json_of_a_packed_bin_has_its_position_ids_and_origins():
-    from elastictrain.cli_preview import json_sample
+    from elastictrain.cli.preview import json_sample
 
     packed = PackedRecords(records([6, 4, 7], seed=4), 12)
     sample = json_sample(0, packed[0])

@@ -2,6 +2,10 @@
 
 OmegaConf turns these into a structured config, so unknown keys and wrong types are rejected when a
 YAML file or a dotlist override is merged in.
+
+Each key's description is the comment beside it, or the comment lines right above it; a section's is
+its class docstring. docs/reference/config.md is generated from them (`make docs-reference`), and a
+test fails when a key has none.
 """
 
 from __future__ import annotations
@@ -26,18 +30,23 @@ def _tiny_llama() -> dict[str, Any]:
 
 @dataclass
 class RunConfig:
-    name: str = "tiny-cpu"
+    """Which run, and where its folder is."""
+
+    name: str = "tiny-cpu"  # the run's name (no '/'): the default run.dir is runs/NAME
+    # The run folder: a local path or an object-store URL (s3://bucket/runs/x). It holds run.json,
+    # config.yaml, events.jsonl and checkpoints/, and is what `resume`, `status` and `export` take.
     dir: str = "runs/${run.name}"
 
 
 @dataclass
 class LoraConfig:
-    # LoRA adapters (peft) on top of the model; only the adapters (and modules_to_save) train, are
-    # checkpointed and are saved at the end. docs/lora.md: each field's LLaMA-Factory name.
-    enabled: bool = False
-    r: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
+    """LoRA adapters (peft) on top of the model; only the adapters (and modules_to_save) train, are
+    checkpointed and are saved at the end. docs/lora.md: each key's LLaMA-Factory name."""
+
+    enabled: bool = False  # wrap the model with LoRA adapters
+    r: int = 8  # the adapters' rank
+    alpha: float = 16.0  # the adapters' scale is alpha/r (alpha/sqrt(r) with use_rslora)
+    dropout: float = 0.0  # dropout on the adapters' input
     # A list of layer names (the last part of a module's name), or all-linear (also `all`, LLaMA-Factory's
     # spelling): every linear layer but the output head. A string or a list, so typed Any.
     target_modules: Any = field(default_factory=lambda: ["q_proj", "v_proj"])
@@ -51,8 +60,11 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    # One of three sources: `factory` (your code), `pretrained` (a local transformers folder), else
-    # `hf_config`: a transformers config as a mapping, passed to AutoConfig.for_model(model_type, **rest).
+    """The model, from one of three sources: `factory` (your code), `pretrained` (a local transformers
+    folder), else `hf_config` (a transformers config, randomly initialized as from_config does)."""
+
+    # A transformers config as a mapping, passed to AutoConfig.for_model(model_type, **rest); used when
+    # neither factory nor pretrained is set. The default is a 2.75M-parameter Llama with a byte vocabulary.
     hf_config: dict[str, Any] = field(default_factory=_tiny_llama)
     pretrained: str | None = None  # a local folder for AutoModelForCausalLM.from_pretrained (no hub)
     factory: str | None = None  # "module:attr": called as attr(config) (or attr()), returns a torch.nn.Module
@@ -62,17 +74,25 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "generated"  # generated | file | hf | tokens | factory | sft
+    """The training data: where samples come from, and how they are tokenized and cut. Nothing is
+    downloaded: every source reads local files or your code."""
+
+    # Where samples come from: generated (a corpus from a small grammar) | file (a UTF-8 text file) | hf
+    # (local files read with Hugging Face datasets) | tokens (token shards) | factory (your dataset) | sft
+    # (instruction records)
+    source: str = "generated"
     path: str | None = None  # file: a UTF-8 text file; hf: data file(s), a glob allowed; tokens: a folder
-    generated_chars: int = 400_000
-    seq_len: int = 64
-    # source=hf: Hugging Face `datasets` on local files, tokenized with a tokenizer from a local folder.
-    format: str | None = None  # json | csv | parquet | text; default: from data.path's extension
+    generated_chars: int = 400_000  # source=generated: the corpus's length in characters
+    seq_len: int = 64  # tokens per sample
+    # source=hf (Hugging Face datasets on local files): json | csv | parquet | text; default: from
+    # data.path's extension
+    format: str | None = None
     text_field: str = "text"  # the column tokenized (json, csv, parquet)
     tokenizer: str | None = None  # a local folder (AutoTokenizer.from_pretrained)
-    packing: bool = True  # true: concatenate and cut into seq_len blocks; false: pad/truncate each record
-    # (source=sft: true packs whole records into bins of seq_len, a bin per sample, no record attending to
-    # another; false pads each micro-batch to its longest record. data/sft/packing.py)
+    # true: concatenate and cut into seq_len blocks; false: pad/truncate each record (source=sft: true
+    # packs whole records into bins of seq_len, a bin per sample, no record attending to another; false
+    # pads each micro-batch to its longest record)
+    packing: bool = True
     # source=tokens: shards of token ids (.bin/.npy, `elastictrain prepare-data`); the dtype of .bin
     # shards when their folder has no index.json yet (uint16 | uint32; default: the index's, else uint16)
     dtype: str | None = None
@@ -85,10 +105,11 @@ class DataConfig:
     # or from data.dataset_dir's dataset_info.json (LLaMA-Factory's), rendered with the chat template of
     # data.tokenizer (else model.pretrained's) or data.template; labels -100 except on the answers.
     formatting: str | None = None  # alpaca | sharegpt | openai; default: detected from the records
-    # LLaMA-Factory's renames: columns (prompt, query, response, history, system, messages, tools) and
-    # tags (role_tag, content_tag, user_tag, assistant_tag, observation_tag, function_tag, system_tag); a
-    # mapping given names every column (tag) read, as in dataset_info.json.
+    # LLaMA-Factory's column renames (prompt, query, response, history, system, messages, tools); a mapping
+    # given names every column read, as in dataset_info.json
     columns: dict[str, Any] = field(default_factory=dict)
+    # LLaMA-Factory's tag renames (role_tag, content_tag, user_tag, assistant_tag, observation_tag,
+    # function_tag, system_tag); a mapping given names every tag read, as in dataset_info.json
     tags: dict[str, Any] = field(default_factory=dict)
     dataset_dir: str | None = None  # a folder holding dataset_info.json
     dataset: Any = None  # names in dataset_info.json: "a,b" or a list; trained on in that order
@@ -102,43 +123,49 @@ class DataConfig:
 
 @dataclass
 class EvalConfig:
-    # Validation: `steps` global batches of the validation set, every `every_steps` optimizer steps
-    # (0: only at the end) and at the end of the run. The set is `split` (a fraction) of the training
-    # data, held out so training never reads it, or a source of its own in `data` (the options of `data`).
-    every_steps: int = 0
-    steps: int = 0  # 0: no validation
+    """Validation: `steps` global batches of the validation set, every `every_steps` optimizer steps
+    (0: only at the end) and at the end of the run. The set is `split` (a fraction) of the training
+    data, held out so training never reads it, or a source of its own in `data` (the options of `data`)."""
+
+    every_steps: int = 0  # validate every this many optimizer steps (0: only at the end of the run)
+    steps: int = 0  # global batches per validation (0: no validation)
+    # The fraction of the training data held out for validation: seeded, the same samples at every start
+    # and world size, never trained on
     split: float = 0.0
-    data: DataConfig | None = None
+    data: DataConfig | None = None  # a validation source of its own, with data's keys (unset ones: data's)
     # What the model says (docs/validation.md): at every validation, greedy completions of `prompts`, a
     # list of strings or N (the prompt part of the validation set's first N records; so typed Any).
     prompts: Any = None
-    max_new_tokens: int = 32
+    max_new_tokens: int = 32  # the longest completion of each eval.prompts prompt, in tokens
     chat_template: bool = True  # string prompts go through the tokenizer's chat template where it has one
 
 
 @dataclass
 class TrainingConfig:
+    """Batch, length, optimizer and LR schedule: what a step computes, the same at every world size."""
+
+    # Samples per optimizer step at every world size (micro batch x accumulation steps x world size)
     global_batch_size: int = 24
     micro_batch_size: int = 4  # the largest per-rank micro batch; the split is recomputed per world size
-    max_steps: int = 40
+    max_steps: int = 40  # optimizer steps of the run, and the LR schedule's length
     # Instead of max_steps: passes over the training set (after eval.split). At start max_steps becomes
     # ceil(num_epochs x training samples / global_batch_size), printed and written to the run's config.yaml
     # with epoch_samples (core/epochs.py: why rounded up). Resuming with training.num_epochs=N extends it.
     num_epochs: float | None = None
     epoch_samples: int | None = None  # written at start with num_epochs: the training samples it counted
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 4
+    lr: float = 3e-3  # the peak learning rate, reached at the end of the warm-up
+    min_lr: float = 3e-4  # the learning rate the cosine or linear decay ends at
+    warmup_steps: int = 4  # steps of linear warm-up to lr
     warmup_ratio: float | None = None  # instead of warmup_steps: ceil(ratio x max_steps), fixed at start
-    lr_schedule: str = "cosine"  # cosine | linear | constant
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0  # 0 disables clipping
-    seed: int = 42
+    lr_schedule: str = "cosine"  # the decay after the warm-up: cosine | linear | constant
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    adam_beta1: float = 0.9  # AdamW's beta1
+    adam_beta2: float = 0.95  # AdamW's beta2
+    adam_eps: float = 1e-8  # AdamW's epsilon
+    grad_clip: float = 1.0  # the largest global gradient norm; 0 disables clipping
+    seed: int = 42  # seeds the model's initialization, the data order and every random draw
     precision: str = "fp32"  # fp32 | bf16 | fp16
-    log_every_steps: int = 1
+    log_every_steps: int = 1  # print and log the metrics every this many steps
     # "module:attr": loss(model, batch) -> scalar tensor. Default: the causal LM loss of a transformers
     # model (labels = input_ids unless the batch has labels).
     loss: str | None = None
@@ -146,26 +173,34 @@ class TrainingConfig:
 
 @dataclass
 class DeepSpeedConfig:
-    zero_stage: int = 3
-    offload_optimizer: str = "none"  # none | cpu | nvme
-    offload_param: str = "none"  # none | cpu | nvme
+    """How ranks hold the state: the DeepSpeed config is generated from these (or read from config_file)."""
+
+    zero_stage: int = 3  # 0, 1, 2 or 3: what is partitioned between ranks
+    offload_optimizer: str = "none"  # where the optimizer state lives: none | cpu | nvme (nvme: stage 3)
+    offload_param: str = "none"  # where the parameters live between uses: none | cpu | nvme (stage 3 only)
+    # A node-local folder for NVMe offload, checked writable on every node before training; each rank
+    # swaps into NVME_PATH/RUN_ID/rank-N
     nvme_path: str | None = None
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # recompute activations in backward instead of keeping them
     config_file: str | None = None  # your own DeepSpeed JSON (Hugging Face style "auto" values allowed)
     extra: dict[str, Any] = field(default_factory=dict)  # deep-merged into the generated DeepSpeed config
 
 
 @dataclass
 class ScalingConfig:
+    """How many workers, and what each holds."""
+
+    # The smallest world size the run goes on at; with fewer workers it waits for capacity
+    # (failure.wait_for_capacity_s)
     min_workers: int = 2
-    max_workers: int = 2
+    max_workers: int = 2  # the largest world size: the run grows to it as capacity appears
     # Warm actors kept beside the attempt's workers, each holding its slot (a GPU) idle: one replaces a
     # worker or node lost at once, instead of after a new actor's start and imports (seconds to tens of
     # seconds), where the run cannot go on smaller (at min_workers). They join a grow like any warm worker.
     spare_workers: int = 0
-    use_gpu: bool = False
-    cpus_per_worker: float = 1.0
-    gpus_per_worker: float = 1.0
+    use_gpu: bool = False  # workers on GPUs (gpus_per_worker each) instead of CPU slots
+    cpus_per_worker: float = 1.0  # CPUs Ray reserves for each worker
+    gpus_per_worker: float = 1.0  # GPUs Ray reserves for each worker, with use_gpu
     # The workers' malloc: jemalloc (the copy Ray ships, freed memory kept for reuse: a lower peak and
     # quicker steps than glibc's on CPU) or system. The driver's MALLOC_CONF replaces jemalloc's settings.
     worker_allocator: str = "jemalloc"
@@ -173,8 +208,10 @@ class ScalingConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 10
-    keep_last: int = 2
+    """Disk checkpoints (durable, what resume loads) and in-memory snapshots (what a restart loads)."""
+
+    every_steps: int = 10  # commit a disk checkpoint every this many optimizer steps
+    keep_last: int = 2  # committed checkpoints kept; older ones are deleted
     # Training pauses only for a host-memory snapshot; each rank writes its file in a background thread
     # (one more copy of the rank's state in host memory while it writes). false: write before going on.
     background_write: bool = True
@@ -196,32 +233,45 @@ class CheckpointConfig:
 
 @dataclass
 class TrackingConfig:
-    uri: str | None = None  # None: an embedded sqlite store inside the run folder
-    experiment: str = "elastictrain"
+    """MLflow: one MLflow run per run, across every restart and resize."""
+
+    # An MLflow server or sqlite:///FILE; None: an embedded SQLite store inside the run folder (a file:
+    # URI or a folder is refused)
+    uri: str | None = None
+    experiment: str = "elastictrain"  # the MLflow experiment
     # The spool's bound during an MLflow outage: warned at 80%; when full, new metrics are dropped.
     max_spool_mb: float = 1024.0
     # MLflow's system metrics (CPU, memory, disk, network; GPU where present), sampled on the driver.
     system_metrics: bool = True
-    system_metrics_interval_s: float = 10.0
+    system_metrics_interval_s: float = 10.0  # seconds between two samples of the system metrics
     plots: bool = True  # PNGs of the run's metrics in RUN_DIR/plots at its end, logged to the MLflow run
 
 
 @dataclass
 class FailureConfig:
+    """When a failure is detected, and how many the run recovers from."""
+
+    # Transient failures (lost workers or nodes, hangs, an error seen once) recovered from before the run
+    # fails; an error that recurs unchanged at the same step ends the run at once
     max_failures: int = 3
-    hang_timeout_s: float = 120.0
-    collective_timeout_s: float = 300.0
+    hang_timeout_s: float = 120.0  # no step completed within this many seconds is a hang
+    collective_timeout_s: float = 300.0  # the process groups' timeout for one collective
+    # How long the run waits for capacity for min_workers (after a failure or at start) before failing
     wait_for_capacity_s: float = 60.0
 
 
 @dataclass
 class RayConfig:
+    """The Ray cluster the driver connects to."""
+
     address: str | None = None  # None: --address, RAY_ADDRESS, else a local cluster
     num_cpus: int | None = None  # CPUs of a local cluster (default: this machine's own)
 
 
 @dataclass
 class Config:
+    """The whole configuration, one section per key."""
+
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from elastictrain.cli_output import choose, fail, out
+from elastictrain.cli.output import choose, fail, out
 
 _EVAL_OVERRIDES = (
     "eval.every_steps=",

@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 from rich.text import Text
 
-from elastictrain.cli_mlflow import log_export
-from elastictrain.cli_output import choose, err, fail, out
+from elastictrain.cli.output import choose, err, fail, out
+from elastictrain.cli.plot import log_export
 
 
 def export_command(

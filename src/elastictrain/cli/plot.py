@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from elastictrain.cli_output import fail, out
+from elastictrain.cli.output import fail, out
 
 
 def plot_command(

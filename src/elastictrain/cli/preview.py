@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import typer
 from rich.text import Text
 
-from elastictrain.cli_output import err, fail, out
+from elastictrain.cli.output import err, fail, out
 
 IGNORE_INDEX = -100
 TRAINED_STYLE = "bold green"
