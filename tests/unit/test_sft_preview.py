@@ -12,7 +12,7 @@ from sft_fixtures import make_chatml_tokenizer, write_records
 from typer.testing import CliRunner
 
 from elastictrain.cli import app
-from elastictrain.cli_preview import json_sample
+from elastictrain.cli.preview import json_sample
 
 TINY = Path(__file__).resolve().parents[2] / "conf" / "tiny-cpu.yaml"
 
