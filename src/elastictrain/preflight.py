@@ -6,6 +6,7 @@ import os
 import socket
 from typing import Any
 
+from elastictrain.cluster.nodes import on_each_node, worker_nodes
 from elastictrain.user_code import (
     FIELDS,
     UserCodeError,
@@ -158,41 +159,6 @@ def _nvme_probe(path: str) -> tuple[str, str | None]:
         return host, f"it cannot be written there ({e.strerror or e})"
 
 
-def _worker_nodes(config: Any) -> list[dict[str, Any]]:
-    """The alive Ray nodes with room for at least one worker (CPUs, and GPUs where used)."""
-    import ray
-
-    s = config.scaling
-    out = []
-    for node in ray.nodes():
-        res = node.get("Resources", {})
-        gpus_ok = not s.use_gpu or res.get("GPU", 0) >= s.gpus_per_worker
-        if node.get("Alive") and res.get("CPU", 0) >= s.cpus_per_worker and gpus_ok:
-            out.append(node)
-    return out
-
-
-def _on_each_node(
-    nodes: list[dict[str, Any]], fn: Any, *args: Any, timeout_s: float
-) -> tuple[list[tuple[dict[str, Any], Any]], list[dict[str, Any]]]:
-    """Run `fn(*args)` once on every node (no CPU reserved, pinned there): (node, answer) pairs, and the
-    nodes that did not answer within `timeout_s`."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    task = ray.remote(num_cpus=0, max_retries=0)(fn)
-    refs = {
-        task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
-            *args
-        ): n
-        for n in nodes
-    }
-    done, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-    for ref in late:
-        ray.cancel(ref, force=True)
-    return [(refs[ref], ray.get(ref)) for ref in done], [refs[ref] for ref in late]
-
-
 def _node_name(node: dict[str, Any]) -> str:
     return f"{node['NodeManagerAddress']} (id {node['NodeID'][:8]})"
 
@@ -207,10 +173,10 @@ def check_nvme_on_nodes(config: Any, timeout_s: float = 60.0) -> int:
     ds = config.deepspeed
     if "nvme" not in (ds.offload_optimizer, ds.offload_param):
         return 0
-    nodes = _worker_nodes(config)
+    nodes = worker_nodes(config)
     if not nodes:
         return 0  # no node can host a worker yet: the run waits for capacity and says so
-    answers, late = _on_each_node(nodes, _nvme_probe, ds.nvme_path, timeout_s=timeout_s)
+    answers, late = on_each_node(nodes, _nvme_probe, ds.nvme_path, timeout_s=timeout_s)
     problems = [f"node {_node_name(n)} on {host}: {why}" for n, (host, why) in answers if why]
     problems += [f"node {_node_name(n)}: did not answer within {timeout_s:.0f}s" for n in late]
     if problems:
@@ -284,10 +250,10 @@ def check_memory_on_nodes(config: Any, timeout_s: float = 60.0) -> Any:
 
     s = config.scaling
     estimate = memory_estimate(config, s.min_workers)
-    nodes = _worker_nodes(config)
+    nodes = worker_nodes(config)
     if estimate is None or not nodes:
         return estimate  # no node yet: the run waits for capacity, and the workers' own memory decides
-    answers, _ = _on_each_node(nodes, _memory_probe, timeout_s=timeout_s)
+    answers, _ = on_each_node(nodes, _memory_probe, timeout_s=timeout_s)
     known = [(n, mem) for n, (_, mem) in answers if mem]
     if not known:
         return estimate

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-# Keep every Ray server on 127.0.0.1 (as launch.connect_ray does); must be set before Ray starts.
+# Keep every Ray server on 127.0.0.1 (as cluster/connect.py does); must be set before Ray starts.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 

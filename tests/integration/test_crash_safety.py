@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from elastictrain.checkpoint.store import CheckpointError, CheckpointStore, verify
-from elastictrain.rundir.durable import write_bytes_durably
+from elastictrain.storage.durable import write_bytes_durably
 from elastictrain.tracking.tracker import resolve_tracking_uri
 
 SAVE_TWO_CHECKPOINTS = textwrap.dedent(
@@ -27,7 +27,7 @@ SAVE_TWO_CHECKPOINTS = textwrap.dedent(
     import sys
     from pathlib import Path
     from elastictrain.checkpoint.store import CheckpointStore
-    from elastictrain.rundir.durable import write_bytes_durably
+    from elastictrain.storage.durable import write_bytes_durably
 
     store = CheckpointStore(Path(sys.argv[1]))
     for step in (4, 8):

@@ -13,7 +13,7 @@ from safetensors.torch import save as save_safetensors
 from elastictrain.checkpoint.model_record import built_model, tokenizer_folder
 from elastictrain.checkpoint.store import CheckpointStore
 from elastictrain.checkpoint.zero_state import Fragment, rank_file
-from elastictrain.rundir.durable import write_bytes_durably
+from elastictrain.storage.durable import write_bytes_durably
 
 
 def checkpoint_of(

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from elastictrain.checkpoint.store import CheckpointStore
 from elastictrain.cli import app
 from elastictrain.config import ConfigError, load_config
-from elastictrain.rundir.durable import write_bytes_durably
+from elastictrain.storage.durable import write_bytes_durably
 
 cli = CliRunner()
 TINY = Path(__file__).resolve().parents[2] / "conf" / "tiny-cpu.yaml"

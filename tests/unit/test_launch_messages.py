@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from elastictrain import launch, preflight
+from elastictrain.cluster import connect
 from elastictrain.config import load_config
 from elastictrain.launch import RunFolderConflict, prepare_run_dir
 from elastictrain.progress import Reporter
@@ -31,13 +32,13 @@ def test_a_local_cluster_gets_the_machines_cpus_not_max_workers_worth(tmp_path, 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: started.update(kw))
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
-    note = launch.connect_ray(config(tmp_path, "scaling.max_workers=64"), None)
+    note = connect.connect_ray(config(tmp_path, "scaling.max_workers=64"), None)
     assert started["address"] == "local" and started["num_cpus"] is None  # Ray counts the real CPUs
     assert note == (
         "started a local Ray cluster with 2 CPUs: room for 2 worker(s) of scaling.cpus_per_worker=1, not "
         "scaling.max_workers=64 (set ray.num_cpus to start more workers than this machine has CPUs)"
     )
-    launch.connect_ray(config(tmp_path, "ray.num_cpus=8"), None)
+    connect.connect_ray(config(tmp_path, "ray.num_cpus=8"), None)
     assert started["num_cpus"] == 8, "an explicit ray.num_cpus is still honoured"
 
 
@@ -68,7 +69,7 @@ def test_a_fresh_run_says_when_its_mlflow_run_is_created(tmp_path, monkeypatch):
         def run(self) -> None:
             raise Stop
 
-    monkeypatch.setattr(launch, "connect_ray", lambda *a: "connected")
+    monkeypatch.setattr(connect, "connect_ray", lambda *a: "connected")
     monkeypatch.setattr(preflight, "check_memory_on_nodes", lambda *a: None)  # no Ray cluster here
     monkeypatch.setattr(launch, "make_tracker", lambda *a: NullTracker())
     monkeypatch.setattr(worker_group, "WorkerGroup", lambda *a, **k: None)

@@ -18,8 +18,8 @@ from elastictrain.checkpoint.store import MANIFEST, CheckpointStore
 from elastictrain.checkpoint.zero_state import FRAGMENTS_KEY, Fragment, fragments_metadata
 from elastictrain.cli import app
 from elastictrain.config import config_digest, load_config, to_yaml
-from elastictrain.rundir.durable import write_bytes_durably
 from elastictrain.rundir.run_dir import RunDir
+from elastictrain.storage.durable import write_bytes_durably
 
 cli = CliRunner()
 TINY = Path(__file__).resolve().parents[2] / "conf" / "tiny-cpu.yaml"

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from elastictrain.checkpoint.rank_snapshot import plan_rank_file
 from elastictrain.checkpoint.writer import ShardWrite
 from elastictrain.checkpoint.zero_layouts import LocalSlice
-from elastictrain.rundir.durable import sha256_of_file
+from elastictrain.storage.durable import sha256_of_file
 
 
 def _group(names_lengths: list[tuple[str, int]], gap: int = 0) -> list[LocalSlice]:

@@ -38,8 +38,8 @@ from elastictrain.core.checkpoints import (
     tag_for_step,
     tags_to_delete,
 )
-from elastictrain.rundir.durable import crash_point, sha256_of_file
 from elastictrain.storage import AnyPath, as_path, storage_of
+from elastictrain.storage.durable import crash_point, sha256_of_file
 
 MANIFEST = "manifest.json"
 FORMAT = "elastictrain.zero3-fragments/1"

@@ -86,7 +86,7 @@ class WorkerGroup:
         self._ready_refs: dict[str, Any] = {}  # placement group id -> its one `ready()` ref
         self._ids = itertools.count()
         self._prefix = name_prefix
-        # "replica": buddies' snapshots arrive and are served beside training (worker/memory.py).
+        # "replica" (worker/ray_calls.py): buddies' snapshots arrive and are served beside training.
         self._actor_cls = ray.remote(concurrency_groups={"control": 2, "replica": 2, "watch": 2})(TrainWorker)
         self.warmup_errors: list[tuple[str, str]] = []  # warm-ups that raised (the loop may end the run)
         self._allocator_warned = False

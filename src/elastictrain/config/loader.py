@@ -19,7 +19,6 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from elastictrain.cluster.allocator import ALLOCATORS
 from elastictrain.config.data_check import sft_problems
 from elastictrain.config.errors import ConfigError
 from elastictrain.config.eval_check import eval_problems, pop_eval_data, set_eval_data
@@ -28,6 +27,7 @@ from elastictrain.config.lora_check import lora_problems
 from elastictrain.config.schema import Config, DataConfig
 from elastictrain.core.batch import workable_world_sizes
 from elastictrain.core.zero import stage_problems
+from elastictrain.data.hf_files import DATA_FORMATS
 from elastictrain.data.token_index import index_problems
 from elastictrain.redact import install_log_redaction
 from elastictrain.storage import as_path, url_problems
@@ -38,9 +38,11 @@ install_log_redaction()  # secrets given in the config or environment never reac
 # Mapping-typed fields hold free-form content (a transformers config, raw DeepSpeed keys, user args).
 FREE_FORM = {"model.hf_config", "deepspeed.extra", "model.args", "data.args"}
 
-DATA_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 # "package.module:attr", the form every user-code field takes (also "module:Class.method").
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+
+# scaling.worker_allocator's choices (cluster/allocator.py preloads them into the workers)
+ALLOCATORS = ("jemalloc", "system")
 
 
 def _type_words(tp: Any) -> str:

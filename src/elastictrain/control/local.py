@@ -31,8 +31,8 @@ from elastictrain.core.batch import BatchPlan
 from elastictrain.core.losses import step_loss
 from elastictrain.core.state import RunStatus
 from elastictrain.progress import Reporter
-from elastictrain.rundir.durable import remove_stale_temporaries
 from elastictrain.rundir.run_dir import RunDir
+from elastictrain.storage.durable import remove_stale_temporaries
 from elastictrain.tracking.tracker import Tracker
 
 

@@ -37,8 +37,8 @@ from elastictrain.core.batch import BatchPlan, plan_batch
 from elastictrain.core.policy import Fail, Failure, Restart, decide_after_failure
 from elastictrain.core.state import RunStatus
 from elastictrain.progress import Reporter
-from elastictrain.rundir.durable import remove_stale_temporaries
 from elastictrain.rundir.run_dir import RunDir
+from elastictrain.storage.durable import remove_stale_temporaries
 from elastictrain.tracking.tracker import Tracker
 
 log = logging.getLogger("elastictrain.controller")

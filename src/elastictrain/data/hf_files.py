@@ -20,7 +20,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from elastictrain.config.loader import DATA_FORMATS
+# data.format by data.path's extension (the config check reads it too)
+DATA_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
 def data_files(data: Any) -> tuple[list[str], str]:

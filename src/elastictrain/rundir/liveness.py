@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from elastictrain.storage.durable import pid_exists
+
 SHM_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*_{addr}_{port}_*"
 ACTIVE_STATUSES = ("STARTING", "RUNNING", "RECOVERING", "RESIZING", "WAITING")
 
@@ -74,16 +76,6 @@ def driver_state(record: dict[str, Any] | None, status: str, run_dir: str = "RUN
         f"{who}: NOT RUNNING - the driver died without recording an end (killed?); "
         f"`elastictrain resume {run_dir}` continues from the last committed checkpoint",
     )
-
-
-def pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _port_is_free(addr: str, port: int) -> bool:

@@ -25,8 +25,9 @@ import threading
 import time
 from typing import Any
 
-from elastictrain.rundir.liveness import pid_exists, process_start_time, this_driver
+from elastictrain.rundir.liveness import process_start_time, this_driver
 from elastictrain.storage import AnyPath, ObjectPath, as_path
+from elastictrain.storage.durable import pid_exists
 
 TTL_S = 60.0
 HEARTBEAT_S = 10.0

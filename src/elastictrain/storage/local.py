@@ -8,7 +8,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from elastictrain.rundir.durable import (
+from elastictrain.storage.durable import (
     HashingStream,
     create_durably,
     fsync_dir,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from elastictrain.rundir.durable import HashingStream, crash_point, phase_of
+from elastictrain.storage.durable import HashingStream, crash_point, phase_of
 from elastictrain.storage.objects import ObjectPath
 
 

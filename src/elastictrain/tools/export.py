@@ -25,7 +25,7 @@ import torch
 
 from elastictrain.checkpoint.model_record import ModelRecord, model_record, transformers_config
 from elastictrain.checkpoint.store import MANIFEST
-from elastictrain.rundir.durable import fsync_dir
+from elastictrain.storage.durable import fsync_dir
 from elastictrain.tools import export_check as check
 from elastictrain.tools.export_shards import Tensors, dtype_named, parse_size, write_shards
 

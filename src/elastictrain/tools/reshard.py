@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.checkpoint.store import FORMAT, MANIFEST
-from elastictrain.rundir.durable import fsync_dir, write_bytes_durably
+from elastictrain.storage.durable import fsync_dir, write_bytes_durably
 
 
 def _replaceable(out: Path, source: Any) -> str | None:

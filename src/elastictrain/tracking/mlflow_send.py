@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from elastictrain.redact import install_log_redaction
-from elastictrain.rundir.durable import crash_point
+from elastictrain.storage.durable import crash_point
 from elastictrain.tracking.tracker import (
     EVENTS_ARTIFACT,
     MAX_METRICS_PER_BATCH,

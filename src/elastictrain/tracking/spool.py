@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.redact import redact_text
-from elastictrain.rundir.durable import replace_text_atomically
+from elastictrain.storage.durable import replace_text_atomically
 
 log = logging.getLogger("elastictrain.tracker")
 

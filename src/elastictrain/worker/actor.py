@@ -43,6 +43,7 @@ from elastictrain.worker.host_memory import (
 )
 from elastictrain.worker.memory import WorkerMemory
 from elastictrain.worker.ops import import_deepspeed, load_op, prefer_environment_tools, remember_cpu_info
+from elastictrain.worker.ray_calls import actor_identity
 from elastictrain.worker.snapshot_peer import SnapshotPeer
 
 # Frames from these files mean "waiting for the other ranks".
@@ -90,16 +91,9 @@ class TrainWorker(SnapshotPeer, FaultHooks):
 
     # -- identity and health (answered from a separate concurrency group, even mid-step) --
     def info(self) -> dict[str, Any]:
-        import ray
-
-        ctx = ray.get_runtime_context()
         return {
             "worker_id": self.worker_id,
-            "actor_id": ctx.get_actor_id(),
-            "node_id": ctx.get_node_id(),
-            "node_ip": ray.util.get_node_ip_address(),
-            "pid": os.getpid(),
-            "gpu_ids": ray.get_gpu_ids() if self.use_gpu else [],
+            **actor_identity(self.use_gpu),
             "allocator": running_allocator(),
         }
 

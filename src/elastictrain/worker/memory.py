@@ -29,9 +29,7 @@ from elastictrain.checkpoint.memory_snapshot import (
 )
 from elastictrain.core.memory_snapshots import SLICES_HELD, snapshots_unaffordable
 from elastictrain.worker.attempt import MemorySource
-
-REPLICA_GROUP = "replica"  # the actors' concurrency group for replicas and serving snapshots
-REPLICATE_TIMEOUT_S = 30.0  # a buddy that does not take a replica in this time is treated as lost
+from elastictrain.worker.ray_calls import call_peer, call_peers
 
 
 class WorkerMemory:
@@ -259,12 +257,9 @@ class WorkerMemory:
             self._replicate(snap)
 
     def _replicate(self, snap: Snapshot) -> None:
-        import ray
-
         t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
-            call = self._buddy.hold_replica.options(concurrency_group=REPLICA_GROUP)
-            ray.get(call.remote(snap.to_wire()), timeout=REPLICATE_TIMEOUT_S)
+            call_peer(self._buddy, "hold_replica", snap.to_wire())
         except Exception as e:  # noqa: BLE001 - a lost buddy: the controller sees its failure itself
             self.error = f"replica of step {snap.key.step} not held: {type(e).__name__}: {e}"
         self.last_replicate_s = time.perf_counter() - t0
@@ -299,13 +294,13 @@ class WorkerMemory:
         from elastictrain.checkpoint.zero_state import load_local_state
 
         keys = {r: SnapshotKey(source.attempt, source.world_size, r, source.step) for r in source.holders}
-        metas = self._ask_all(source, lambda h, r: h.snapshot_meta, lambda r: (keys[r],), self.meta)
+        metas = self._ask_all(source, "snapshot_meta", lambda r: (keys[r],), self.meta)
         layout = layout_for(engine)
         wanted = [(p.name, p.start, p.length) for p in layout.load_slices()]
         plan = keys_to_fetch(metas, wanted, full_fp32=isinstance(layout, FlatPartitionLayout))
         got = self._ask_all(
             source,
-            lambda h, r: h.snapshot_pieces,
+            "snapshot_pieces",
             lambda r: (keys[r], plan.get(r, [])),
             self.pieces,
             ranks=sorted(plan),
@@ -319,24 +314,22 @@ class WorkerMemory:
     def _ask_all(
         self,
         source: MemorySource,
-        method: Callable[[Any, int], Any],
+        method: str,
         args: Callable[[int], tuple[Any, ...]],
         local: Callable[..., Any],
         ranks: list[int] | None = None,
     ) -> dict[int, Any]:
         """One call per old rank, to its holder (all at once), or locally when this worker holds it."""
-        import ray
-
         out: dict[int, Any] = {}
-        refs = {}
+        remote: list[int] = []
         for r in source.holders if ranks is None else ranks:
-            worker_id, handle = source.holders[r]
+            worker_id, _ = source.holders[r]
             if worker_id == self.worker_id:
                 out[r] = local(*args(r))
             else:
-                refs[r] = method(handle, r).options(concurrency_group=REPLICA_GROUP).remote(*args(r))
-        for r, ref in refs.items():
-            out[r] = ray.get(ref, timeout=REPLICATE_TIMEOUT_S)
+                remote.append(r)
+        answers = call_peers((source.holders[r][1], method, args(r)) for r in remote)
+        out.update(zip(remote, answers, strict=True))
         return out
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from elastictrain.checkpoint.memory_snapshot import Snapshot, SnapshotKey
-from elastictrain.worker.memory import REPLICA_GROUP, REPLICATE_TIMEOUT_S, WorkerMemory
+from elastictrain.worker.memory import WorkerMemory
+from elastictrain.worker.ray_calls import call_peers
 
 
 class SnapshotPeer:
@@ -27,11 +28,8 @@ class SnapshotPeer:
 
     def hand_off_snapshots(self, target: Any) -> int:
         """This worker is replaced (stuck in a collective): send what it holds to `target` first."""
-        import ray
-
         snaps = self.memory.store.all()
-        call = target.keep_handed.options(concurrency_group=REPLICA_GROUP)
-        ray.get([call.remote(s.to_wire()) for s in snaps], timeout=REPLICATE_TIMEOUT_S)
+        call_peers((target, "keep_handed", (s.to_wire(),)) for s in snaps)
         return len(snaps)
 
     def keep_handed(self, wire: dict[str, Any]) -> None:

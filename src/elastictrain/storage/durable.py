@@ -17,8 +17,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from elastictrain.rundir.liveness import pid_exists
-
 CRASH_ENV = "ELASTICTRAIN_CRASH_AT"
 _passed: Counter[str] = Counter()
 
@@ -167,3 +165,14 @@ def sha256_of_file(path: Any, chunk: int = 8 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def pid_exists(pid: int) -> bool:
+    """Whether a process of this id runs on this host (one we may not signal counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
