@@ -8,7 +8,8 @@ IN_VENV = PATH="$(abspath $(BIN)):$$PATH"
 # The CPU build of torch lies on these machines' disk; an unpinned torch would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install system-deps run test test-unit test-bench lint bench clean image image-test gpu-kit gpu-check
+.PHONY: install system-deps run test test-unit test-bench lint bench clean image image-test gpu-kit gpu-check \
+	docs docs-reference
 
 install: system-deps $(BIN)/elastictrain
 	$(IN_VENV) $(BIN)/elastictrain build-ops
@@ -58,6 +59,15 @@ lint: $(BIN)/elastictrain
 
 bench: $(BIN)/elastictrain
 	$(IN_VENV) $(BIN)/python -m benchmarks.run $(ARGS)
+
+# The manual (docs/, mkdocs.yml) as a site in site/; --strict: a broken link or a page missing from the
+# nav fails. docs-reference regenerates the pages made from the config schema and the CLI.
+docs: $(BIN)/elastictrain
+	$(BIN)/python -m elastictrain.tools.reference_docs --check
+	$(BIN)/mkdocs build --strict --site-dir site
+
+docs-reference: $(BIN)/elastictrain
+	$(BIN)/python -m elastictrain.tools.reference_docs
 
 # The container image, built where no registry is reachable (a debootstrap base; see docker/build-image.sh),
 # and run as users will: a Ray head and 2 workers in containers, elastic under docker kill / docker run.
