@@ -1,7 +1,7 @@
 """The READMEs' shell blocks, found by Sybil, and a shell that runs them in order as a user would.
 
-Every shell block (```bash, ```sh, ```shell) of README.md, k8s/README.md and examples/*/README.md
-is either run or marked, visibly, on the line just before it with
+Every shell block (```bash, ```sh, ```shell) of README.md, k8s/README.md, examples/*/README.md and
+the manual's pages under docs/ is either run or marked, visibly, on the line just before it with
 
     *Not run by the README test: WHY.*
 
@@ -39,6 +39,19 @@ def readmes() -> list[Path]:
     return [REPO / "README.md", REPO / "k8s" / "README.md", *sorted(REPO.glob("examples/*/README.md"))]
 
 
+def docs_pages() -> list[Path]:
+    """The manual's pages under docs/, in the order of mkdocs.yml's nav (the order a reader follows)."""
+    nav = re.findall(
+        r"^\s*-\s*(?:[^:\n]+:\s*)?([\w./-]+\.md)\s*$", (REPO / "mkdocs.yml").read_text(), re.MULTILINE
+    )
+    return [REPO / "docs" / page for page in nav]
+
+
+def manual() -> list[Path]:
+    """Every page whose commands a user types: the READMEs and the manual under docs/."""
+    return [*readmes(), *docs_pages()]
+
+
 @dataclass(frozen=True)
 class Block:
     """What a block asks for: a shell script to run, or a file to write."""
@@ -47,6 +60,7 @@ class Block:
     source: str
     first_line: int  # the README line of the block's first line of source
     name: str = ""  # the file's name, for "file"
+    page: Path | None = None  # the README or page of docs/ the block is on
 
 
 @dataclass(frozen=True)
@@ -105,9 +119,9 @@ def steps(path: Path) -> list[Step]:
         source = str(example.parsed)
         header = FILE_HEADER.match(source)
         block = (
-            Block("file", source, example.line + 1, header["name"])
+            Block("file", source, example.line + 1, header["name"], page=path)
             if header
-            else Block("shell", source, example.line + 1)
+            else Block("shell", source, example.line + 1, page=path)
         )
         out.append(Step(block, pending, example.line))
         pending = None
@@ -165,7 +179,7 @@ class ShellSession:
     substitutions: Sequence[Substitution] = ()
     block_timeout_s: float = 300
     marker: str = field(default_factory=lambda: f"docs-{os.getpid()}-{time.monotonic_ns()}")
-    seconds: dict[int, float] = field(default_factory=dict)  # README line -> how long its block ran
+    seconds: dict[str, float] = field(default_factory=dict)  # PAGE:LINE -> how long its block ran
 
     def __post_init__(self) -> None:
         self.state.mkdir(parents=True, exist_ok=True)
@@ -213,7 +227,9 @@ class ShellSession:
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         proc.wait(timeout=grace)
                 code = None
-        self.seconds[block.first_line] = round(time.monotonic() - started, 1)
+        page = block.page or self.readme
+        shown_page = page.relative_to(REPO) if page.is_relative_to(REPO) else page
+        self.seconds[f"{shown_page}:{block.first_line}"] = round(time.monotonic() - started, 1)
         text = log.read_text(errors="replace")
         if code == 0:
             return text
@@ -222,9 +238,8 @@ class ShellSession:
         line = block.first_line + offset
         shown = script.split("\n")[offset] if offset < script.count("\n") + 1 else ""
         what = f"did not end within {self.block_timeout_s:.0f}s" if code is None else f"exited {code}"
-        name = self.readme.relative_to(REPO) if self.readme.is_relative_to(REPO) else self.readme
         raise AssertionError(
-            f"{name}:{line}: `{shown.strip()}` {what}\n"
+            f"{shown_page}:{line}: `{shown.strip()}` {what}\n"
             f"--- the block as run ---\n{script}\n--- its output (last 6000 characters) ---\n{text[-6000:]}"
         )
 

@@ -1,11 +1,13 @@
-"""Every shell block of the READMEs runs, in order, in a fresh copy of the repository, as a user types it.
+"""Every shell block of the READMEs and of the manual under docs/ runs, in order, in a fresh copy of the
+repository, as a user types it.
 
-Blocks are found by Sybil (tests/readme_blocks.py). A block the README marks "Not run by the README
-test" is only checked for its reason. The rest run in one shell per README (exported variables and
-the current folder carry over from block to block), each bounded in time; a failure names the README
-line. The commands are the README's; the substitutions below only fill in what a user would choose
-(free ports, a folder of their own) or shorten a run (fewer steps), and each must still match the
-README, so none goes stale silently.
+Blocks are found by Sybil (tests/readme_blocks.py). A block the page marks "Not run by the README
+test" is only checked for its reason. The rest run in one shell per README, and in one shell for all
+of docs/ in the order of the site's navigation, so that a run one page makes serves the pages after it
+(exported variables and the current folder carry over from block to block), each bounded in time; a
+failure names the page and line. The commands are the pages'; the substitutions below only fill in
+what a user would choose (free ports, a folder of their own) or shorten a run (fewer steps), and each
+must still match its page, so none goes stale silently.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from readme_blocks import REPO, ShellSession, Substitution, free_ports, readmes, steps
+from readme_blocks import REPO, ShellSession, Step, Substitution, docs_pages, free_ports, readmes, steps
 
 pytestmark = pytest.mark.integration
 
@@ -38,10 +40,31 @@ def _ray_start_ports(temp_dir: Path, p: list[int]) -> str:
     )
 
 
+DOCS = REPO / "docs"  # stands for every page of docs/, run in one shell in the nav's order
+
+
 def substitutions(readme: Path, ray_temp: Path) -> list[Substitution]:
     name = readme.relative_to(REPO).as_posix()
-    if name == "README.md":
+    if name == "docs":
         *ports, dashboard = free_ports(9)
+        return [
+            Substitution("training.max_steps=20", f"training.max_steps=2 {SHORT}", "a shorter first run"),
+            Substitution(
+                "training.max_steps=30",
+                "training.max_steps=2",
+                "no steps to add, so no second cold start (extending is tested in test_resume.py)",
+            ),
+            Substitution('"training.max_steps=50"', '"training.max_steps=4"', "a shorter run"),
+            Substitution("training.max_steps=200", "training.max_steps=2", "no steps to add, as above"),
+            Substitution("training.max_steps=40", f"training.max_steps=2 {SHORT}", "a shorter run"),
+            Substitution(
+                "--num-cpus=2",
+                f"--num-cpus=2 {_ray_start_ports(ray_temp, ports)} --dashboard-port={dashboard}",
+                "Ray's default ports and /tmp/ray may be another cluster's on this machine",
+            ),
+            Substitution("127.0.0.1:8265", f"127.0.0.1:{dashboard}", "the dashboard port chosen above"),
+        ]
+    if name == "README.md":
         make = f"make -o {VENV}/bin/elastictrain VENV={VENV}"
         return [
             Substitution(
@@ -54,20 +77,7 @@ def substitutions(readme: Path, ray_temp: Path) -> list[Substitution]:
                 f"{make} test PYTEST_ARGS=tests/unit/test_core_policy.py ",
                 "the whole suite is what runs this test: one file of it",
             ),
-            Substitution("training.max_steps=100", f"training.max_steps=2 {SHORT}", "a shorter run"),
-            Substitution(
-                "training.max_steps=200",
-                "training.max_steps=2",
-                "no steps to add, so no second cold start (extending is tested in test_resume.py)",
-            ),
-            Substitution('"training.max_steps=50"', '"training.max_steps=4"', "a shorter run"),
-            Substitution("training.max_steps=40", f"training.max_steps=2 {SHORT}", "a shorter run"),
-            Substitution(
-                "--num-cpus=2",
-                f"--num-cpus=2 {_ray_start_ports(ray_temp, ports)} --dashboard-port={dashboard}",
-                "Ray's default ports and /tmp/ray may be another cluster's on this machine",
-            ),
-            Substitution("127.0.0.1:8265", f"127.0.0.1:{dashboard}", "the dashboard port chosen above"),
+            Substitution("training.max_steps=60", "training.max_steps=4", "2 steps more than `make run`'s"),
         ]
     return []
 
@@ -136,11 +146,15 @@ def user() -> Iterator[tuple[Path, Path, dict[str, str], Path]]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _plan(readme: Path) -> list[Step]:
+    return [step for page in docs_pages() for step in steps(page)] if readme == DOCS else steps(readme)
+
+
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("readme", readmes(), ids=lambda p: p.relative_to(REPO).as_posix())
+@pytest.mark.parametrize("readme", [*readmes(), DOCS], ids=lambda p: p.relative_to(REPO).as_posix())
 def test_every_shell_block_runs_in_order_or_says_why_not(readme: Path, user):
     repo, ray_temp, env, state = user
-    plan = steps(readme)
+    plan = _plan(readme)
     session = ShellSession(readme, repo, state, env, substitutions(readme, ray_temp), block_timeout_s=420)
     try:
         for step in plan:

@@ -1,8 +1,9 @@
-"""`--help` and the READMEs agree, both ways, for every command (also those added later).
+"""`--help` and the manual agree, both ways, for every command (also those added later).
 
-Every `elastictrain COMMAND --option` the READMEs show (in code blocks and inline code) exists with
-that spelling and is in `elastictrain COMMAND --help`; every command of `elastictrain --help`
-appears in README.md; every `make TARGET` they show is a target of the Makefile.
+Every `elastictrain COMMAND --option` the READMEs and the pages under docs/ show (in code blocks and
+inline code) exists with that spelling and is in `elastictrain COMMAND --help`; every command of
+`elastictrain --help` is shown on a written page (the generated CLI reference aside) and has its
+section in docs/reference/cli.md; every `make TARGET` they show is a target of the Makefile.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from pathlib import Path
 import pytest
 import typer
 from markdown_it import MarkdownIt
-from readme_blocks import REPO, readmes
+from readme_blocks import REPO, docs_pages, manual
 from typer.testing import CliRunner
 
 from elastictrain.cli import app
 
-MAIN_README = REPO / "README.md"
+CLI_REFERENCE = REPO / "docs" / "reference" / "cli.md"
 SEPARATORS = {";", "&&", "||", "|", "&", "(", ")"}
 
 
@@ -118,9 +119,9 @@ def _options(words: tuple[str, ...]) -> list[str]:
     return [w.split("=", 1)[0] for w in words if re.fullmatch(r"--?[A-Za-z][\w-]*(=.*)?", w)]
 
 
-def test_every_command_and_option_the_readmes_show_exists_with_that_spelling_in_help():
+def test_every_command_and_option_the_manual_shows_exists_with_that_spelling_in_help():
     cli = _cli()
-    shown = mentions(readmes(), "elastictrain")
+    shown = mentions(manual(), "elastictrain")
     assert len(shown) > 20, shown  # the extraction works: the READMEs show many commands
     problems = []
     for m in shown:
@@ -145,21 +146,27 @@ def test_every_command_and_option_the_readmes_show_exists_with_that_spelling_in_
     assert not problems, "\n".join(problems)
 
 
-def test_every_command_of_help_appears_in_the_readme():
+def test_every_command_of_help_is_shown_in_the_manual_and_has_its_reference_section():
     top_help = _help()
-    shown = {m.args[0] for m in mentions([MAIN_README], "elastictrain") if m.args}
+    written = [page for page in manual() if page != CLI_REFERENCE]
+    shown = {m.args[0] for m in mentions(written, "elastictrain") if m.args}
     commands = [name for name, c in _cli().commands.items() if not c.hidden]
     assert all(name in top_help for name in commands), top_help
     missing = [name for name in commands if name not in shown]
     assert not missing, (
-        f"commands of `elastictrain --help` that README.md never shows as `elastictrain NAME`: {missing}"
+        f"commands of `elastictrain --help` that no README or page of docs/ shows as `elastictrain NAME`: "
+        f"{missing}"
     )
+    reference = CLI_REFERENCE.read_text()
+    assert CLI_REFERENCE in docs_pages()
+    unlisted = [name for name in commands if f"\n## {name}\n" not in reference]
+    assert not unlisted, f"{CLI_REFERENCE}: no section for {unlisted}; run make docs-reference"
 
 
-def test_every_make_target_the_readmes_show_is_in_the_makefile():
+def test_every_make_target_the_manual_shows_is_in_the_makefile():
     makefile = (REPO / "Makefile").read_text()
     targets = set(re.findall(r"^([\w.-]+):(?!=)", makefile, re.MULTILINE))
-    shown = mentions(readmes(), "make")
+    shown = mentions(manual(), "make")
     assert shown, "the READMEs show no make command"
     problems = [
         f"{m.where}: `make {word}`: no such target; the Makefile has {sorted(targets)}"

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from readme_blocks import ShellSession, Substitution, readmes, steps
+from readme_blocks import ShellSession, Substitution, docs_pages, readmes, steps
 
 README = """\
 # A tool
@@ -94,10 +94,11 @@ def test_a_mark_must_stand_just_before_a_block(tmp_path):
         steps(readme)
 
 
-def test_every_readme_parses_and_every_mark_says_why():
-    found = {path: steps(path) for path in readmes()}
-    assert len(found) >= 4, found  # README.md, k8s/README.md and the examples' READMEs
+def test_every_readme_and_page_of_the_manual_parses_and_every_mark_says_why():
+    found = {path: steps(path) for path in [*readmes(), *docs_pages()]}
+    assert len(found) >= 4 + 20, found  # README.md, k8s/README.md, the examples' READMEs, docs/
+    for path in readmes():
+        assert any(s.block and s.block.kind == "shell" for s in found[path]), f"{path}: no shell block"
     for path, plan in found.items():
-        assert any(s.block and s.block.kind == "shell" for s in plan), f"{path}: no shell block"
         for step in plan:
             assert step.not_run_because is None or len(step.not_run_because) > 10, (path, step)

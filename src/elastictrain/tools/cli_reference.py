@@ -12,8 +12,8 @@ from typing import Any
 HEADER = """\
 # Command-line reference
 
-Generated from the CLI (`elastictrain.cli`) by `make docs-reference`; do not edit. `elastictrain
-COMMAND --help` prints the same. `OVERRIDES` are `key=value` settings with the dotted keys of the
+Generated from the CLI (`elastictrain.cli`) by `make docs-reference`; do not edit. Each command's
+`--help` prints the same. `OVERRIDES` are `key=value` settings with the dotted keys of the
 [configuration reference](config.md).
 """
 
