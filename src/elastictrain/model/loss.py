@@ -34,8 +34,13 @@ def target_tokens(batch: Any) -> int:
     return int((lm_labels(batch)[..., 1:] != IGNORE_INDEX).sum())
 
 
-def causal_lm_loss_sum(model: Any, batch: Any) -> tuple[torch.Tensor, int]:
-    """(sum of next-token cross entropies, number of target tokens) of one micro-batch.
+def target_token_count(batch: Any) -> torch.Tensor:
+    """target_tokens as a 0-dim tensor on the batch's device: counted without waiting for the device."""
+    return (lm_labels(batch)[..., 1:] != IGNORE_INDEX).sum()
+
+
+def causal_lm_token_loss_sum(model: Any, batch: Any) -> torch.Tensor:
+    """The sum of next-token cross entropies of one micro-batch (a 0-dim fp32 tensor, not synchronised).
 
     The same loss as transformers' causal LM loss (logits in fp32, labels shifted, -100 ignored), with
     the mean left to the caller so it can divide by the global batch's count.
@@ -56,16 +61,21 @@ def causal_lm_loss_sum(model: Any, batch: Any) -> tuple[torch.Tensor, int]:
         )
     shifted = labels[..., 1:].reshape(-1).to(logits.device)
     flat = logits[..., :-1, :].reshape(-1, logits.shape[-1]).float()
-    total = torch.nn.functional.cross_entropy(flat, shifted, ignore_index=IGNORE_INDEX, reduction="sum")
-    return total, int((shifted != IGNORE_INDEX).sum())
+    return torch.nn.functional.cross_entropy(flat, shifted, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def global_count(local: int, device: Any) -> int:
-    """The sum of `local` over every rank of the process group (itself without one)."""
+def causal_lm_loss_sum(model: Any, batch: Any) -> tuple[torch.Tensor, int]:
+    """(sum of next-token cross entropies, number of target tokens) of one micro-batch."""
+    return causal_lm_token_loss_sum(model, batch), target_tokens(batch)
+
+
+def global_count(local: torch.Tensor) -> torch.Tensor:
+    """The sum of the 0-dim int64 tensor `local` over every rank of the process group (itself without
+    one), left on its device: the all-reduce is queued, nobody waits for it here."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return local
-    t = torch.tensor([local], dtype=torch.int64, device=device)
-    dist.all_reduce(t)
-    return int(t.item())
+    total = local.detach().clone().reshape(1)
+    dist.all_reduce(total)
+    return total[0]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from elastictrain.model.build import causal_lm_loss
-from elastictrain.model.loss import causal_lm_loss_sum, global_count, target_tokens
+from elastictrain.model.loss import causal_lm_token_loss_sum, global_count, target_token_count
 
 
 @dataclass
@@ -42,30 +42,43 @@ def run_micro_batches(
     on_micro: Callable[[], None] = lambda: None,
     before_update: Callable[[], None] = lambda: None,
 ) -> StepLoss:
-    """Forward and backward each (batch, seed) in order; DeepSpeed steps the optimizer after the last."""
+    """Forward and backward each (batch, seed) in order; DeepSpeed steps the optimizer after the last.
+
+    Nothing here waits for the device until the step is queued: losses and token counts stay tensors
+    and are read once, at the end (one synchronisation per step, not one per micro-batch).
+    """
+    last = len(batches) - 1
+
+    def step(i: int) -> None:
+        # DeepSpeed changes weights and optimizer state only at the accumulation boundary (the step()
+        # after the last micro-batch): only that one waits for an in-memory snapshot still copying, so
+        # the copy overlaps every micro-batch's forward and backward, not only the first's.
+        if i == last:
+            before_update()
+        engine.step()
+        on_micro()
+
     if loss_fn is not causal_lm_loss:
-        losses = []
-        for batch, seed in batches:
+        acc = torch.zeros((), dtype=torch.float64, device=engine.device)
+        for i, (batch, seed) in enumerate(batches):
             torch.manual_seed(seed)  # dropout and other randomness follow the data position
             loss = loss_fn(engine, batch)  # the engine forwards to the module, as the module would
             engine.backward(loss)
-            before_update()  # e.g. the last in-memory snapshot must be complete before weights change
-            engine.step()
-            losses.append(float(loss.detach().float().item()))
-            on_micro()
-        return StepLoss(sum(losses) / len(losses))
-    local = sum(target_tokens(batch) for batch, _ in batches)
-    total = global_count(local, engine.device)  # once per step, before any forward
+            step(i)
+            acc = acc + loss.detach().float().double()  # fp64, in order: the sum floats would give
+        return StepLoss(float(acc.item()) / len(batches))
+    counts = [target_token_count(batch) for batch, _ in batches]
+    local = torch.stack(counts).sum()
+    total = global_count(local)  # queued once per step, before any forward; never waited for here
     # DeepSpeed divides each backward by the accumulation steps and averages over ranks: undo both.
-    scale = world_size * len(batches) / max(total, 1)
-    loss_sum, counted = 0.0, 0
-    for batch, seed in batches:
+    # In fp64 as Python would divide, then fp32: what multiplying by a Python float did before.
+    scale = ((world_size * len(batches)) / total.clamp(min=1).double()).float()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
+    for i, (batch, seed) in enumerate(batches):
         torch.manual_seed(seed)
-        summed, tokens = causal_lm_loss_sum(engine, batch)
-        engine.backward(summed * scale)
-        before_update()
-        engine.step()
-        loss_sum += float(summed.detach().item())
-        counted += tokens
-        on_micro()
-    return StepLoss(loss_sum / max(counted, 1), loss_sum, counted)
+        summed = causal_lm_token_loss_sum(engine, batch)
+        engine.backward(summed * scale.to(summed.device))
+        step(i)
+        loss_sum = loss_sum + summed.detach().double()
+    summed_total, counted = torch.stack([loss_sum, local.to(loss_sum.device).double()]).tolist()
+    return StepLoss(summed_total / max(counted, 1), summed_total, int(counted))
