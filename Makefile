@@ -8,17 +8,20 @@ IN_VENV = PATH="$(abspath $(BIN)):$$PATH"
 # The CPU build of torch lies on these machines' disk; an unpinned torch would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install system-deps run test test-unit test-bench lint bench clean image image-test gpu-kit gpu-check \
-	docs docs-reference
+.PHONY: install system-deps run test test-unit test-bench test-compat lint bench clean image image-test gpu-kit \
+	gpu-check docs docs-reference
 
 install: system-deps $(BIN)/elastictrain
 	$(IN_VENV) $(BIN)/elastictrain build-ops
 
-$(BIN)/elastictrain: pyproject.toml
+# constraints.txt: the exact releases of DeepSpeed and the core packages the suite was run with
+# (pyproject.toml allows ranges; docs/reference/deepspeed-compatibility.md). TORCH overrides its line.
+$(BIN)/elastictrain: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev]" "$(TORCH)"
+	grep -v '^torch==' constraints.txt > $(VENV)/constraints.txt
+	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e ".[dev]" "$(TORCH)"
 	touch $@
 
 # Installed with apt-get only when we are root; otherwise a warning says what is missing.
@@ -49,6 +52,28 @@ test: $(BIN)/elastictrain
 
 test-bench: $(BIN)/elastictrain
 	$(IN_VENV) $(BIN)/pytest -q -ra $(BENCH_SMOKE) $(PYTEST_ARGS)
+
+# The tests that exercise elastictrain's patches of DeepSpeed (compat/), against another DeepSpeed release:
+# `make test-compat DEEPSPEED=0.19.7` installs it (no dependencies) into .compat/deepspeed-X, first on
+# PYTHONPATH for pytest and the Ray workers it starts; its JIT ops get their own cache (compat/deepspeed/
+# ops.py keys it on the install's folder). Without DEEPSPEED, the same tests against the installed one.
+DEEPSPEED ?=
+COMPAT_DIR = .compat/deepspeed-$(DEEPSPEED)
+COMPAT_TESTS := tests/unit/test_compat_registry.py tests/unit/test_compat_private_names.py \
+	tests/unit/test_zero3_memory.py tests/unit/test_gloo_gather.py tests/unit/test_restore_build.py \
+	tests/integration/test_engine_build_collectives.py tests/integration/test_zero_stages.py \
+	tests/integration/test_nvme_optimizer_build.py tests/integration/test_nvme_restoring_build.py \
+	tests/integration/test_offloaded_gradients.py tests/integration/test_engine_release.py \
+	tests/integration/test_collective_release.py tests/integration/test_reshard.py \
+	tests/integration/test_gloo_gather_pieces.py tests/integration/test_compat_workers.py
+
+test-compat: $(BIN)/elastictrain
+	@if [ -n "$(DEEPSPEED)" ] && [ ! -e $(COMPAT_DIR)/deepspeed/__init__.py ]; then \
+	  $(IN_VENV) $(BIN)/pip install -q --no-deps --no-build-isolation --target $(COMPAT_DIR) "deepspeed==$(DEEPSPEED)"; fi
+	$(IN_VENV) $(if $(DEEPSPEED),PYTHONPATH="$(abspath $(COMPAT_DIR))$${PYTHONPATH:+:$$PYTHONPATH}" \
+	  ELASTICTRAIN_EXPECT_DEEPSPEED=$(DEEPSPEED)) $(BIN)/python -m elastictrain.compat.report
+	$(IN_VENV) $(if $(DEEPSPEED),PYTHONPATH="$(abspath $(COMPAT_DIR))$${PYTHONPATH:+:$$PYTHONPATH}" \
+	  ELASTICTRAIN_EXPECT_DEEPSPEED=$(DEEPSPEED)) $(BIN)/pytest -q -ra $(COMPAT_TESTS) $(PYTEST_ARGS)
 
 test-unit: $(BIN)/elastictrain
 	$(IN_VENV) $(BIN)/pytest -q -m "not integration" $(PYTEST_ARGS)

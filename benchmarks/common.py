@@ -229,10 +229,10 @@ def free_port() -> int:
 
 
 def peer_env() -> dict[str, str]:
-    from elastictrain.worker.ops import prefer_environment_tools
+    from elastictrain.compat.deepspeed.ops import prefer_environment_tools
 
     # The environment's ninja first on PATH and the op cache elastictrain built, as its own processes
-    # have them (worker/ops.py).
+    # have them (compat/deepspeed/ops.py).
     prefer_environment_tools()
     env = dict(os.environ)
     env.update(

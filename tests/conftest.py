@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from elastictrain.worker.ops import prefer_environment_tools
+from elastictrain.compat.deepspeed.ops import prefer_environment_tools
 
 # As every elastictrain process does: engines built in a test process load the ops `make setup` built.
 prefer_environment_tools()

@@ -188,8 +188,10 @@ def check_before_start(config: Config) -> None:
     """
     from elastictrain.preflight import check_user_code
     from elastictrain.user_code import share_module_roots
-    from elastictrain.worker.ops import prefer_environment_tools
+    from elastictrain.compat import refuse_unsupported_versions
+    from elastictrain.compat.deepspeed.ops import prefer_environment_tools
 
+    refuse_unsupported_versions()  # a patch correctness depends on, on an untested release: not started
     prefer_environment_tools()  # a --local run loads DeepSpeed's ops in this process
     if not config.scaling.use_gpu:
         # Before anything imports deepspeed here (a --local run trains in this process).

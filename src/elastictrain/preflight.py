@@ -190,7 +190,7 @@ def check_nvme_on_nodes(config: Any, timeout_s: float = 60.0) -> int:
 # -- memory, once connected to Ray -----------------------------------------------------------------------
 def _memory_probe() -> tuple[str, int | None]:
     """Runs on one node: its host name and total memory (MemTotal) in bytes."""
-    from elastictrain.worker.host_memory import meminfo_bytes
+    from elastictrain.host_memory import meminfo_bytes
 
     return socket.gethostname(), meminfo_bytes("MemTotal")
 

@@ -25,7 +25,7 @@ def _rank(rank: int, port: int, release: bool, out: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from elastictrain.worker.collective_sockets import CollectiveSockets
+    from elastictrain.compat.torch_dist.collective_sockets import CollectiveSockets
     from elastictrain.worker.dist import destroy_process_group
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

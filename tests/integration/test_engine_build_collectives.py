@@ -2,7 +2,7 @@
 build's parameters are partitioned without broadcasting them, and it then trains exactly as DeepSpeed's.
 
 Two processes (world size 2, gloo) each build the same tiny Llama under ZeRO-3 twice: once as DeepSpeed
-builds it and once inside `worker/zero3_build.py`'s two contexts, counting the parameter gathers
+builds it and once inside `compat/deepspeed/zero3_build.py`'s two contexts, counting the parameter gathers
 during `deepspeed.initialize` and the broadcasts during zero.Init. Both engines then train the same
 batches with gradient accumulation (every gradient reduced through the hooks registered at the build),
 and their losses and gathered weights are compared bit for bit.
@@ -23,8 +23,8 @@ import deepspeed, torch
 import deepspeed.comm
 from deepspeed.runtime.zero.partition_parameters import Init
 from transformers import LlamaConfig, LlamaForCausalLM
-from elastictrain.worker.dist import reset_zero_counters
-from elastictrain.worker.zero3_build import (
+from elastictrain.compat.deepspeed.process_state import reset_zero_counters
+from elastictrain.compat.deepspeed.zero3_build import (
     hooks_registered_without_gathering, parameters_partitioned_without_broadcast)
 
 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)

@@ -1,5 +1,6 @@
-"""With three or more gloo ranks, ZeRO-3's all-gathers run in pieces a socket takes whole, so a rank
-killed in the middle of one leaves none of its peers stuck (worker/gloo_gather.py says why they were).
+"""With three or more gloo ranks, ZeRO-3's all-gathers run in pieces a socket takes whole, so a
+rank killed in the middle of one leaves none of its peers stuck (compat/torch_dist/gloo_gather.py
+says why they were).
 
 Real gloo process groups in 3 processes (forked from a server that imported torch once, so a trial
 costs no interpreter start). Run as a script to compare whole gathers with pieces over more trials:
@@ -49,8 +50,8 @@ def _gather_until_killed(rank: int, port: int, pieces: bool, abort: str, out: An
     import torch
     import torch.distributed as dist
 
-    from elastictrain.worker.collective_sockets import CollectiveSockets
-    from elastictrain.worker.gloo_gather import agreed_piece_bytes, gather_in_pieces, piece_bytes
+    from elastictrain.compat.torch_dist.collective_sockets import CollectiveSockets
+    from elastictrain.compat.torch_dist.gloo_gather import agreed_piece_bytes, gather_in_pieces, piece_bytes
 
     sockets = CollectiveSockets()
     sockets.start()
@@ -129,8 +130,12 @@ def _compare_gathers(rank: int, port: int, out: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from elastictrain.worker.gloo_gather import PIECE_BYTES, agreed_piece_bytes, use_gather_in_pieces
-    from elastictrain.worker.ops import import_deepspeed
+    from elastictrain.compat.deepspeed.imports import import_deepspeed
+    from elastictrain.compat.torch_dist.gloo_gather import (
+        PIECE_BYTES,
+        agreed_piece_bytes,
+        use_gather_in_pieces,
+    )
 
     deepspeed = import_deepspeed()
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)

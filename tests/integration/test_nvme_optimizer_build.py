@@ -4,9 +4,9 @@ DeepSpeed's own engine, which does that round trip and creates the state at its 
 
 Two processes (world size 2, gloo) each build the same tiny Llama under ZeRO-3 with the optimizer
 offloaded to NVMe in several sub-groups, twice: once as DeepSpeed builds it, and once inside
-`worker/zero3_build.optimizer_states_initialized_without_swapping` and `freed_partitions_returned`
+`compat/deepspeed/zero3_build.optimizer_states_initialized_without_swapping` and `freed_partitions_returned`
 (whose memory return must come between the partitions' flattening and the swap buffers) followed by
-`worker/zero3_memory.create_swapped_adam_state`, counting the sub-group reads and writes in
+`compat/deepspeed/zero3_memory.create_swapped_adam_state`, counting the sub-group reads and writes in
 `deepspeed.initialize`. Before the first step every swapped sub-group of ours already has its moments
 swapped out (DeepSpeed's has none); both then train the same batches with gradient accumulation and
 clipping, and their losses and gathered weights are compared bit for bit.
@@ -29,13 +29,13 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK=sys.arg
                   LOCAL_RANK="0")
 import deepspeed, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from elastictrain.worker.dist import reset_zero_counters
+from elastictrain.compat.deepspeed.process_state import reset_zero_counters
 from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import PartitionedOptimizerSwapper as Swapper
-import elastictrain.worker.host_memory as host_memory
+import elastictrain.host_memory as host_memory
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
-from elastictrain.worker.zero3_build import (
+from elastictrain.compat.deepspeed.zero3_build import (
     freed_partitions_returned, optimizer_states_initialized_without_swapping)
-from elastictrain.worker.zero3_memory import create_swapped_adam_state
+from elastictrain.compat.deepspeed.zero3_memory import create_swapped_adam_state
 
 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
 rank, folder = int(sys.argv[2]), sys.argv[3]

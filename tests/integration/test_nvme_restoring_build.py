@@ -32,12 +32,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import PartitionedOptimizerSwapper as Swapper
 from elastictrain.checkpoint.rank_save import prepare_rank_write
 from elastictrain.checkpoint.zero_state import FragmentReader, load_local_state
-from elastictrain.worker.dist import reset_zero_counters
-from elastictrain.model.hf_init import exact_hf_init_under_zero3, skip_parameter_init
-from elastictrain.worker.zero3_build import (
+from elastictrain.compat.deepspeed.process_state import reset_zero_counters
+from elastictrain.compat.transformers.hf_init import exact_hf_init_under_zero3, skip_parameter_init
+from elastictrain.compat.deepspeed.zero3_build import (
     fp32_masters_left_for_the_load, optimizer_states_initialized_without_swapping,
     parameters_partitioned_without_broadcast)
-from elastictrain.worker.zero3_memory import create_swapped_adam_state
+from elastictrain.compat.deepspeed.zero3_memory import create_swapped_adam_state
 
 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
 rank, folder = int(sys.argv[2]), Path(sys.argv[3])

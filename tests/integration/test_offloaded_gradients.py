@@ -25,7 +25,7 @@ import json, os, sys
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 import deepspeed, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from elastictrain.worker.zero3_memory import share_offloaded_gradients
+from elastictrain.compat.deepspeed.zero3_memory import share_offloaded_gradients
 
 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
 DS = {

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from elastictrain.worker.collective_sockets import CollectiveSockets
+from elastictrain.compat.torch_dist.collective_sockets import CollectiveSockets
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from elastictrain.worker import ops
-from elastictrain.worker.ops import own_extensions_dir, prefer_environment_tools
+from elastictrain.compat.deepspeed import imports, ops
+from elastictrain.compat.deepspeed.ops import own_extensions_dir, prefer_environment_tools
 
 
 def test_the_interpreters_bin_folder_goes_first_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,14 +57,14 @@ def test_the_cpu_is_probed_once_per_process_and_every_caller_gets_its_own_copy(
     import cpuinfo
 
     monkeypatch.setattr(cpuinfo, "get_cpu_info", cpuinfo.get_cpu_info)  # undone after the test
-    ops.remember_cpu_info()
+    imports.remember_cpu_info()
     cpuinfo.get_cpu_info()  # the first call probes, in a subprocess
 
     def no_subprocess(*args: object, **kwargs: object) -> None:
         raise AssertionError("py-cpuinfo started a subprocess again")
 
     monkeypatch.setattr(subprocess, "Popen", no_subprocess)  # py-cpuinfo imports it at each probe
-    ops.remember_cpu_info()
+    imports.remember_cpu_info()
     from cpuinfo import get_cpu_info  # as DeepSpeed imports it, at each call
 
     first, second = get_cpu_info(), get_cpu_info()
@@ -82,14 +82,14 @@ def test_the_cpu_probe_is_saved_for_this_cpu_and_read_back_instead_of_probing_ag
         probes.append(1)
         return {"arch": "X86_64", "flags": ["avx2"]}
 
-    first = ops.cpu_info_from_file(probe, tmp_path)
-    again = ops.cpu_info_from_file(probe, tmp_path)
+    first = imports.cpu_info_from_file(probe, tmp_path)
+    again = imports.cpu_info_from_file(probe, tmp_path)
     assert first == again == {"arch": "X86_64", "flags": ["avx2"]}
     assert len(probes) == 1
     [saved] = tmp_path.glob("cpuinfo-*.json")
-    assert saved.name == f"cpuinfo-{ops.cpu_fingerprint()}.json"  # another CPU reads another file
+    assert saved.name == f"cpuinfo-{imports.cpu_fingerprint()}.json"  # another CPU reads another file
     saved.write_text("{not json")  # a torn or foreign file is probed over, not trusted
-    assert ops.cpu_info_from_file(probe, tmp_path) == first and len(probes) == 2
+    assert imports.cpu_info_from_file(probe, tmp_path) == first and len(probes) == 2
 
 
 def test_a_worker_imports_deepspeed_without_mlflow_and_mlflow_stays_importable() -> None:
@@ -97,7 +97,7 @@ def test_a_worker_imports_deepspeed_without_mlflow_and_mlflow_stays_importable()
 
     script = (
         "import sys\n"
-        "from elastictrain.worker.ops import import_deepspeed\n"
+        "from elastictrain.compat.deepspeed.imports import import_deepspeed\n"
         "ds = import_deepspeed()\n"
         "assert ds is sys.modules['deepspeed'], 'not the deepspeed module'\n"
         "assert 'mlflow' not in sys.modules, 'mlflow was imported with deepspeed'\n"

@@ -1,4 +1,4 @@
-"""worker/gloo_gather.py's piecing, against a fake gather of a chosen world size (real gloo ranks:
+"""compat/torch_dist/gloo_gather.py's piecing, against a fake gather of a chosen world size (real gloo ranks:
 tests/integration/test_gloo_gather_pieces.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from elastictrain.worker import gloo_gather
+from elastictrain.compat.torch_dist import gloo_gather
 
 
 class _Done:

@@ -15,9 +15,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "src" / "elastictrain"
 RAY_DOORS = ("cluster/", "worker/ray_calls.py")
 
 
-# model/ reaches DeepSpeed's ZeRO-3 build patches still kept in worker/ until they move to compat/.
 # tools/cli_reference.py (the docs generator) reads the CLI, which runs the tools: it moves out of tools/.
-KNOWN_CYCLES = {("model", "worker"), ("cli", "tools")}
+KNOWN_CYCLES = {("cli", "tools")}
 
 
 def _modules() -> list[Path]:

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from elastictrain.cluster.allocator import allocator_env
-from elastictrain.worker.host_memory import release_freed_memory
+from elastictrain.host_memory import release_freed_memory
 
 
 def _rss_bytes() -> int:
@@ -39,7 +39,7 @@ def test_memory_freed_below_a_live_allocation_goes_back_to_the_system():
 
 JEMALLOC_PROBE = """
 import os
-from elastictrain.worker.host_memory import release_freed_memory
+from elastictrain.host_memory import release_freed_memory
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

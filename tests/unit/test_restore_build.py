@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from elastictrain.compat.transformers.hf_init import skip_parameter_init
 from elastictrain.model.build import build_causal_lm
-from elastictrain.model.hf_init import skip_parameter_init
 
 LLAMA = {
     "model_type": "llama",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from elastictrain.worker.zero3_memory import _prepare_grad_view, contiguous_run
+from elastictrain.compat.deepspeed.zero3_memory import _prepare_grad_view, contiguous_run
 
 
 def test_back_to_back_views_of_one_buffer_become_one_view_without_a_copy():

@@ -24,6 +24,7 @@ import torch
 
 from elastictrain.checkpoint.rank_snapshot import F32, RankFilePlan, finish_scalars, plan_rank_file
 from elastictrain.checkpoint.zero_layouts import FP32, OpenGroup, Zero3Layout, layout_for, scalar_state
+from elastictrain.compat.deepspeed import optimizer_state as ds_state
 
 READ_BYTES = 64 << 20  # one read buffer: the host memory the write uses
 
@@ -86,11 +87,10 @@ def swap_file_stream(engine: Any, larger_than: float = 0.0) -> SwapFileStream | 
     scalars: dict[str, Any] = {}
     for group, flat in enumerate(opt.fp32_partitioned_groups_flat):
         state = opt.optimizer.state.get(flat, {})
-        info = swapper.swap_params_info.get(swapper.parameter_id(flat))
-        if opt._swappable_optimizer_subgroup(group):
-            if info is None:
+        if ds_state.swappable(opt, group):
+            paths = ds_state.swap_file_paths(opt, flat)
+            if paths is None:
                 return None
-            paths = {id(t.compute_tensor): t.swap_path for t in info.tensors}
             if id(flat) not in paths:
                 return None  # the fp32 weights are not where this reader expects them
             files = {FP32: paths[id(flat)]}

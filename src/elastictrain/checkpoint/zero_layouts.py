@@ -9,7 +9,7 @@ one rank, every slice it owns as views into the engine's own tensors:
   sub-group are one flat tensor (possibly swapped to NVMe), which is opened group by group.
 - ZeRO-1 and ZeRO-2, and bf16 without ZeRO (`FlatPartitionLayout`): the fp32 copies of a parameter
   group are flattened into one buffer and cut into equal partitions, so a parameter may span two
-  ranks. DeepSpeed's tensor-fragment mapping (`param._hp_mapping`, what its universal checkpoint
+  ranks. DeepSpeed's tensor-fragment mapping (`ds_state.hp_mapping`, what its universal checkpoint
   uses) says which elements of which parameter this rank's partition holds.
 - No ZeRO in fp32 (`ReplicatedLayout`): every rank holds every parameter and its state; rank r
   saves the r-th of `world_size` equal slices of each, so the work of saving is shared.
@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from elastictrain.checkpoint.zero_swap import (
+from elastictrain.compat.deepspeed import optimizer_state as ds_state
+from elastictrain.compat.deepspeed.swap_buffers import (
     adam_state_in_swap_buffers,
     buffers_without_reading,
     plain_swapper,
@@ -139,7 +140,7 @@ class Zero3Layout:
             group = []
             for param in params:
                 _, offset, partition_numel = opt.grad_position[opt.get_param_id(param)]
-                start = opt._get_param_partition_rank(param) * partition_numel
+                start = ds_state.param_partition_rank(opt, param) * partition_numel
                 valid = max(0, min(partition_numel, param.ds_numel - start))
                 if valid:
                     shape = tuple(int(d) for d in param.ds_shape)
@@ -164,16 +165,16 @@ class Zero3Layout:
         `overwrite`: the caller fills every element of every slice of the fp32 master and the state (a
         load): a sub-group swapped by DeepSpeed's plain swapper is then not read in but given its swap
         buffers, the elements outside the slices zeroed and CPU Adam's state created in them
-        (checkpoint/zero_swap.py); a restoring build leaves its swap files unwritten for this
-        (worker/zero3_build.py)."""
+        (compat/deepspeed/swap_buffers.py); a restoring build leaves its swap files unwritten for this
+        (compat/deepspeed/zero3_build.py)."""
         opt = self.optimizer
-        swappable = opt._swappable_optimizer_subgroup(group)
+        swappable = ds_state.swappable(opt, group)
         in_buffers = swappable and overwrite and write_back and plain_swapper(opt)
         if in_buffers:
             buffers_without_reading(opt, group)
             adam_state_in_swap_buffers(opt, group)
         elif swappable:
-            opt._optimizer_states_and_gradient_swap_in(group)
+            ds_state.swap_in(opt, group)
         flat = opt.fp32_partitioned_groups_flat[group]
         opened = OpenGroup(flat, opt.optimizer.state[flat], self._slices[group])
         try:
@@ -183,16 +184,16 @@ class Zero3Layout:
             yield opened
             if write_back:
                 # fp32 master -> the low-precision partitions the forward pass uses (or their NVMe swap).
-                opt._reassign_or_swap_out_partitioned_parameters(group)
+                ds_state.write_back_partitions(opt, group)
         finally:
             if swappable:
                 if write_back:
-                    opt._optimizer_states_and_gradient_swap_out(group)
+                    ds_state.swap_out(opt, group)
                 else:
-                    opt._release_swap_buffers(group)
+                    ds_state.release_swap_buffers(opt, group)
 
     def before_load(self) -> None:
-        self.optimizer._partition_all_parameters()
+        ds_state.partition_all_parameters(self.optimizer)
 
     def after_load(self, reader: Any) -> None:
         opt = self.optimizer
@@ -219,7 +220,7 @@ class FlatPartitionLayout:
     def _from_flat_layout(self, names: dict[Any, str]) -> list[list[LocalSlice]]:
         """ZeRO-1/2: each parameter's offset in the flat buffer, cut at this rank's partition.
 
-        Read from the buffer's own layout rather than `_hp_mapping`: with `round_robin_gradients`
+        Read from the buffer's own layout rather than the fragment mapping: with `round_robin_gradients`
         and no alignment padding, DeepSpeed 0.19 links the mapping in the parameters' original order
         while the buffer holds them reordered, so the mapping names the wrong elements.
         """
@@ -246,10 +247,10 @@ class FlatPartitionLayout:
         return out
 
     def _from_fragment_mapping(self, names: dict[Any, str]) -> list[list[LocalSlice]]:
-        """DeepSpeed's bf16 optimizer: its tensor-fragment mapping (`param._hp_mapping`)."""
+        """DeepSpeed's bf16 optimizer: its tensor-fragment mapping (`ds_state.hp_mapping`)."""
         out: list[list[LocalSlice]] = [[] for _ in self._flats]
         for param, name in names.items():
-            mapping = getattr(param, "_hp_mapping", None)
+            mapping = ds_state.hp_mapping(param)
             if mapping is None:
                 continue  # no element of this parameter lives in this rank's partition
             lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
@@ -284,8 +285,7 @@ class FlatPartitionLayout:
                 if name in reader.params:
                     param.data.copy_(reader.full(name, FP32).to(param.dtype))
         # The optimizer reads state through fragment views it links lazily; make it relink them.
-        if hasattr(self.optimizer, "_hp_optimizer_states_linked"):
-            self.optimizer._hp_optimizer_states_linked = False
+        ds_state.relink_optimizer_states(self.optimizer)
 
 
 class ReplicatedLayout:
@@ -363,7 +363,7 @@ def layout_for(engine: Any) -> Zero3Layout | FlatPartitionLayout | ReplicatedLay
         raise RuntimeError("elastic checkpoints need an optimizer; this engine has none")
     if hasattr(optimizer, "fp32_partitioned_groups_flat"):
         return Zero3Layout(engine)
-    if any(getattr(p, "_hp_mapping", None) is not None for p in engine.module.parameters()) or hasattr(
+    if any(ds_state.hp_mapping(p) is not None for p in engine.module.parameters()) or hasattr(
         optimizer, "single_partition_of_fp32_groups"
     ):
         return FlatPartitionLayout(engine)

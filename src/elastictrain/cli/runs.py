@@ -176,7 +176,7 @@ def build_ops_command(
     gpu: Annotated[bool, typer.Option("--gpu", help="build for the GPU accelerator")] = False,
 ) -> None:
     """Compile DeepSpeed's ops (CPU Adam, async I/O for NVMe offload, shared-memory comm) once."""
-    from elastictrain.worker.ops import build_ops
+    from elastictrain.compat.deepspeed.ops import build_ops
 
     for name, state in build_ops(use_gpu=gpu).items():
         out.print(f"{name:<22} {state}")

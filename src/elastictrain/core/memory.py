@@ -8,7 +8,7 @@ ZeRO paper), per parameter, divided between the ranks by ZeRO:
   training precision;
 - the optimizer's fp32 master weights (4 bytes), except in ZeRO-3 fp32 with the optimizer on the
   device, where the training copy is the master (DeepSpeed 0.19 means to alias them but keeps a
-  second copy; the worker drops it: worker/zero3_memory.py);
+  second copy; the worker drops it: compat/deepspeed/zero3_memory.py);
 - Adam's two moments (8 bytes).
 
 So Adam costs 16 bytes per parameter in ZeRO-3 fp32, 20 in fp32 with the optimizer offloaded, and

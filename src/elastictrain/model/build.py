@@ -1,7 +1,7 @@
 """The run's model: your `model.factory`, a transformers model from a local folder, or one from a config.
 
 Whatever the source, the model is built inside DeepSpeed's zero.Init (parameters partitioned as they
-are created) with transformers' own weight initialization (model/hf_init.py), optionally wrapped
+are created) with transformers' own weight initialization (compat/transformers/hf_init.py), optionally wrapped
 with LoRA adapters (model/lora.py), and trained with a loss
 `loss(model, batch) -> scalar tensor`: yours (`training.loss`) or the causal LM loss below.
 """
@@ -14,18 +14,18 @@ from typing import Any
 
 import torch
 
-from elastictrain.worker.host_memory import release_freed_memory
-from elastictrain.worker.zero3_build import (
+from elastictrain.compat.deepspeed.zero3_build import (
     fp32_masters_left_for_the_load,
     freed_partitions_returned,
     hooks_registered_without_gathering,
     optimizer_states_initialized_without_swapping,
 )
-from elastictrain.worker.zero3_memory import (
+from elastictrain.compat.deepspeed.zero3_memory import (
     create_swapped_adam_state,
     share_fp32_partitions,
     share_offloaded_gradients,
 )
+from elastictrain.host_memory import release_freed_memory
 
 # transformers' ZeRO-3 loading of a pretrained folder finds the DeepSpeed config through a weak
 # reference to this object; it must stay alive while that model is built and trained.
@@ -44,7 +44,9 @@ def preload_model_code(config: Any) -> None:
     """Import everything building the model will import, outside of DeepSpeed's zero.Init."""
     import torch._dynamo  # noqa: F401
     import transformers.modeling_utils  # noqa: F401
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from elastictrain.compat.transformers.preload import resolve_model_class
 
     m = config.model
     if m.factory:
@@ -53,7 +55,7 @@ def preload_model_code(config: Any) -> None:
         resolve(config, "model.factory")  # imports the user's module
     else:
         hf = AutoConfig.from_pretrained(m.pretrained) if m.pretrained else build_hf_config(dict(m.hf_config))
-        AutoModelForCausalLM._model_mapping[type(hf)]  # resolves the lazy model module
+        resolve_model_class(hf)  # imports the lazy model module
     if m.lora.enabled:
         import peft  # noqa: F401
 
@@ -64,12 +66,12 @@ def preload_engine_code(config: Any) -> None:
 
     DeepSpeed's optimizer check imports its Muon optimizer, whose `torch.compile` decorators import
     torch's inductor (1.5 s); an offloaded optimizer loads DeepSpeed's CPU Adam op, and NVMe its async
-    I/O op, each asking py-cpuinfo about the CPU (worker/ops.py).
+    I/O op, each asking py-cpuinfo about the CPU (compat/deepspeed/imports.py).
     """
     import importlib
 
+    from elastictrain.compat.deepspeed.ops import load_op
     from elastictrain.config.deepspeed_config import effective_offload
-    from elastictrain.worker.ops import load_op
 
     with contextlib.suppress(ImportError):  # a DeepSpeed without it does not import it either
         importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")
@@ -117,11 +119,11 @@ def build_model(
         if checkpointing:
             _enable_checkpointing(model)
     else:
-        from elastictrain.model.hf_init import exact_hf_init_under_zero3, skip_parameter_init
-        from elastictrain.worker.zero3_build import parameters_partitioned_without_broadcast
+        from elastictrain.compat.deepspeed.zero3_build import parameters_partitioned_without_broadcast
+        from elastictrain.compat.transformers.hf_init import exact_hf_init_under_zero3, skip_parameter_init
 
         # zero.Init partitions each module as it is built; without the second context transformers'
-        # own weight init would write into empty partitions and be lost (see model/hf_init.py).
+        # own weight init would write into empty partitions and be lost (compat/transformers/hf_init.py).
         init = contextlib.ExitStack()
         if restoring and not m.factory and not m.lora.enabled:
             # Every parameter is loaded next: no init to be exact about, no values to make equal.
@@ -152,8 +154,8 @@ def new_engine(spec: Any, *, zero3: bool) -> Any:
 
     import deepspeed
 
+    from elastictrain.compat.deepspeed.imports import remember_cpu_info
     from elastictrain.config.deepspeed_config import nvme_paths
-    from elastictrain.worker.ops import remember_cpu_info
 
     cfg = spec.config
     remember_cpu_info()  # probed once per process (a warmed-up actor did it loading its ops)

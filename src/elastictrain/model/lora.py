@@ -10,12 +10,11 @@ seed); a `modules_to_save` copy starts from it and then comes from the checkpoin
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from elastictrain.compat.peft.zero3 import base_weights_gathered_for_peft
 from elastictrain.config.lora_check import ALL_LINEAR, is_all_linear
 
 
@@ -80,28 +79,9 @@ def apply_lora(
     from peft import get_peft_model
 
     _check_targets(model, lora)
-    with _base_weights_gathered_for_peft(model):
+    with base_weights_gathered_for_peft(model):
         wrapped = get_peft_model(model, peft_config(lora, model))
     if activation_checkpointing and hasattr(wrapped, "enable_input_require_grads"):
         # With a frozen embedding, checkpointed blocks would otherwise see inputs without gradients.
         wrapped.enable_input_require_grads()
     return wrapped
-
-
-@contextlib.contextmanager
-def _base_weights_gathered_for_peft(model: torch.nn.Module) -> Iterator[None]:
-    """Let peft gather a ZeRO-3 layer where it reads its weight (DoRA's magnitude starts as the norm of
-    each base weight's rows): peft does it only when transformers says ZeRO-3 is on, which only a
-    pretrained model's build sets (model/build.py); a config-built or factory model would give peft
-    the empty local tensors of its partitioned weights."""
-    if not any(hasattr(p, "ds_id") for p in model.parameters()):
-        yield
-        return
-    from peft.utils import integrations
-
-    said = integrations.check_deepspeed_zero3_enabled
-    integrations.check_deepspeed_zero3_enabled = lambda: True
-    try:
-        yield
-    finally:
-        integrations.check_deepspeed_zero3_enabled = said

@@ -30,9 +30,13 @@ def model_class(record: ModelRecord) -> Any:
 def _build(record: ModelRecord) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
+    from elastictrain.compat.transformers.preload import model_from_config
+
     cls, config = model_class(record), transformers_config(record)
     return (
-        AutoModelForCausalLM.from_config(config) if cls is AutoModelForCausalLM else cls._from_config(config)
+        AutoModelForCausalLM.from_config(config)
+        if cls is AutoModelForCausalLM
+        else model_from_config(cls, config)
     )
 
 
@@ -57,7 +61,7 @@ def check_same_parameters(model_params: set[str], saved: set[str], what: str) ->
 
 def full_model(record: ModelRecord, reader: Any) -> torch.nn.Module:
     """The checkpoint's model in float32: built without computing an init, every parameter read in."""
-    from elastictrain.model.hf_init import skip_parameter_init
+    from elastictrain.compat.transformers.hf_init import skip_parameter_init
 
     with skip_parameter_init():  # the fragments overwrite every parameter; buffers are still computed
         model = _build(record)

@@ -54,9 +54,9 @@ def follow_moved_store(run_path: Path) -> None:
                     )
     if old_roots:
         # MLflow caches each run's artifact location per process (a resume inside one process).
-        from mlflow.tracking._tracking_service import utils as mlflow_utils
+        from elastictrain.compat.mlflow.artifact_cache import clear_artifact_locations
 
-        mlflow_utils._artifact_repos_cache.clear()
+        clear_artifact_locations()
 
 
 def run_tracker(

@@ -22,27 +22,29 @@ from elastictrain.config.deepspeed_config import nvme_paths
 from elastictrain.core.data_order import derive_seed, micro_batch_positions, sample_at
 from elastictrain.core.schedule import step_learning_rate
 from elastictrain.storage import as_path
-from elastictrain.worker.attempt import AttemptSpec
-from elastictrain.worker.collective_sockets import CollectiveSockets
-from elastictrain.worker.dist import (
-    abort_collectives,
-    destroy_process_group,
-    release_engine,
-    remove_shm_buffers,
-    reset_zero_counters,
-    zero_stage,
-)
-from elastictrain.worker.faults import FaultHooks
-from elastictrain.worker.gloo_gather import agreed_piece_bytes, piece_bytes, use_gather_in_pieces
-from elastictrain.worker.host_memory import (
+from elastictrain.compat.deepspeed.imports import import_deepspeed, remember_cpu_info
+from elastictrain.compat.deepspeed.ops import load_op, prefer_environment_tools
+from elastictrain.compat.deepspeed.process_state import reset_zero_counters
+from elastictrain.compat.registry import check_all
+from elastictrain.compat.torch_dist.collective_sockets import CollectiveSockets
+from elastictrain.compat.torch_dist.gloo_gather import agreed_piece_bytes, piece_bytes, use_gather_in_pieces
+from elastictrain.host_memory import (
     memory_peaks,
     peak_resident_bytes,
     release_freed_memory,
     running_allocator,
     snapshot_budget_bytes,
 )
+from elastictrain.worker.attempt import AttemptSpec
+from elastictrain.worker.dist import (
+    abort_collectives,
+    destroy_process_group,
+    release_engine,
+    remove_shm_buffers,
+    zero_stage,
+)
+from elastictrain.worker.faults import FaultHooks
 from elastictrain.worker.memory import WorkerMemory
-from elastictrain.worker.ops import import_deepspeed, load_op, prefer_environment_tools, remember_cpu_info
 from elastictrain.worker.ray_calls import actor_identity
 from elastictrain.worker.snapshot_peer import SnapshotPeer
 
@@ -51,8 +53,11 @@ _COLLECTIVE_MODULES = (
     "torch/distributed/",
     "deepspeed/comm/",
     "deepspeed/runtime/zero/partitioned_param_coordinator",
-    "elastictrain/worker/gloo_gather",
+    "elastictrain/compat/torch_dist/gloo_gather",
 )
+
+# The packages whose patches a worker decides before its first attempt (MLflow's is the driver's).
+WORKER_PACKAGES = ("deepspeed", "torch", "transformers", "py-cpuinfo")
 
 
 class StepFailed(RuntimeError):
@@ -117,6 +122,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
 
     def _warm_up(self, config: Any) -> None:
         import_deepspeed()
+        check_all(WORKER_PACKAGES)  # a patch correctness depends on that cannot apply refuses here
         from elastictrain.model.build import preload_engine_code, preload_model_code
 
         if not self.use_gpu:
@@ -170,6 +176,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
         import torch
 
         deepspeed = import_deepspeed()
+        check_all(WORKER_PACKAGES)  # decided once per process: free after the warm-up
 
         timings: dict[str, float] = {}
         t0 = time.perf_counter()

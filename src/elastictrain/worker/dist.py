@@ -1,5 +1,6 @@
 """The process group of an attempt inside the actor: how it is left, and the process-wide state
-(ZeRO-3's counters, DeepSpeed's shared-memory buffers) that must not leak from one attempt to the next.
+(DeepSpeed's engines and groups, its shared-memory buffers) that must not leak from one attempt to the
+next. What this changes inside DeepSpeed and torch.distributed lives in compat/.
 """
 
 from __future__ import annotations
@@ -9,53 +10,20 @@ import glob
 import os
 from typing import Any
 
+from elastictrain.compat.deepspeed.process_state import forget_process_groups, release_engine_references
+from elastictrain.compat.torch_dist.collective_sockets import CollectiveSockets
+from elastictrain.compat.torch_dist.process_group import abort_process_group
 from elastictrain.worker.attempt import AttemptSpec
-from elastictrain.worker.collective_sockets import CollectiveSockets
-
-
-def reset_zero_counters() -> None:
-    """ZeRO-3 numbers parameters (and counts persisted ones) in process-wide counters; ranks must agree.
-
-    A warm actor has built engines before and a new one has not: without this reset their parameter
-    ids differ and ZeRO-3's cross-rank checks fail ("disagreement on list contents").
-    """
-    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
-    from deepspeed.runtime.zero.partition_parameters import Init, InsertPostInitMethodToModuleSubClasses
-
-    # Module ids come from a mutable default argument, `count=[0]`, shared by every engine built.
-    module_counter = DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__
-    if module_counter and isinstance(module_counter[0], list):
-        module_counter[0][0] = 0
-    Init.param_id = 0
-    Init.num_persisted_parameters = 0
-    Init.num_persisted_elements = 0
-    InsertPostInitMethodToModuleSubClasses.num_module_parameters = 0
-    InsertPostInitMethodToModuleSubClasses.num_module_elements = 0
 
 
 def release_engine(engine: Any) -> None:
-    """Let a dropped engine be freed, not kept by DeepSpeed beside the next one.
-
-    ZeRO-3 keeps each model it wraps in two process-wide places that nothing empties: the stack of
-    modules in forward (`parameter_offload.FWD_MODULE_STACK`, the top module is pushed once and never
-    popped) and an unbounded `lru_cache` on a coordinator method, keyed by (coordinator, module). So
-    every engine a warm actor built stayed alive through its hooks: a 125M rank held 1.8 GiB more
-    per attempt, and at 1B a survivor rebuilding its engine beside a replacement ran the node out of
-    memory. No forward runs while an attempt is left, so both are emptied; `destroy()` is DeepSpeed's
-    own release (optimizer hooks, buffers).
-    """
-    from deepspeed.runtime.zero import parameter_offload
-    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Ppc
-
+    """Let a dropped engine be freed, not kept by DeepSpeed beside the next one: `destroy()` is DeepSpeed's
+    own release (optimizer hooks, buffers); ZeRO-3's process-wide references to it are emptied by
+    `compat.deepspeed.process_state.release_engine_references`."""
     if engine is not None and hasattr(engine, "destroy"):
         with contextlib.suppress(Exception):  # leaving an attempt must not fail on a half-built engine
             engine.destroy()
-    parameter_offload.FWD_MODULE_STACK.clear()
-    method = getattr(Ppc, "_PartitionedParameterCoordinator__params_to_release", None)
-    # The cache sits under DeepSpeed's NVTX wrapper (a closure) or is the method itself.
-    for cached in [method, *(c.cell_contents for c in getattr(method, "__closure__", None) or ())]:
-        if hasattr(cached, "cache_clear"):
-            cached.cache_clear()
+    release_engine_references()
 
 
 def zero_stage(spec: AttemptSpec) -> int:
@@ -66,15 +34,15 @@ def abort_collectives(use_gpu: bool, sockets: CollectiveSockets) -> int:
     """Release every collective this rank takes part in, and the peers waiting on it in one.
 
     NCCL's communicators are aborted (a kernel waiting on a dead peer never returns otherwise); gloo's
-    connections are half-closed (worker/collective_sockets.py), so that a collective blocked on this
-    rank raises on every peer, and this rank's own raises once they do the same. Returns the number
-    of connections closed.
+    connections are half-closed (compat/torch_dist/collective_sockets.py), so that a collective
+    blocked on this rank raises on every peer, and this rank's own raises once they do the same.
+    Returns the number of connections closed.
     """
     import torch.distributed as dist
 
     if use_gpu and dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):  # best effort; destroy still runs
-            dist.distributed_c10d._abort_process_group()  # type: ignore[attr-defined]
+            abort_process_group()
         return 0
     return sockets.half_close()
 
@@ -91,14 +59,7 @@ def destroy_process_group(use_gpu: bool, sockets: CollectiveSockets) -> None:
         except Exception:  # noqa: BLE001 - a broken group may refuse a clean destroy
             if dist.is_initialized():
                 dist.destroy_process_group()
-    try:
-        import deepspeed.comm.comm as ds_comm_state
-        from deepspeed.utils import groups
-
-        ds_comm_state.cdb = None
-        groups._release_process_group_references(group=None)
-    except ImportError:
-        pass
+    forget_process_groups()  # the next attempt's engine must not find a group of this world
 
 
 def remove_shm_buffers(master_addr: str, master_port: int) -> None:

@@ -1,7 +1,8 @@
 """Build DeepSpeed's JIT-compiled ops once, into a cache of this environment's own.
 
-A first NVMe-offload run otherwise spends minutes compiling inside the first training step; doing it
-at install time keeps that cost out of runs, tests and benchmarks. The cache lies under
+Not a patch (DeepSpeed's public op builders): kept beside the patches as the way elastictrain installs
+DeepSpeed. A first NVMe-offload run otherwise spends minutes compiling inside the first training step;
+doing it at install time keeps that cost out of runs, tests and benchmarks. The cache lies under
 ~/.cache/torch_extensions/elastictrain-<key> (one per DeepSpeed install) unless TORCH_EXTENSIONS_DIR
 says where.
 """
@@ -14,7 +15,8 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+
+from elastictrain.compat.deepspeed.imports import import_deepspeed, remember_cpu_info
 
 OPS = ("CPUAdamBuilder", "AsyncIOBuilder", "ShareMemCommBuilder")
 
@@ -49,98 +51,6 @@ def own_extensions_dir() -> Path:
     key = hashlib.sha256(where.encode()).hexdigest()[:12]
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
     return Path.home() / ".cache" / "torch_extensions" / f"elastictrain-{python}-{key}"
-
-
-def remember_cpu_info() -> None:
-    """Make py-cpuinfo's `get_cpu_info` ask once per machine: at the first call, then from a file.
-
-    Each call starts a Python subprocess that probes the CPU: 1.1 s here. DeepSpeed calls it whenever it
-    loads a CPU op (twice, for its compiler flags) and whenever it creates its CPU Adam: a CPU-offload
-    engine build spent 3.4 s of 4.3 in it at 30M, an NVMe one 5.7 s of 6.8, on every restart's
-    critical path, and every worker's warm-up 2.3 s. The answer is kept for the process, and in a file
-    named after the CPU's own description (`cpu_fingerprint`), so another CPU never reads it. Each
-    caller gets its own copy.
-    """
-    import functools
-
-    import cpuinfo
-
-    if getattr(cpuinfo.get_cpu_info, "remembered", False):
-        return
-    probe = cpuinfo.get_cpu_info
-    asked_once = functools.cache(lambda: cpu_info_from_file(probe, Path.home() / ".cache" / "elastictrain"))
-
-    def get_cpu_info() -> dict[str, Any]:
-        return dict(asked_once())
-
-    get_cpu_info.remembered = True  # type: ignore[attr-defined]
-    cpuinfo.get_cpu_info = get_cpu_info
-
-
-def cpu_fingerprint() -> str | None:
-    """A digest of what /proc/cpuinfo says about the CPU's kind and features (not its clock or load)."""
-    import platform
-
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    kinds = (
-        "vendor_id",
-        "cpu family",
-        "model",
-        "model name",
-        "flags",
-        "Features",
-        "CPU implementer",
-        "CPU part",
-    )
-    lines = sorted({line.strip() for line in text.splitlines() if line.split(":")[0].strip() in kinds})
-    return hashlib.sha256("\n".join([platform.machine(), *lines]).encode()).hexdigest()[:16]
-
-
-def cpu_info_from_file(probe: Any, folder: Path) -> dict[str, Any]:
-    """`probe()`'s answer as saved in `folder` for this CPU, probed and saved there when missing."""
-    import json
-
-    key = cpu_fingerprint()
-    path = folder / f"cpuinfo-{key}.json" if key else None
-    if path is not None:
-        try:
-            return dict(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            pass  # not saved yet (or unreadable): probe
-    info = dict(probe())
-    if path is not None:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            partial = path.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(json.dumps(info))
-            partial.replace(path)  # whole or absent, for workers starting together
-        except (OSError, TypeError, ValueError):
-            pass  # unsaved: the next process probes again
-    return info
-
-
-def import_deepspeed() -> Any:
-    """`deepspeed`, imported without the `mlflow` import its autotuner makes at import time.
-
-    DeepSpeed's autotuner (never used by elastictrain; the driver does all MLflow logging) imports MLflow
-    when it can, which pulls in pandas, FastAPI and more: 1.5 s of the 4.2 s a worker spent importing
-    DeepSpeed and transformers on a 2-core machine, paid by every new worker, so by every cold start
-    and every replacement. `mlflow` is importable again as soon as DeepSpeed is in.
-    """
-    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
-        import deepspeed
-
-        return deepspeed
-    sys.modules["mlflow"] = None  # type: ignore[assignment]  # makes `import mlflow` raise ImportError
-    try:
-        import deepspeed
-    finally:
-        if "mlflow" in sys.modules and sys.modules["mlflow"] is None:
-            del sys.modules["mlflow"]
-    return deepspeed
 
 
 def load_op(name: str) -> None:

@@ -39,15 +39,61 @@ from typing import Any
 
 import torch
 
-from elastictrain.checkpoint.zero_swap import adam_state_in_swap_buffers
+from elastictrain.compat.deepspeed.swap_buffers import SWAP_BUFFERS, adam_state_in_swap_buffers
+from elastictrain.compat.registry import active, first_problem, has_parameters, patch, shape_mismatch
+
+FP32_SHARED, GRADS_SHARED, ADAM_AT_BUILD = (
+    "fp32_partitions_shared",
+    "offloaded_gradients_shared",
+    "swapped_adam_state_at_build",
+)
+_STAGE3_FIELDS = ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat", "fp16_groups", "optimizer")
 
 
+def _nothing(*args: Any, **kwargs: Any) -> int:
+    return 0
+
+
+def _stage3_optimizer(engine: Any, patch_name: str) -> Any:
+    """The engine's ZeRO-3 optimizer, or None (said once, by `shape_mismatch`, where a ZeRO-3 optimizer
+    lacks the fields these patches read)."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    opt = engine.optimizer
+    if not isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
+        return None  # not ZeRO-3 (a stage the caller did not ask about): nothing to share
+    missing = [f for f in _STAGE3_FIELDS if not hasattr(opt, f)]
+    if missing:
+        shape_mismatch(patch_name, f"DeepSpeedZeroOptimizer_Stage3 has no {', '.join(missing)}")
+        return None
+    return opt
+
+
+def _check_fp32() -> str | None:
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    return has_parameters(
+        DeepSpeedZeroOptimizer_Stage3._prepare_fp32_grad_for_sub_group, "self", "sub_group_id"
+    )
+
+
+@patch(FP32_SHARED, package="deepspeed", kind="memory", check=_check_fp32, otherwise=_nothing)
 def share_fp32_partitions(engine: Any) -> int:
     """Alias ZeRO-3's fp32 master to the fp32 training partition and hand out gradient views instead of
-    flattened copies; returns the bytes freed per rank (0 where nothing applies)."""
-    opt = engine.optimizer
-    if not hasattr(opt, "fp32_partitioned_groups_flat") or getattr(opt, "offload_optimizer", True):
-        return 0
+    flattened copies; returns the bytes freed per rank (0 where nothing applies).
+
+    What: each sub-group's `fp32_partitioned_groups_flat` tensor takes the data of its
+    `fp16_partitioned_groups_flat` partition (fp32 training, optimizer in memory), and the optimizer's
+    `_prepare_fp32_grad_for_sub_group` is replaced on the instance by `_prepare_grad_view`.
+    Why: `_create_fp32_partitions` means to alias them but compares a `torch.device` with a device name
+    (never equal in torch 2.x): 4 bytes per parameter of a rank's share for the whole run, and 4 more at
+    the step's peak for the flattened gradient copy.
+    Retired by: DeepSpeed comparing devices as `torch.device` in `_create_fp32_partitions` and viewing a
+    contiguous gradient run in `_prepare_fp32_grad_for_sub_group`; no upstream issue found.
+    """
+    opt = _stage3_optimizer(engine, FP32_SHARED)
+    if opt is None or getattr(opt, "offload_optimizer", True):
+        return 0  # offloaded: the master lives on the host apart from the training partition
     freed = 0
     for group, master in enumerate(opt.fp32_partitioned_groups_flat):
         weights = opt.fp16_partitioned_groups_flat[group]
@@ -64,15 +110,35 @@ def share_fp32_partitions(engine: Any) -> int:
 GRAD_PARTITION_VIEWS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
 
+def _check_grads() -> str | None:
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    return has_parameters(DeepSpeedZeroOptimizer_Stage3._swappable_optimizer_subgroup, "self", "sub_group_id")
+
+
+@patch(GRADS_SHARED, package="deepspeed", kind="memory", check=_check_grads, otherwise=_nothing)
 def share_offloaded_gradients(engine: Any, cpu_only: bool) -> int:
     """With the optimizer offloaded on a CPU-only machine, make each in-memory sub-group's fp32 gradient a
     view of ZeRO-3's flat gradient buffer instead of a copy; returns the bytes freed per rank.
 
+    What: each in-memory sub-group's `fp32_partitioned_groups_flat[i].grad` becomes a view of its run of
+    the flat buffer, found through the name-mangled `__param_id_to_grad_partition` dict.
+    Why: DeepSpeed copies the reduced gradients into the optimizer's own buffer at every boundary
+    (`_offload_grad_partition_at_boundary`): on a CPU-only machine the same bytes twice, 4 bytes per
+    parameter of a rank's share for the whole run.
     Only where the gradients are computed in host memory (`cpu_only`): on a GPU the boundary copy reads
-    a device copy of the buffer, a path this does not touch."""
-    opt = engine.optimizer
+    a device copy of the buffer, a path this does not touch.
+    Retired by: DeepSpeed using the flat buffer as the optimizer's gradient when both are on the host;
+    no upstream issue found.
+    """
+    opt = _stage3_optimizer(engine, GRADS_SHARED)
+    if opt is None or not cpu_only or not getattr(opt, "offload_optimizer", False):
+        return 0
     views = getattr(opt, GRAD_PARTITION_VIEWS, None)
-    if not cpu_only or not getattr(opt, "offload_optimizer", False) or not views:
+    if views is None:
+        shape_mismatch(GRADS_SHARED, f"DeepSpeedZeroOptimizer_Stage3 has no {GRAD_PARTITION_VIEWS}")
+        return 0
+    if not views:
         return 0
     freed = 0
     masters = opt.fp32_partitioned_groups_flat
@@ -88,21 +154,40 @@ def share_offloaded_gradients(engine: Any, cpu_only: bool) -> int:
     return freed
 
 
+def _check_adam() -> str | None:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    return first_problem(
+        has_parameters(Stage3._optimizer_states_and_gradient_swap_in, "self", "sub_group_id"),
+        has_parameters(Stage3._optimizer_states_and_gradient_swap_out, "self", "sub_group_id"),
+        has_parameters(DeepSpeedCPUAdam.__init__, "self", "model_params"),
+    )
+
+
+@patch(ADAM_AT_BUILD, package="deepspeed", kind="memory", check=_check_adam, otherwise=_nothing)
 def create_swapped_adam_state(engine: Any) -> int:
     """Create DeepSpeed CPU Adam's state (step 0, zero moments, as its first step would) for every
     sub-group swapped to NVMe that has none yet, in the sub-group's free swap buffers, and swap it out;
     returns the sub-groups given state.
 
+    What: at the build, each swappable sub-group is swapped in (`_optimizer_states_and_gradient_swap_in`),
+    given CPU Adam's state in its free swap buffers (compat/deepspeed/swap_buffers.py) and swapped out.
+    Why: CPU Adam creates its moments at the first step as new tensors beside the swap buffers, 8 bytes
+    per element of a sub-group more at that step's peak (2.88 -> 2.41 GiB per rank at 134M on 2 ranks).
     Only for DeepSpeed's CPU Adam, whose state is known, and its plain (not pipelined) swapper; a
-    restoring build leaves it to the loader, which creates and fills it in the same pass."""
+    restoring build leaves it to the loader, which creates and fills it in the same pass.
+    Retired by: DeepSpeed's CPU Adam creating swapped state in the swap buffers; no upstream issue found.
+    """
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import PartitionedOptimizerSwapper
 
-    opt = engine.optimizer
-    plain = type(getattr(opt, "optimizer_swapper", None)) is PartitionedOptimizerSwapper  # not pipelined
-    adam = getattr(opt, "optimizer", None)
-    if not getattr(opt, "swap_optimizer", False) or not plain or not isinstance(adam, DeepSpeedCPUAdam):
+    opt = _stage3_optimizer(engine, ADAM_AT_BUILD)
+    if opt is None or not getattr(opt, "swap_optimizer", False) or not active(SWAP_BUFFERS):
         return 0
+    plain = type(getattr(opt, "optimizer_swapper", None)) is PartitionedOptimizerSwapper  # not pipelined
+    if not plain or not isinstance(opt.optimizer, DeepSpeedCPUAdam):
+        return 0  # another optimizer or swapper (the user's choice): DeepSpeed creates the state
     created = 0
     for group in range(len(opt.fp16_groups)):
         if not opt._swappable_optimizer_subgroup(group):

@@ -101,7 +101,8 @@ class CollectiveSockets:
         reach (`net.ipv4.tcp_wmem`'s maximum; a fixed size turns that tuning off). Returns the smallest
         send buffer the connections now have, or 0 where they were left to the tuning.
 
-        A send the kernel takes whole cannot be left half-written by a peer's death (worker/gloo_gather.py).
+        A send the kernel takes whole cannot be left half-written by a peer's death
+        (compat/torch_dist/gloo_gather.py).
         """
         wmem_max, tuned = _read_ints("/proc/sys/net/core/wmem_max"), _read_ints("/proc/sys/net/ipv4/tcp_wmem")
         if not wmem_max or len(tuned) != 3 or 2 * wmem_max[0] < tuned[2]:

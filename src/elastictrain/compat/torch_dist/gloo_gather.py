@@ -16,7 +16,7 @@ So with three or more ranks on gloo, a gather of more than a piece a rank runs a
 each in two halves), started at once, copied into place on `wait()`. The values are the same bit for
 bit; the cost is one copy of the gathered bytes and a collective per piece, which is why a piece is as
 large as is safe: 1 MiB pieces made 3-rank 30M steps on 2 cores 25% slower. Where each connection got
-the kernel's largest send buffer (worker/collective_sockets.py: 8 MiB here) a piece is a quarter of it
+the largest send buffer (compat/torch_dist/collective_sockets.py: 8 MiB here) a piece is a quarter of it
 (2 MiB): the two halves of a piece and of a second one gloo runs beside it fill at most half the buffer.
 With half-buffer pieces (4 MiB) the kill test left none stuck in 45 kills on a quiet machine but one in 8
 inside a full test-suite run. Where TCP tunes the buffers itself, 1 MiB. Every rank must cut a gather
@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+from elastictrain.compat.registry import has_attributes, patch, shape_mismatch
 
 PIECE_BYTES = 1 << 20  # with TCP's own send-buffer tuning
 MAX_PIECE_BYTES = 16 << 20
@@ -105,11 +107,33 @@ def gather_in_pieces(all_gather: AllGather, piece_bytes: int = PIECE_BYTES) -> A
     return gather
 
 
+def _check() -> str | None:
+    import deepspeed.comm.comm as ds_comm
+    from deepspeed.comm.torch import TorchBackend
+
+    return has_attributes(ds_comm, "cdb") or has_attributes(
+        TorchBackend, "all_gather_into_tensor", "get_all_gather_function"
+    )
+
+
+@patch(
+    "gloo_gather_in_pieces",
+    package="deepspeed",
+    kind="performance",
+    check=_check,
+    otherwise=lambda backend, size=PIECE_BYTES: False,
+)
 def use_gather_in_pieces(backend: str, size: int = PIECE_BYTES) -> bool:
     """Make DeepSpeed's communication backend of this attempt gather in pieces of `size` bytes on gloo
     (again: change the size); whether it does.
 
-    Its `all_gather_into_tensor` (which ZeRO-3's parameter gathers call) runs the function this replaces.
+    What: `deepspeed.comm.comm.cdb.all_gather_function` (the function its `all_gather_into_tensor`, which
+    ZeRO-3's parameter gathers call, runs) is replaced by `gather_in_pieces` around it.
+    Why: with three or more gloo ranks a survivor of a rank killed in the middle of a large gather stayed
+    stuck until the collective timeout (the module's docstring), and was replaced when it could have
+    stayed: recovery time, not values (the gathered bytes are the same).
+    Retired by: gloo failing a queued unbound send when its connection closes (its TCP pair); no
+    upstream issue found.
     """
     if backend != "gloo":
         return False
@@ -118,6 +142,7 @@ def use_gather_in_pieces(backend: str, size: int = PIECE_BYTES) -> bool:
     cdb = ds_comm.cdb
     current = getattr(cdb, "all_gather_function", None)
     if current is None:
+        shape_mismatch("gloo_gather_in_pieces", f"{type(cdb).__name__} has no all_gather_function")
         return False
     if hasattr(current, "piece_bytes"):  # a backend is made per attempt; wrap it once
         current.piece_bytes = size

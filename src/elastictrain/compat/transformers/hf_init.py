@@ -25,6 +25,31 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from elastictrain.compat.registry import first_problem, has_attributes, has_parameters, patch
+
+TRANSFORMERS_TESTED = ">=4.45"  # pyproject's range; the checks below say whether a release fits
+
+
+def _check_initialize_weights() -> str | None:
+    from transformers.modeling_utils import PreTrainedModel
+
+    return has_parameters(PreTrainedModel._initialize_weights, "self", "module", "is_custom_code")
+
+
+def _check_skip() -> str | None:
+    from transformers import initialization
+
+    return first_problem(
+        _check_initialize_weights(),
+        has_attributes(initialization, "TORCH_MODULES_TO_PATCH", "TORCH_INIT_FUNCTIONS"),
+    )
+
+
+def _init_as_usual(*args: Any, **kwargs: Any) -> Any:
+    from contextlib import nullcontext
+
+    return nullcontext()
+
 
 def _params_init_may_touch(module: Any, pretrained_model_class: type) -> list[Any]:
     """The parameters `_init_weights(module)` may write: the module's and its children's.
@@ -54,9 +79,26 @@ def _initialize_weights_replaced(replacement: Callable[[Any], Any]) -> Iterator[
         PreTrainedModel._initialize_weights = original  # type: ignore[method-assign]
 
 
+@patch(
+    "hf_init_exact_under_zero3",
+    package="transformers",
+    tested=TRANSFORMERS_TESTED,
+    kind="correctness",
+    check=_check_initialize_weights,
+)
 @contextmanager
 def exact_hf_init_under_zero3() -> Iterator[None]:
-    """Make transformers models built inside this block initialise as they would outside DeepSpeed."""
+    """Make transformers models built inside this block initialise as they would outside DeepSpeed.
+
+    What: `PreTrainedModel._initialize_weights` (transformers' per-module init step) runs with the
+    module's partitioned parameters, and its direct children's, gathered (rank 0's values kept).
+    Why: without it a model built inside our zero.Init keeps torch's default init, not transformers'
+    (the module's docstring): the weights, and so the losses, differ from the same model outside
+    DeepSpeed.
+    Retired by: transformers running its weight init gathered whenever the model is built under a
+    zero.Init it did not create (it does so only for one made through `HfDeepSpeedConfig`); no upstream
+    issue found.
+    """
     import deepspeed
     from transformers.modeling_utils import PreTrainedModel
 
@@ -80,11 +122,25 @@ def exact_hf_init_under_zero3() -> Iterator[None]:
         yield
 
 
+@patch(
+    "hf_init_skipped_for_restore",
+    package="transformers",
+    tested=TRANSFORMERS_TESTED,
+    kind="performance",
+    check=_check_skip,
+    otherwise=_init_as_usual,
+)
 @contextmanager
 def skip_parameter_init() -> Iterator[None]:
     """Build a transformers model without computing the parameter values a checkpoint will overwrite.
 
-    For an attempt that loads its state (a restart, a resize, a resume): the random init is work
+    What: the torch init functions transformers lists (`initialization.TORCH_INIT_FUNCTIONS` in
+    `TORCH_MODULES_TO_PATCH`) become no-ops, and `_initialize_weights` marks each parameter
+    `_is_hf_initialized` first, so only buffers are computed.
+    Retired by: a transformers switch to build a model for loading (its `from_pretrained` does this
+    internally, not for a model built from a config); no upstream issue found.
+
+    Why: for an attempt that loads its state (a restart, a resize, a resume), the random init is work
     thrown away, and under ZeRO-3 it is the costly kind (each module gathered, initialised on every
     rank, rank 0's values broadcast; at 1B that is 4 GB gathered and broadcast). Torch's own
     constructor-time init (`reset_parameters`) is skipped, and each parameter is marked as

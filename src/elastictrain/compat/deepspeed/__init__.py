@@ -1,0 +1,1 @@
+"""Patches of DeepSpeed's internals (see elastictrain/compat/__init__.py)."""

@@ -1,0 +1,1 @@
+"""Patches of MLflow's internals (see elastictrain/compat/__init__.py)."""

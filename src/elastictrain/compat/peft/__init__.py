@@ -1,0 +1,1 @@
+"""Patches of peft's internals (see elastictrain/compat/__init__.py)."""

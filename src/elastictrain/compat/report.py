@@ -1,0 +1,41 @@
+"""Which DeepSpeed this process imports and which of elastictrain's patches apply to it:
+`python -m elastictrain.compat.report` (the first thing `make test-compat` prints)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import warnings
+
+
+def main() -> int:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from elastictrain.compat.deepspeed.imports import import_deepspeed
+    from elastictrain.compat.registry import CompatError, all_patches, check_all, installed_version
+
+    spec = importlib.util.find_spec("deepspeed")
+    where = spec.origin if spec else "nowhere"
+    import_deepspeed()
+    version = installed_version("deepspeed")
+    print(f"deepspeed {version} from {where}")
+    expected = os.environ.get("ELASTICTRAIN_EXPECT_DEEPSPEED")
+    if expected and version != expected:
+        print(f"expected deepspeed {expected}: PYTHONPATH does not put it first")
+        return 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            applies = check_all()
+        except CompatError as e:
+            print(f"refused: {e}")
+            return 1
+    for name, patch in sorted(all_patches().items()):
+        print(f"  {'applies' if applies[name] else 'SKIPPED'}  {name} ({patch.kind}, {patch.package})")
+    for warning in caught:
+        print(f"  warning: {warning.message}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Patches of transformers' internals (see elastictrain/compat/__init__.py)."""
