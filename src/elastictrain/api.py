@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 from elastictrain.config import Config, load_config, validate
 
 if TYPE_CHECKING:
-    from elastictrain.control.local import LocalSummary
     from elastictrain.control.loop import RunSummary
     from elastictrain.progress import Reporter
 
@@ -47,7 +46,7 @@ def fit(
     fresh: bool = False,
     reporter: Reporter | None = None,
     controller_hook: Callable[[Any], None] | None = None,
-) -> RunSummary | LocalSummary:
+) -> RunSummary:
     """Train `config` (a Config, or a YAML path plus dotlist overrides) with your own pieces.
 
     - model: a callable returning a torch.nn.Module, called with the run's Config when it takes a

@@ -1,14 +1,16 @@
 """Wires one run together on the driver: Ray connection, run folder, MLflow, worker group, controller.
 
-With `local=True` the run has one worker in this process instead (control/local.py), and nothing here
-imports Ray.
+With `local=True` the run has one worker in this process instead (cluster/local_group.py), driven by
+the same control loop, and nothing here imports Ray.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +23,6 @@ from elastictrain.tracking.run_tracker import run_tracker, tracking_uri_of
 from elastictrain.tracking.tracker import NullTracker, Tracker, stored_tracking_uri
 
 if TYPE_CHECKING:
-    from elastictrain.control.local import LocalSummary
     from elastictrain.control.loop import RunSummary
 
 log = logging.getLogger("elastictrain.launch")
@@ -122,24 +123,20 @@ def run_training(
     reporter: Reporter | None = None,
     controller_hook: Any = None,
     local: bool = False,
-) -> RunSummary | LocalSummary:
-    """Run (or continue) a run. Check its user code first: `check_before_start`."""
-    reporter = reporter or Reporter(config.training.max_steps)
-    if local:
-        return _run_local(config, run_dir, tracking=tracking, reporter=reporter, hook=controller_hook)
-    from elastictrain.cluster.connect import connect_ray
-    from elastictrain.cluster.worker_group import WorkerGroup, WorkerResources
+) -> RunSummary:
+    """Run (or continue) a run. Check its user code first: `check_before_start`.
+
+    `local`: one worker in this process (cluster/local_group.py) instead of Ray actors, under the same
+    control loop; nothing on that path imports Ray.
+    """
     from elastictrain.control.loop import Controller
 
-    reporter.event(connect_ray(config, address))
-    from elastictrain.preflight import check_memory_on_nodes, check_nvme_on_nodes
-
-    # Both raise PreflightError before any worker or tracker exists.
-    if check_nvme_on_nodes(config):
-        reporter.event(f"deepspeed.nvme_path {config.deepspeed.nvme_path} is writable on every worker node")
-    estimate = check_memory_on_nodes(config)
-    if estimate is not None:
-        reporter.event(estimate.describe())
+    reporter = reporter or Reporter(config.training.max_steps)
+    if local:
+        group: Any = _local_group(config)
+        config = local_config(config)
+    else:
+        group = _ray_group(config, run_dir, address, reporter)
     tracker = make_tracker(config, run_dir, tracking)
     take_over(run_dir, reporter)
     system = SystemMetrics(config, run_dir) if tracking else None
@@ -148,12 +145,8 @@ def run_training(
         mlflow_run = "none (--no-tracking)"
     elif not mlflow_run:
         mlflow_run = "created when the tracker connects"
-    reporter.event(f"run folder {run_dir.path}; MLflow run: {mlflow_run}")
-    s = config.scaling
-    group = WorkerGroup(
-        WorkerResources(s.use_gpu, s.cpus_per_worker, s.gpus_per_worker, s.worker_allocator),
-        name_prefix=run_dir.read_info().run_id[:6],
-    )
+    where = "; one local worker in this process (no Ray)" if local else ""
+    reporter.event(f"run folder {run_dir.path}; MLflow run: {mlflow_run}{where}")
     controller = Controller(config, run_dir, tracker, reporter, group)
     if controller_hook is not None:
         controller_hook(controller)
@@ -168,6 +161,46 @@ def run_training(
             "KILLED" if summary is None else ("FINISHED" if summary.status.value == "FINISHED" else "FAILED")
         )
         _end_tracking(config, run_dir, tracker, system, status, reporter if summary is not None else None)
+
+
+def _ray_group(config: Config, run_dir: RunDir, address: str | None, reporter: Reporter) -> Any:
+    """Connect to Ray, check every node can run the config (PreflightError if not), the worker group."""
+    from elastictrain.cluster.connect import connect_ray
+    from elastictrain.cluster.worker_group import WorkerGroup, WorkerResources
+    from elastictrain.preflight import check_memory_on_nodes, check_nvme_on_nodes
+
+    reporter.event(connect_ray(config, address))
+    # Both raise PreflightError before any worker or tracker exists.
+    if check_nvme_on_nodes(config):
+        reporter.event(f"deepspeed.nvme_path {config.deepspeed.nvme_path} is writable on every worker node")
+    estimate = check_memory_on_nodes(config)
+    if estimate is not None:
+        reporter.event(estimate.describe())
+    s = config.scaling
+    return WorkerGroup(
+        WorkerResources(s.use_gpu, s.cpus_per_worker, s.gpus_per_worker, s.worker_allocator),
+        name_prefix=run_dir.read_info().run_id[:6],
+    )
+
+
+def _local_group(config: Config) -> Any:
+    from elastictrain.cluster.local_group import LocalGroup
+
+    # Ray workers' output is not shown; here, DeepSpeed's per-micro-step deprecation notice would be.
+    warnings.filterwarnings(
+        "ignore", message=r".*reduce_scatter_tensor.* is deprecated", category=FutureWarning
+    )
+    return LocalGroup(config.scaling.use_gpu)
+
+
+def local_config(config: Config) -> Config:
+    """The run's config as `--local` runs it: one worker, no spares, and no in-memory snapshots (they
+    are for surviving ranks; one process has none). config.yaml keeps what was given."""
+    local = copy.deepcopy(config)
+    local.scaling.min_workers = local.scaling.max_workers = 1
+    local.scaling.spare_workers = 0
+    local.checkpoint.memory_every_steps = 0
+    return local
 
 
 def take_over(run_dir: RunDir, reporter: Reporter) -> None:
@@ -186,10 +219,10 @@ def check_before_start(config: Config) -> None:
 
     Also puts the folders of user modules on PYTHONPATH, so workers started from here import them.
     """
-    from elastictrain.preflight import check_user_code
-    from elastictrain.user_code import share_module_roots
     from elastictrain.compat import refuse_unsupported_versions
     from elastictrain.compat.deepspeed.ops import prefer_environment_tools
+    from elastictrain.preflight import check_user_code
+    from elastictrain.user_code import share_module_roots
 
     refuse_unsupported_versions()  # a patch correctness depends on, on an untested release: not started
     prefer_environment_tools()  # a --local run loads DeepSpeed's ops in this process
@@ -221,31 +254,6 @@ def export_at_finish(config: Config, run_dir: RunDir, reporter: Reporter) -> Non
     export_adapter(config, last.path, out)
     run_dir.append_event("adapter_exported", step=last.manifest["step"], path=str(out), checkpoint=last.tag)
     reporter.event(f"LoRA adapter of {last.tag} exported to {out} (load with peft.PeftModel.from_pretrained)")
-
-
-def _run_local(
-    config: Config, run_dir: RunDir, *, tracking: bool, reporter: Reporter, hook: Any = None
-) -> LocalSummary:
-    from elastictrain.control.local import LocalRun
-
-    tracker = make_tracker(config, run_dir, tracking)
-    take_over(run_dir, reporter)
-    system = SystemMetrics(config, run_dir) if tracking else None
-    reporter.event(f"run folder {run_dir.path}; one local worker in this process (no Ray)")
-    status = "KILLED"
-    try:
-        run = LocalRun(config, run_dir, tracker, reporter)
-        if hook is not None:
-            hook(run)
-        summary = run.run()
-        export_at_finish(config, run_dir, reporter)
-        status = "FINISHED"
-        return summary
-    except Exception:
-        status = "FAILED"
-        raise
-    finally:
-        _end_tracking(config, run_dir, tracker, system, status, reporter if status != "KILLED" else None)
 
 
 def _end_tracking(

@@ -18,16 +18,15 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
-from elastictrain.config.deepspeed_config import nvme_paths
-from elastictrain.core.data_order import derive_seed, micro_batch_positions, sample_at
-from elastictrain.core.schedule import step_learning_rate
-from elastictrain.storage import as_path
 from elastictrain.compat.deepspeed.imports import import_deepspeed, remember_cpu_info
 from elastictrain.compat.deepspeed.ops import load_op, prefer_environment_tools
 from elastictrain.compat.deepspeed.process_state import reset_zero_counters
 from elastictrain.compat.registry import check_all
 from elastictrain.compat.torch_dist.collective_sockets import CollectiveSockets
 from elastictrain.compat.torch_dist.gloo_gather import agreed_piece_bytes, piece_bytes, use_gather_in_pieces
+from elastictrain.config.deepspeed_config import nvme_paths
+from elastictrain.core.data_order import derive_seed, micro_batch_positions, sample_at
+from elastictrain.core.schedule import step_learning_rate
 from elastictrain.host_memory import (
     memory_peaks,
     peak_resident_bytes,
@@ -35,6 +34,7 @@ from elastictrain.host_memory import (
     running_allocator,
     snapshot_budget_bytes,
 )
+from elastictrain.storage import as_path
 from elastictrain.worker.attempt import AttemptSpec
 from elastictrain.worker.dist import (
     abort_collectives,
@@ -45,7 +45,7 @@ from elastictrain.worker.dist import (
 )
 from elastictrain.worker.faults import FaultHooks
 from elastictrain.worker.memory import WorkerMemory
-from elastictrain.worker.ray_calls import actor_identity
+from elastictrain.worker.ray_calls import actor_identity, local_identity
 from elastictrain.worker.snapshot_peer import SnapshotPeer
 
 # Frames from these files mean "waiting for the other ranks".
@@ -65,7 +65,7 @@ class StepFailed(RuntimeError):
 
 
 class TrainWorker(SnapshotPeer, FaultHooks):
-    def __init__(self, worker_id: str, use_gpu: bool) -> None:
+    def __init__(self, worker_id: str, use_gpu: bool, *, in_ray: bool = True) -> None:
         prefer_environment_tools()  # the ninja that built DeepSpeed's ops, before any op loads
         remember_cpu_info()  # each op load and CPU Adam would probe the CPU again (1.1 s each)
         if not use_gpu:
@@ -73,6 +73,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         self.worker_id = worker_id
         self.use_gpu = use_gpu
+        self.in_ray = in_ray  # False: hosted by the driver's process (`--local`, cluster/local_group.py)
         self.sockets = CollectiveSockets()  # the attempt's gloo connections, half-closed on leaving
         self.spec: AttemptSpec | None = None
         self.engine: Any = None
@@ -98,7 +99,7 @@ class TrainWorker(SnapshotPeer, FaultHooks):
     def info(self) -> dict[str, Any]:
         return {
             "worker_id": self.worker_id,
-            **actor_identity(self.use_gpu),
+            **(actor_identity(self.use_gpu) if self.in_ray else local_identity(self.use_gpu)),
             "allocator": running_allocator(),
         }
 

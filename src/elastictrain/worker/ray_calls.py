@@ -28,6 +28,21 @@ def actor_identity(use_gpu: bool) -> dict[str, Any]:
     }
 
 
+def local_identity(use_gpu: bool) -> dict[str, Any]:
+    """The same fields for a worker hosted by the driver's own process (`--local`): no Ray, one node."""
+    gpu_ids: list[str] = []
+    if use_gpu:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0")
+        gpu_ids = [g for g in visible.split(",") if g][:1]
+    return {
+        "actor_id": "local",
+        "node_id": "local",
+        "node_ip": "127.0.0.1",
+        "pid": os.getpid(),
+        "gpu_ids": gpu_ids,
+    }
+
+
 def call_peer(handle: Any, method: str, *args: Any) -> Any:
     """`handle.method(*args)` on a peer actor, in its replica group; its result, or the error it raised."""
     import ray
