@@ -88,11 +88,11 @@ bench: $(BIN)/elastictrain
 # The manual (docs/, mkdocs.yml) as a site in site/; --strict: a broken link or a page missing from the
 # nav fails. docs-reference regenerates the pages made from the config schema and the CLI.
 docs: $(BIN)/elastictrain
-	$(BIN)/python -m elastictrain.tools.reference_docs --check
+	$(BIN)/python -m elastictrain.cli.reference_docs --check
 	$(BIN)/mkdocs build --strict --site-dir site
 
 docs-reference: $(BIN)/elastictrain
-	$(BIN)/python -m elastictrain.tools.reference_docs
+	$(BIN)/python -m elastictrain.cli.reference_docs
 
 # The container image, built where no registry is reachable (a debootstrap base; see docker/build-image.sh),
 # and run as users will: a Ray head and 2 workers in containers, elastic under docker kill / docker run.

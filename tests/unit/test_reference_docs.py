@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from readme_blocks import REPO
 
-from elastictrain.tools import cli_reference, config_reference, reference_docs
+from elastictrain.cli import reference as cli_reference
+from elastictrain.cli import reference_docs
+from elastictrain.config import reference as config_reference
 
 
 def test_every_config_key_and_section_has_a_description_in_the_schema():

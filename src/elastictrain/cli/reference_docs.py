@@ -1,7 +1,7 @@
 """The generated pages of the manual: docs/reference/config.md (from the schema) and cli.md (from the CLI).
 
-python -m elastictrain.tools.reference_docs           # write them (make docs-reference)
-python -m elastictrain.tools.reference_docs --check   # exit 1, naming them, if they are stale
+python -m elastictrain.cli.reference_docs           # write them (make docs-reference)
+python -m elastictrain.cli.reference_docs --check   # exit 1, naming them, if they are stale
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from elastictrain.tools import cli_reference, config_reference
+from elastictrain.cli import reference as cli_reference
+from elastictrain.config import reference as config_reference
 
-REGENERATE = "make docs-reference (python -m elastictrain.tools.reference_docs)"
+REGENERATE = "make docs-reference (python -m elastictrain.cli.reference_docs)"
 PAGES: dict[str, Callable[[], str]] = {
     "reference/config.md": config_reference.render,
     "reference/cli.md": cli_reference.render,
