@@ -60,11 +60,27 @@ CORE_ONLY = {
 }
 
 
+# Brought at the exact release constraints.txt names (what the suite ran with), inside pyproject's range.
+PINNED = {"deepspeed"}
+
+
+def constraints() -> dict[str, str]:
+    """constraints.txt's exact versions, by canonical name."""
+    out = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "==" in line:
+            name, version = line.split("==", 1)
+            out[canonicalize_name(name)] = version.strip()
+    return out
+
+
 def pyproject_roots() -> tuple[list[tuple[Requirement, str]], list[dict[str, str]]]:
     """pyproject.toml's dependencies to bring (extras dropped where CORE_ONLY says), and those not brought."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     who = f"elastictrain {project['version']}"
     roots, left = [], []
+    exact = constraints()
     for line in project["dependencies"]:
         req = Requirement(line)
         name = canonicalize_name(req.name)
@@ -75,6 +91,8 @@ def pyproject_roots() -> tuple[list[tuple[Requirement, str]], list[dict[str, str
             continue
         if name in CORE_ONLY:
             req = Requirement(f"{req.name}{req.specifier}")
+        if name in PINNED:
+            req = Requirement(f"{req.name}{req.specifier},=={exact[name]}")
         roots.append((req, who))
     return roots, left
 

@@ -16,7 +16,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `benchmarks` is run from the repo root
-from benchmarks.gpu_check.kit import GPU_LIST, pyproject_roots  # noqa: E402
+from benchmarks.gpu_check.kit import GPU_LIST, constraints, pyproject_roots  # noqa: E402
 from benchmarks.gpu_check.wheels import (  # noqa: E402
     TARGET_ENV,
     Fetched,
@@ -121,7 +121,10 @@ def test_pyproject_dependencies_are_brought_core_only_or_named_as_left_out():
     brought, left = pyproject_roots()
     by_name = {str(req.name): req for req, _ in brought}
     assert by_name["ray"].extras == set()
-    assert str(by_name["deepspeed"].specifier) == "==0.19.8"
+    # pyproject's range, narrowed to the release constraints.txt says the suite ran with
+    tested = constraints()["deepspeed"]
+    assert f"=={tested}" in str(by_name["deepspeed"].specifier)
+    assert list(by_name["deepspeed"].specifier.filter(["0.19.7", "0.19.8", "0.19.9", tested])) == [tested]
     assert {entry["name"] for entry in left} == {"mlflow", "datasets", "s3fs"}
     assert "mlflow" not in by_name
 
