@@ -72,6 +72,8 @@ test-compat: $(BIN)/elastictrain
 	  $(IN_VENV) $(BIN)/pip install -q --no-deps --no-build-isolation --target $(COMPAT_DIR) "deepspeed==$(DEEPSPEED)"; fi
 	$(IN_VENV) $(if $(DEEPSPEED),PYTHONPATH="$(abspath $(COMPAT_DIR))$${PYTHONPATH:+:$$PYTHONPATH}" \
 	  ELASTICTRAIN_EXPECT_DEEPSPEED=$(DEEPSPEED)) $(BIN)/python -m elastictrain.compat.report
+	$(IN_VENV) $(if $(DEEPSPEED),PYTHONPATH="$(abspath $(COMPAT_DIR))$${PYTHONPATH:+:$$PYTHONPATH}") \
+	  $(BIN)/elastictrain build-ops  # its own ops, compiled before the tests (minutes, once per release)
 	$(IN_VENV) $(if $(DEEPSPEED),PYTHONPATH="$(abspath $(COMPAT_DIR))$${PYTHONPATH:+:$$PYTHONPATH}" \
 	  ELASTICTRAIN_EXPECT_DEEPSPEED=$(DEEPSPEED)) $(BIN)/pytest -q -ra $(COMPAT_TESTS) $(PYTEST_ARGS)
 
