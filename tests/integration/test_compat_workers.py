@@ -10,18 +10,18 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
-def _deepspeed_here() -> tuple[str, str]:
-    import importlib.util
-
-    from elastictrain.compat.registry import installed_version
-
-    spec = importlib.util.find_spec("deepspeed")
-    assert spec is not None and spec.origin
-    return str(installed_version("deepspeed")), spec.origin
-
-
 def test_ray_workers_import_the_drivers_deepspeed(ray_local: None) -> None:
     import ray
+
+    def _deepspeed_here() -> tuple[str, str]:
+        # Defined here, so Ray ships it by value: a worker cannot import this test module.
+        import importlib.util
+
+        from elastictrain.compat.registry import installed_version
+
+        spec = importlib.util.find_spec("deepspeed")
+        assert spec is not None and spec.origin
+        return str(installed_version("deepspeed")), spec.origin
 
     version, origin = _deepspeed_here()
     expected = os.environ.get("ELASTICTRAIN_EXPECT_DEEPSPEED")
