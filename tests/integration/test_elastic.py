@@ -174,26 +174,6 @@ def test_hung_worker_is_detected_within_the_timeout_and_replaced_by_the_warm_spa
     assert second["workers"][1] == spare, out
 
 
-def test_an_exception_in_a_step_restarts_in_place_then_the_budget_runs_out(ray_local, tmp_path):
-    cfg = tiny_config(tmp_path / "run", "failure.max_failures=1")
-    hook = chain(inject("raise", 0, 5), inject("raise", 1, 9, attempt=2))
-    summary, run_dir, out = run(cfg, hook=hook, tracking=False)
-    assert summary.status.value == "FAILED", out
-    failures = [e for e in run_dir.read_events() if e["event"] == "failure"]
-    assert [f["kind"] for f in failures] == ["step_error", "step_error"]
-    assert "injected fault" in failures[0]["message"]
-    info = run_dir.read_info()
-    assert (
-        info.status == "FAILED"
-        and "failure budget spent" in info.message
-        and "2 failures > failure.max_failures=1" in info.message
-    )
-    # The worker that raised is replaced; its peer keeps its actor (it was only waiting for it).
-    first, second = attempts(run_dir)[:2]
-    assert set(first["actors"]) & set(second["actors"]) == {first["actors"][1]}, out
-    assert (run_dir.checkpoints_dir / "latest").read_text().strip() == "step-000008"  # resumable
-
-
 def test_below_the_minimum_the_run_waits_then_fails_clearly_and_stays_resumable(ray_cluster, tmp_path):
     cfg = tiny_config(
         tmp_path / "run", "scaling.min_workers=3", "scaling.max_workers=3", "failure.wait_for_capacity_s=5"

@@ -48,6 +48,8 @@ def substitutions(readme: Path, ray_temp: Path) -> list[Substitution]:
     if name == "docs":
         *ports, dashboard = free_ports(9)
         return [
+            # Before `=20`, which is its prefix.
+            Substitution("training.max_steps=200", "training.max_steps=2", "no steps to add"),
             Substitution("training.max_steps=20", f"training.max_steps=2 {SHORT}", "a shorter first run"),
             Substitution(
                 "training.max_steps=30",
@@ -55,7 +57,6 @@ def substitutions(readme: Path, ray_temp: Path) -> list[Substitution]:
                 "no steps to add, so no second cold start (extending is tested in test_resume.py)",
             ),
             Substitution('"training.max_steps=50"', '"training.max_steps=4"', "a shorter run"),
-            Substitution("training.max_steps=200", "training.max_steps=2", "no steps to add, as above"),
             Substitution("training.max_steps=40", f"training.max_steps=2 {SHORT}", "a shorter run"),
             Substitution(
                 "--num-cpus=2",

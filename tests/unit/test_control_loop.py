@@ -231,7 +231,21 @@ def test_the_failure_budget_spent_ends_the_run_failed_and_recorded(tmp_path: Pat
     r.group.die_at_step(rank=0, step=6)
     summary = r.run()
     assert summary.status.value == "FAILED" and "failure budget spent" in summary.message
+    assert "2 failures > failure.max_failures=1" in summary.message
     assert r.status == "FAILED" and r.events("fail")
+    assert r.committed_step() == 4  # resumable from the last commit before the second failure
+
+
+def test_a_step_error_counts_against_the_failure_budget_like_a_lost_worker(tmp_path: Path):
+    # What tests/integration/test_elastic.py shows with a real worker raising: the same classification
+    # (step_error), each error one failure, the run failed once the budget is spent and still resumable.
+    r = make_run(tmp_path, "scaling.min_workers=1", "failure.max_failures=1", capacity=4)
+    r.group.raise_at_step(rank=0, step=2, error="RuntimeError: injected fault at step 2")
+    r.group.raise_at_step(rank=1, step=6, error="RuntimeError: injected fault at step 6")
+    summary = r.run()
+    assert [e["kind"] for e in r.events("failure")] == ["step_error", "step_error"]
+    assert summary.status.value == "FAILED" and "2 failures > failure.max_failures=1" in summary.message
+    assert r.committed_step() == 4
 
 
 def test_a_step_that_raises_the_same_error_again_after_a_restart_stops_the_run_at_once(tmp_path: Path):
