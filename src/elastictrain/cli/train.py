@@ -151,7 +151,7 @@ def resume(
     address: Annotated[
         str | None, typer.Option(help="Ray address (default: RAY_ADDRESS, else a local cluster)")
     ] = None,
-    no_tracking: Annotated[bool, typer.Option("--no-tracking")] = False,
+    no_tracking: Annotated[bool, typer.Option("--no-tracking", help="do not log to MLflow")] = False,
     local: Annotated[bool, typer.Option("--local", help="one worker in this process, without Ray")] = False,
 ) -> None:
     """Continue a run from its latest committed checkpoint, into the same MLflow run.
