@@ -61,9 +61,6 @@ test-bench: $(BIN)/elastictrain
 # PYTHONPATH for pytest and the Ray workers it starts; its JIT ops get their own cache (compat/deepspeed/
 # ops.py keys it on the install's folder). Without DEEPSPEED, the same tests against the installed one.
 DEEPSPEED ?=
-# An inherited TORCH_EXTENSIONS_DIR (set by a process that ran elastictrain) would put the other release's
-# ops into this release's cache, and the next run would compile its own again (minutes): each its own.
-COMPAT_ENV := env -u TORCH_EXTENSIONS_DIR
 COMPAT_DIR = .compat/deepspeed-$(DEEPSPEED)
 COMPAT_TESTS := tests/unit/test_compat_registry.py tests/unit/test_compat_private_names.py \
 	tests/unit/test_zero3_memory.py tests/unit/test_gloo_gather.py tests/unit/test_restore_build.py \
@@ -76,11 +73,11 @@ COMPAT_TESTS := tests/unit/test_compat_registry.py tests/unit/test_compat_privat
 test-compat: $(BIN)/elastictrain
 	@if [ -n "$(DEEPSPEED)" ] && [ ! -e $(COMPAT_DIR)/deepspeed/__init__.py ]; then \
 	  $(IN_VENV) $(BIN)/pip install -q --no-deps --no-build-isolation --target $(COMPAT_DIR) "deepspeed==$(DEEPSPEED)"; fi
-	$(IN_VENV) $(COMPAT_ENV) $(if $(DEEPSPEED),PYTHONPATH="$(abspath $(COMPAT_DIR))$${PYTHONPATH:+:$$PYTHONPATH}" \
+	$(IN_VENV) $(if $(DEEPSPEED),PYTHONPATH="$(abspath $(COMPAT_DIR))$${PYTHONPATH:+:$$PYTHONPATH}" \
 	  ELASTICTRAIN_EXPECT_DEEPSPEED=$(DEEPSPEED)) $(BIN)/python -m elastictrain.compat.report
-	$(IN_VENV) $(COMPAT_ENV) $(if $(DEEPSPEED),PYTHONPATH="$(abspath $(COMPAT_DIR))$${PYTHONPATH:+:$$PYTHONPATH}") \
+	$(IN_VENV) $(if $(DEEPSPEED),PYTHONPATH="$(abspath $(COMPAT_DIR))$${PYTHONPATH:+:$$PYTHONPATH}") \
 	  $(BIN)/elastictrain build-ops  # its own ops, compiled before the tests (minutes, once per release)
-	$(IN_VENV) $(COMPAT_ENV) $(if $(DEEPSPEED),PYTHONPATH="$(abspath $(COMPAT_DIR))$${PYTHONPATH:+:$$PYTHONPATH}" \
+	$(IN_VENV) $(if $(DEEPSPEED),PYTHONPATH="$(abspath $(COMPAT_DIR))$${PYTHONPATH:+:$$PYTHONPATH}" \
 	  ELASTICTRAIN_EXPECT_DEEPSPEED=$(DEEPSPEED)) $(BIN)/pytest -q -ra $(COMPAT_TESTS) $(PYTEST_ARGS)
 
 test-unit: $(BIN)/elastictrain

@@ -36,6 +36,17 @@ def test_deepspeed_ops_are_cached_per_environment_unless_the_user_says_where(
     assert os.environ["TORCH_EXTENSIONS_DIR"] == "/somewhere/else"
 
 
+def test_another_installs_cache_inherited_from_its_process_is_not_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A process of another environment set it for its own DeepSpeed: compiling this one's ops there
+    # would make that environment compile its own again.
+    other = own_extensions_dir().parent / "elastictrain-py311-000000000000"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(other))
+    prefer_environment_tools()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(own_extensions_dir())
+
+
 def test_two_deepspeed_installs_do_not_share_an_op_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     # Two checkouts' environments compile the same op from different paths: sharing one cache, each
     # took the other's build for stale and rebuilt every op.

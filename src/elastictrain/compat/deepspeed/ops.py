@@ -25,6 +25,10 @@ def prefer_environment_tools() -> None:
     """Put this interpreter's bin folder first on PATH, and give DeepSpeed's ops this environment's own
     cache (`own_extensions_dir`, unless TORCH_EXTENSIONS_DIR is set), once per process.
 
+    An inherited TORCH_EXTENSIONS_DIR that is another install's own cache (set by a process of another
+    environment, e.g. a test driving `make test-compat`) is replaced, not honoured: this install's ops
+    compiled there would make that install compile its own again (minutes, inside its next run).
+
     DeepSpeed's ops are compiled and checked with the `ninja` found on PATH. The environment's ninja
     (a dependency of DeepSpeed) and a system one differ in version, and each takes the other's build
     log for a stale build: a process started without the environment on PATH rebuilt every op
@@ -34,7 +38,15 @@ def prefer_environment_tools() -> None:
     parts = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p]
     if not parts or parts[0] != bin_dir:
         os.environ["PATH"] = os.pathsep.join([bin_dir, *(p for p in parts if p != bin_dir)])
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(own_extensions_dir()))
+    own = own_extensions_dir()
+    inherited = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if inherited is None or _another_installs_cache(Path(inherited), own):
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(own)
+
+
+def _another_installs_cache(path: Path, own: Path) -> bool:
+    """Whether `path` is an `own_extensions_dir` of another DeepSpeed install (not a user's choice)."""
+    return path != own and path.parent == own.parent and path.name.startswith("elastictrain-")
 
 
 def own_extensions_dir() -> Path:
