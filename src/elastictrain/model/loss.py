@@ -31,7 +31,7 @@ def lm_labels(batch: Any) -> torch.Tensor:
 
 def target_tokens(batch: Any) -> int:
     """Tokens with a loss in a batch: labels shifted by one (the next token), minus ignored ones."""
-    return int((lm_labels(batch)[..., 1:] != IGNORE_INDEX).sum())
+    return int(target_token_count(batch))
 
 
 def target_token_count(batch: Any) -> torch.Tensor:
