@@ -129,14 +129,13 @@ def check_sft_records(config: Any) -> None:
 
 def check_targets(config: Any) -> None:
     """On the driver, before workers start: every LoRA target names modules of the model (built empty)."""
-    from accelerate import init_empty_weights
-
     from elastictrain.model.build import forget_hf_deepspeed_config
+    from elastictrain.model.empty import empty_weights
     from elastictrain.model.lora import _check_targets
     from elastictrain.tools.adapter import base_structure
 
     forget_hf_deepspeed_config()
-    with init_empty_weights():
+    with empty_weights():
         model = base_structure(config)
     try:
         _check_targets(model, config.model.lora)
@@ -198,13 +197,12 @@ def _memory_probe() -> tuple[str, int | None]:
 def model_size(config: Any) -> tuple[list[int], int]:
     """(each parameter's size in order, parameters of the largest layer) of the model, built empty (no
     memory, no download)."""
-    from accelerate import init_empty_weights
-
     from elastictrain.model.build import forget_hf_deepspeed_config
+    from elastictrain.model.empty import empty_weights
     from elastictrain.tools.adapter import base_structure
 
     forget_hf_deepspeed_config()
-    with init_empty_weights():
+    with empty_weights():
         model = base_structure(config)
     sizes = [p.numel() for p in model.parameters()]
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)

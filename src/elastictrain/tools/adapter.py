@@ -67,13 +67,12 @@ def write_adapter(
 
 
 def _empty_weights() -> Any:
-    """Parameters on the meta device, buffers real (some inits need them)."""
-    from accelerate import init_empty_weights  # a peft dependency
-
+    """Parameters on the meta device, buffers real (some inits need them), in this thread only."""
     from elastictrain.model.build import forget_hf_deepspeed_config
+    from elastictrain.model.empty import empty_weights
 
     forget_hf_deepspeed_config()  # a local run's finished worker may have left it set in this process
-    return init_empty_weights()
+    return empty_weights()
 
 
 def base_structure(config: Any) -> torch.nn.Module:
