@@ -8,8 +8,10 @@ from elastictrain.core.memory_snapshots import (
     MAX_INTERVAL,
     SLICES_HELD,
     Held,
+    IntervalChange,
     assign_buddies,
     choose_memory_snapshot,
+    next_interval,
     off_node,
     snapshot_interval,
     snapshots_unaffordable,
@@ -127,3 +129,17 @@ def test_snapshots_that_would_not_fit_the_memory_budget_are_refused_with_the_num
     assert why is not None
     assert f"{SLICES_HELD * 100} MiB" in why and "100 MiB slice" in why and "500 MiB" in why
     assert "checkpoint.max_host_memory_mb" in why
+
+
+def test_the_interval_moves_only_past_a_margin_of_the_allowed_share():
+    # Every step, a snapshot costing 4% of a step: over 3%, within the margin (4.5%): no move.
+    assert next_interval(0.04, 1.0, interval=1, every=1, max_share=0.03) is None
+    # 6%: over the margin, to the interval where it costs at most 3%.
+    assert next_interval(0.06, 1.0, interval=1, every=1, max_share=0.03) == IntervalChange(2, 0.06)
+    # Back at every 2 steps, 2.5% would be within budget at every step but not by the margin: stays.
+    assert next_interval(0.025, 1.0, interval=2, every=1, max_share=0.03) is None
+    # 1.8%: 1.8 x 1.5 = 2.7% at every step: down to every step.
+    assert next_interval(0.018, 1.0, interval=2, every=1, max_share=0.03) == IntervalChange(1, 0.009)
+    assert next_interval(0.0, 1.0, interval=8, every=2, max_share=0.03) == IntervalChange(2, 0.0)
+    assert next_interval(0.5, 1.0, interval=1, every=1, max_share=0.0) is None  # the rule off
+    assert next_interval(0.5, 1.0, interval=0, every=0, max_share=0.03) is None  # snapshots off

@@ -142,6 +142,8 @@ class StepPipeline:
             "world_size": float(self.world_size),
         }
         changed = self.snapshots.observe(step, results, wall)
+        if self.snapshots.measured is not None:  # what this step's snapshot cost training (CPU or wait)
+            metrics["snapshot_cost_s"] = self.snapshots.measured
         if changed:
             s, fields = self.snapshots, {"interval": self.snapshots.interval, "off": self.snapshots.off}
             if s.off or s.changes == 1:  # said in the terminal once; later moves only in events.jsonl

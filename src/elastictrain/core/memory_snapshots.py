@@ -140,6 +140,39 @@ def snapshot_interval(cost_s: float, step_s: float, *, every: int, max_share: fl
     return max(every, min(MAX_INTERVAL, math.ceil(cost_s / (max_share * step_s))))
 
 
+# A measured share must exceed the allowed one by this factor before the interval grows, and fall this
+# far below it at a shorter interval before it shrinks: between the two, noise moves nothing.
+MARGIN = 1.5
+
+
+@dataclass(frozen=True)
+class IntervalChange:
+    interval: int  # the new interval (steps between snapshots)
+    share: float  # what snapshots cost at the old interval, as a share of training time
+
+
+def next_interval(
+    cost_s: float, step_s: float, *, interval: int, every: int, max_share: float
+) -> IntervalChange | None:
+    """The interval after a window of measurements (`cost_s` one snapshot's typical cost, `step_s` a
+    typical step), or None to keep `interval`. It grows only once snapshots cost more than MARGIN
+    times `max_share`, to where they cost at most `max_share`; it shrinks only to an interval where
+    they would cost at most `max_share` / MARGIN. A cost that wanders around its mean by less than
+    that factor of 2.25 moves the interval at most once."""
+    if every <= 0 or max_share <= 0 or cost_s < 0 or step_s <= 0:
+        return None
+    share = cost_s / (interval * step_s)
+    if share > MARGIN * max_share:
+        wanted = snapshot_interval(cost_s, step_s, every=every, max_share=max_share)
+        return IntervalChange(wanted, share) if wanted > interval else None
+    if interval > every:
+        # The shortest interval (a multiple of nothing in particular, at least `every`) cheap enough.
+        shorter = max(every, math.ceil(cost_s * MARGIN / (max_share * step_s)))
+        if shorter < interval:
+            return IntervalChange(shorter, share)
+    return None
+
+
 def snapshots_unaffordable(slice_bytes: int, budget_bytes: float) -> str | None:
     """Why a worker must not keep in-memory snapshots of a slice this large, or None when it may.
 
