@@ -50,8 +50,14 @@ run: $(BIN)/elastictrain
 BENCH_TESTS := tests/integration/test_benchmarks_smoke.py tests/integration/test_gpu_check_dry.py \
 	tests/integration/test_gpu_kit.py
 
+# Two pytest-xdist workers, a file on one worker (its module fixtures: one Ray cluster, one server): run in
+# one process on 2 cores, 30-50% of the CPU stays idle (processes starting, servers, waits), which the other
+# worker fills. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+
 test: $(BIN)/elastictrain
-	$(IN_VENV) $(BIN)/pytest -q -ra --durations=15 $(addprefix --ignore=,$(BENCH_TESTS)) $(PYTEST_ARGS)
+	$(IN_VENV) $(BIN)/pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile \
+	  $(addprefix --ignore=,$(BENCH_TESTS)) $(PYTEST_ARGS)
 
 test-bench: $(BIN)/elastictrain
 	$(IN_VENV) $(BIN)/pytest -q -ra $(BENCH_TESTS) $(PYTEST_ARGS)
