@@ -235,3 +235,39 @@ def test_rank_and_buddy_lost_falls_back_to_disk_and_a_copy_in_flight_uses_the_pr
     client = MlflowClient(resolve_tracking_uri(info.mlflow_tracking_uri, run_dir.path))
     history = client.get_metric_history(info.mlflow_run_id, "recovered_from_memory")
     assert sorted(m.value for m in history) == [0.0, 1.0, 1.0 if memory_used else 0.0]
+
+
+def test_a_worker_crashing_at_any_moment_of_a_step_costs_at_most_one_step_at_default_settings(
+    ray_cluster, reference, tmp_path
+):
+    """Default snapshot settings (the 3% rule on): a worker's process exits inside the first
+    micro-batch's backward pass, right before the optimizer update, and before the replica of the
+    snapshot beside its step reaches the buddy; after each the run goes on from memory at world size 2,
+    grows back to 3 once the replacement is warm, and the next crash comes."""
+    records: list[tuple[int, int, list[int]]] = []
+    phases = ["backward", "update", "replica"]
+    armed: list[tuple[str, int]] = []
+
+    def arm_or_wait(controller: Any) -> None:
+        if controller.world_size < 3:
+            wait_until_replacements_are_warm(controller)  # so that the run grows back before the next
+        elif phases:
+            at = controller.step + 1
+            ray.get(controller.active[2].actor.inject_fault.remote("crash", at, phases[0]))
+            armed.append((phases.pop(0), at))
+
+    summary, run_dir, out = run(
+        tiny_config(tmp_path / "run", "scaling.min_workers=1", "scaling.max_workers=3"),
+        hook=chain(ledger(records), after_attempt_start(arm_or_wait)),
+    )
+    assert summary.status.value == "FINISHED", out
+    assert [p for p, _ in armed] == ["backward", "update", "replica"], armed
+    failures = events(run_dir, "failure")
+    assert len(failures) == 3 and all(f["kind"] == "worker_died" for f in failures), failures
+    recovered = events(run_dir, "recovered")
+    assert len(recovered) >= 3, recovered  # each crash's shrink (and the grows after them)
+    assert all(r["recovered_from"] == "memory" for r in recovered), recovered
+    assert all(r["steps_lost"] <= 1 for r in recovered), recovered
+    assert not events(run_dir, "snapshots")  # the schedule kept a snapshot every step
+    assert_exact_ledger(records, seed=42)
+    assert_same_parameters(run_dir, reference)

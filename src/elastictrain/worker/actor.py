@@ -86,7 +86,7 @@ class TrainWorker(SnapshotPeer, ShardSaves, FaultHooks):
         self._prompts_key: tuple[Any, ...] | None = None
         self.built_model: dict[str, Any] | None = None  # rank 0 reports it with each save (model_record.py)
         self._dataset_key: tuple[Any, ...] | None = None
-        self._faults: dict[int, str] = {}
+        self._faults: dict[tuple[int, str], str] = {}
         # Progress marks, read by `progress` from the control thread while a step runs.
         self._mark = ("idle", -1, time.time())
         self._train_thread: int | None = None
@@ -95,6 +95,7 @@ class TrainWorker(SnapshotPeer, ShardSaves, FaultHooks):
         self._write_delay_s = 0.0  # tests and chaos runs: a slow disk
         self._idle_since = time.time()  # when this actor's last step or save ended
         self.memory = WorkerMemory(worker_id)  # in-memory snapshots: own, and the buddy's replicas
+        self.memory.before_replica = lambda step: self._maybe_fault(step, "replica")
 
     # -- identity and health (answered from a separate concurrency group, even mid-step) --
     def info(self) -> dict[str, Any]:
@@ -332,13 +333,19 @@ class TrainWorker(SnapshotPeer, ShardSaves, FaultHooks):
             batch = to_device(collate_items([self.dataset[i] for i in indices], self.collate), engine.device)
             # Dropout and any other randomness depend on the data position, not on rank or world size.
             batches.append((batch, derive_seed(cfg.training.seed, positions.start)))
+        self._arm_backward_fault(step)
+
+        def before_update() -> None:
+            self.memory.before_update()
+            self._maybe_fault(step, "update")
+
         loss = run_micro_batches(
             engine,
             self.loss_fn,
             batches,
             world_size=spec.world_size,
             on_micro=lambda: self._set_mark("micro", step),
-            before_update=self.memory.before_update,
+            before_update=before_update,
         )
         elapsed = time.perf_counter() - t0
         self._set_mark("done", step)

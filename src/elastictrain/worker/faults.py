@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+PHASES = ("start", "backward", "update", "replica")
 
 
 class WorkerFault(RuntimeError):
@@ -15,25 +17,30 @@ class FaultHooks:
     """Mixed into the worker actor: the hooks are actor methods; `_maybe_fault` runs at each step."""
 
     worker_id: str
-    _faults: dict[int, str]
+    _faults: dict[tuple[int, str], str]
     _write_delay_s: float
 
     if TYPE_CHECKING:  # the worker's own
 
         def _set_mark(self, phase: str, step: int) -> None: ...
 
-    def inject_fault(self, kind: str, at_step: int) -> None:
-        """Chaos hook: at `at_step`, "crash" (process exits), "raise" (step raises) or "hang" (stops)."""
+    def inject_fault(self, kind: str, at_step: int, phase: str = "start") -> None:
+        """Chaos hook: at `at_step`, "crash" (process exits), "raise" (step raises) or "hang" (stops), at
+        one of PHASES of that step: its start (before any forward), after its first micro-batch's
+        backward, right before its optimizer update, or while the replica of the snapshot taken beside
+        it is being sent to the buddy (a crash there kills the process mid-transfer)."""
         if kind not in ("crash", "raise", "hang"):
             raise ValueError(f"fault kind: got {kind!r}; expected crash, raise or hang")
-        self._faults[at_step] = kind
+        if phase not in PHASES:
+            raise ValueError(f"fault phase: got {phase!r}; expected one of {', '.join(PHASES)}")
+        self._faults[(at_step, phase)] = kind
 
     def inject_write_delay(self, seconds: float) -> None:
         """Make every later checkpoint write start `seconds` late, as on a slow disk (tests, chaos)."""
         self._write_delay_s = float(seconds)
 
-    def _maybe_fault(self, step: int) -> None:
-        kind = self._faults.pop(step, None)
+    def _maybe_fault(self, step: int, phase: str = "start") -> None:
+        kind = self._faults.pop((step, phase), None)
         if kind == "crash":
             os._exit(17)
         if kind == "raise":
@@ -42,3 +49,21 @@ class FaultHooks:
             self._set_mark("hung", step)
             while True:  # stops stepping without dying, holding no lock the control thread needs
                 time.sleep(3600)
+
+    def _arm_backward_fault(self, step: int) -> None:
+        """A fault injected at (`step`, "backward") fires inside the first micro-batch's backward pass:
+        from a backward hook on the module whose gradients come first (the one registered last)."""
+        if (step, "backward") not in self._faults:
+            return
+        engine: Any = getattr(self, "engine", None)
+        trainable = [
+            m for m in engine.module.modules() if any(p.requires_grad for p in m.parameters(recurse=False))
+        ]
+        handles: list[Any] = []
+
+        def fire(*_: Any) -> None:
+            for h in handles:
+                h.remove()
+            self._maybe_fault(step, "backward")
+
+        handles.append(trainable[-1].register_full_backward_hook(fire))

@@ -51,6 +51,7 @@ class WorkerMemory:
         self._for_disk: dict[SnapshotKey, Future[Any]] = {}  # copies a checkpoint write waits for
         self._lock = threading.Lock()
         self.delay_s = 0.0  # tests: a slow copy, to fail in the middle of one
+        self.before_replica: Callable[[int], None] = lambda step: None  # tests: a fault before it is sent
         self.last_copy_s = 0.0
         self.last_replicate_s = 0.0
         # CPU seconds of the last copy, of sending its replica, and of keeping the buddy's last replica:
@@ -258,6 +259,7 @@ class WorkerMemory:
 
     def _replicate(self, snap: Snapshot) -> None:
         t0, cpu0 = time.perf_counter(), time.thread_time()
+        self.before_replica(snap.key.step)
         try:
             call_peer(self._buddy, "hold_replica", snap.to_wire())
         except Exception as e:  # noqa: BLE001 - a lost buddy: the controller sees its failure itself
