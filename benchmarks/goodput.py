@@ -119,7 +119,7 @@ def _run(w: Workload, path: Path, steps: int, plan: list[tuple[float, str]], clu
         "seconds": times[-1][0] - times[0][0],
         "failures": [{**f, "time": f["time"] - times[0][0]} for f in done],
         "recovered": [
-            {k: e.get(k) for k in ("step", "recovered_from", "steps_lost", "recovery_seconds")}
+            {k: e.get(k) for k in ("step", "recovered_from", "steps_lost", "recovery_seconds", "stall_s")}
             for e in recovered
         ],
     }

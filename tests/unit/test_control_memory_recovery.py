@@ -139,3 +139,20 @@ def test_a_survivor_replaced_for_being_stuck_hands_its_snapshots_on_first(tmp_pa
     (decision,) = r.events("decision")
     assert decision["recovered_from"] == "memory" and "rank 1: fw0" in decision["memory"]
     assert r.events("attempt_started")[1]["step"] == 6
+
+
+def test_a_grow_from_memory_says_how_long_training_stopped_from_the_last_step_before_it(tmp_path: Path):
+    from elastictrain.chaos import wait_until_replacements_are_warm
+
+    r = make_run(tmp_path, "scaling.min_workers=2", "scaling.max_workers=3", capacity=2)
+    r.controller.callbacks.after_step.append(at_step(4, lambda c: r.group.add_capacity(1)))
+    r.controller.callbacks.after_step.append(at_step(5, wait_until_replacements_are_warm))
+    summary = r.run()
+    assert summary.status.value == "FINISHED" and summary.world_sizes == [2, 3]
+    assert r.events("grow")
+    recovered = r.events("recovered")[0]
+    assert recovered["recovered_from"] == "memory" and recovered["steps_lost"] == 0
+    # The fake clock moves 0.1 s per reading: the stall runs from the last step before the grow (not
+    # from the decision, later), so it is longer than the recovery counted from the decision.
+    assert recovered["stall_s"] > recovered["recovery_seconds"] > 0
+    assert f"training stopped for {recovered['stall_s']:.2f}s" in recovered["message"]

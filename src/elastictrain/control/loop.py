@@ -328,6 +328,7 @@ class Controller:
         )
         self.saves.finish(self.step)
         self.pipeline.recovering_since = self.clock()
+        self.pipeline.stalled_since = self.pipeline.last_step_done_at  # a grow stops training from there
         self.pipeline.lost_steps = 0
         self._teardown()
         self.memory.choose(max_step=self.step, disk_step=self._committed_step())  # no disk read if held

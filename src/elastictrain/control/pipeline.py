@@ -50,6 +50,8 @@ class StepPipeline:
         self.last_step_done_at: float | None = None
         self.last_step_s = 0.0  # the last reported step's time, as the loop measures it
         self.recovering_since: float | None = None  # set after a failure or resize until a step is done
+        # A grow: when the last step before it was done (training stopped then, not at the decision).
+        self.stalled_since: float | None = None
         self.lost_steps = 0
         self.recovered_from = "disk"  # where the attempt after a failure or resize loaded: memory or disk
         self.ledger: Callable[[int, int, list[int]], None] | None = _ledger_from_env()
@@ -154,16 +156,24 @@ class StepPipeline:
             metrics["recovery_seconds"] = now - self.recovering_since
             metrics["steps_lost"] = float(self.lost_steps)
             metrics["recovered_from_memory"] = float(self.recovered_from == "memory")
+            # The time no rank trained: from the last step done (a grow) or the detection (a failure) to
+            # this step's end, less this step's own compute on its slowest rank.
+            since = self.stalled_since if self.stalled_since is not None else self.recovering_since
+            compute = max((float(r.get("step_time_s") or 0.0) for r in results), default=0.0)
+            metrics["stall_seconds"] = max(0.0, now - since - compute)
             self.recorder.event(
                 "recovered",
                 f"first step after the restart done {metrics['recovery_seconds']:.2f}s after detection; "
-                f"{self.lost_steps} step(s) lost; state from {self.recovered_from}",
+                f"{self.lost_steps} step(s) lost; state from {self.recovered_from}; training stopped for "
+                f"{metrics['stall_seconds']:.2f}s",
                 step=self.step,
                 recovery_seconds=metrics["recovery_seconds"],
+                stall_s=metrics["stall_seconds"],
                 steps_lost=self.lost_steps,
                 recovered_from=self.recovered_from,
             )
             self.recovering_since, self.lost_steps = None, 0  # the next recovery counts its own
+            self.stalled_since = None
         if self.ledger is not None:
             for r in sorted(results, key=lambda r: r["rank"]):
                 self.ledger(step, r["rank"], r["sample_ids"])
