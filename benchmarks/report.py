@@ -92,13 +92,14 @@ WHY = {
     "memory recovery: per-step cost with the default schedule": "this short run keeps a snapshot every "
     "step (the schedule moves only after a window of 20 snapshots, and only once they cost 1.5 times the "
     "allowed share), so the figure is the every-step cost, measured on single runs whose step times "
-    "move by more than the 3% to be resolved (the every-step run beside it differs by 7 points on the "
-    "same settings). Closing it: a cheaper snapshot (the copy alone costs 5% of a step's CPU time here, "
-    "below) and repetitions on an idle machine.",
-    "memory recovery: per-step CPU cost": "the copy is one memcpy per flat group and field into a "
-    "preallocated buffer (checkpoint/rank_snapshot.py); at this model's 16.5 MB slice per rank it is "
-    "5% of a 0.84 s step's CPU time on a 2-core machine where every core trains. Closing it: copy on "
-    "idle cores (GPU machines: a device-to-host transfer on its own stream) or a larger step per byte.",
+    "move by more than the 3% to be resolved (two runs at the same settings here differ by 7 points). "
+    "The copy's CPU time, which does not move with load, is the figure below. Closing it: repetitions "
+    "(--reps) on an idle machine.",
+    "memory recovery: per-step CPU cost": "the copy is one memcpy per flat group and field into a new "
+    "buffer (checkpoint/rank_snapshot.py). Measured in a process with the workers' malloc (jemalloc "
+    "keeping freed pages) it is within the noise of a step's CPU time; in a process with glibc's malloc "
+    "the new buffer's fresh pages cost about 3 times the copy (20 ms against 7 ms per 50 MB), 5% of a "
+    "step on this workload. Closing a miss: reuse the buffers of evicted snapshots.",
     "goodput": "after a worker or node is lost the run goes on at the smaller world size until a "
     "replacement is warm (a cold start of the actor: tens of seconds on 2 cores), then grows at the "
     "next step from memory; a node added back costs the same wait. Closing it: keep spare warm actors.",
