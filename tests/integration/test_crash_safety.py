@@ -175,25 +175,6 @@ def test_a_full_disk_while_committing_keeps_the_previous_checkpoint_and_leaves_n
 # ---------------------------------------------------------------- with real training (Ray, DeepSpeed)
 
 
-@pytest.fixture(scope="module")
-def ray_here():  # noqa: ANN201
-    """A local Ray cluster of this module's own: address="local" never joins another process's cluster
-    (the conftest's ray.init() would join whatever cluster this machine last started)."""
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        _node_ip_address="127.0.0.1",
-    )
-    yield
-    ray.shutdown()
-
-
 def _stop_at(step: int):  # noqa: ANN202
     from helpers import at_step
 
@@ -204,7 +185,7 @@ def _stop_at(step: int):  # noqa: ANN202
 
 
 @pytest.mark.integration
-def test_resume_rejects_a_corrupted_checkpoint_says_so_everywhere_and_falls_back(ray_here, tmp_path):
+def test_resume_rejects_a_corrupted_checkpoint_says_so_everywhere_and_falls_back(ray_local, tmp_path):
     from helpers import quiet_reporter, run, tiny_config
     from mlflow.tracking import MlflowClient
 
@@ -263,7 +244,7 @@ def tiny_tmpfs(tmp_path: Path):  # noqa: ANN201
 
 @pytest.mark.integration
 def test_a_full_disk_skips_the_save_training_goes_on_and_the_next_save_retries(
-    ray_here, tmp_path, tiny_tmpfs
+    ray_local, tmp_path, tiny_tmpfs
 ):
     from helpers import at_step, chain, run, tiny_config
 

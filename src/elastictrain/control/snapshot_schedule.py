@@ -49,7 +49,6 @@ class SnapshotSchedule:
         self._marked: dict[int, bool] = {}  # steps done -> whether the state after them is copied
         self._first = True  # the first step of an attempt pays for the new engine: not measured
         self.changes = 0  # interval changes so far
-        self.last_cost_s = 0.0  # the last window's median snapshot cost (0 until one closed)
         self.measured: float | None = None  # the last observed step's snapshot cost (None: no copy beside)
 
     def start_attempt(self) -> None:
@@ -97,7 +96,6 @@ class SnapshotSchedule:
             return None
         cost, typical_step = statistics.median(self.costs), statistics.median(self.steps)
         self.costs, self.steps = [], []
-        self.last_cost_s = cost
         change = next_interval(
             cost, typical_step, interval=self.interval, every=self.every, max_share=self.max_share
         )

@@ -26,9 +26,9 @@ class FaultHooks:
 
     def inject_fault(self, kind: str, at_step: int, phase: str = "start") -> None:
         """Chaos hook: at `at_step`, "crash" (process exits), "raise" (step raises) or "hang" (stops), at
-        one of PHASES of that step: its start (before any forward), after its first micro-batch's
-        backward, right before its optimizer update, or while the replica of the snapshot taken beside
-        it is being sent to the buddy (a crash there kills the process mid-transfer)."""
+        one of PHASES of that step: its start (before any forward), inside its first micro-batch's
+        backward pass, right before its optimizer update, or right before the replica of the snapshot
+        taken beside it is sent to the buddy (the buddy then never gets that replica)."""
         if kind not in ("crash", "raise", "hang"):
             raise ValueError(f"fault kind: got {kind!r}; expected crash, raise or hang")
         if phase not in PHASES:
