@@ -120,3 +120,46 @@ def test_a_worker_imports_deepspeed_without_mlflow_and_mlflow_stays_importable()
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_deepspeeds_muon_module_imports_without_torchinductor_after_import_deepspeed() -> None:
+    import subprocess
+
+    script = (
+        "import sys\n"
+        "from elastictrain.compat.deepspeed.imports import import_deepspeed\n"
+        "import_deepspeed()\n"
+        # as deepspeed.initialize's optimizer check does:
+        "import deepspeed.runtime.zero.muon.muon_optimizer\n"
+        "assert 'torch._inductor.compile_fx' not in sys.modules, 'TorchInductor was imported'\n"
+    )
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_deferred_compile_compiles_once_at_the_first_call_and_returns_what_the_function_does(
+    monkeypatch,
+) -> None:
+    import torch
+
+    from elastictrain.compat.deepspeed.imports import deferred_compile
+
+    compiled: list[object] = []
+
+    def fake_compile(fn):  # noqa: ANN001, ANN202 - torch.compile's shape: returns a callable
+        compiled.append(fn)
+        return lambda *a, **k: ("compiled", fn(*a, **k))
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+
+    @deferred_compile()
+    def add(a: int, b: int = 1) -> int:
+        return a + b
+
+    assert compiled == [] and add.__name__ == "add"
+    assert add(2, b=3) == ("compiled", 5)
+    assert add(1) == ("compiled", 2)
+    assert len(compiled) == 1

@@ -3,9 +3,11 @@ critical path, cut by replacing what DeepSpeed calls."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -137,12 +139,76 @@ def import_deepspeed() -> Any:
     """
     if "deepspeed" in sys.modules or "mlflow" in sys.modules:
         import deepspeed
-
-        return deepspeed
-    sys.modules["mlflow"] = None  # type: ignore[assignment]  # makes `import mlflow` raise ImportError
-    try:
-        import deepspeed
-    finally:
-        if "mlflow" in sys.modules and sys.modules["mlflow"] is None:
-            del sys.modules["mlflow"]
+    else:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]  # makes `import mlflow` raise ImportError
+        try:
+            import deepspeed
+        finally:
+            if "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+                del sys.modules["mlflow"]
+    compile_lazily()
     return deepspeed
+
+
+def _check_compiler() -> str | None:
+    import deepspeed.runtime.compiler as compiler
+
+    if not callable(getattr(compiler, "compile", None)):
+        return "deepspeed.runtime.compiler has no compile"
+    return has_parameters(compiler.compile, where="deepspeed.runtime.compiler.compile")  # a decorator factory
+
+
+def _compile_now() -> None:
+    return None
+
+
+@patch(
+    "torch_compile_deferred_to_first_call",
+    package="deepspeed",
+    kind="performance",
+    check=_check_compiler,
+    otherwise=_compile_now,
+)
+def compile_lazily() -> None:
+    """Make `deepspeed.runtime.compiler.compile()` decorate with `torch.compile` at the first call, not at
+    import.
+
+    What: `compile()` returns a decorator whose function calls `torch.compile(fn)` the first time it is
+    called and the compiled function from then on. torch.compile compiles at the first call anyway, so
+    what runs is the same; only the import of torch's compiler moves there.
+    Why: DeepSpeed's Muon optimizer module (imported with its engine, whatever the optimizer) decorates three
+    functions with `@compiler.compile()` at import, and `torch.compile` imports TorchInductor to do so:
+    0.7-0.9 s of CPU in each worker's warm-up of 4-5 s (a tiny model, 2 cores), paid again by every
+    replacement, for an optimizer elastictrain's users rarely pick. Applies only while the Muon module is
+    not yet imported (its decorations happen once).
+    Retired by: DeepSpeed importing its Muon module only when Muon is configured, or decorating lazily; no
+    upstream issue found.
+    """
+    import deepspeed.runtime.compiler as compiler
+
+    if getattr(compiler.compile, "deferred", False):
+        return
+    compiler.compile = deferred_compile  # type: ignore[assignment]
+
+
+def deferred_compile() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A stand-in for `torch.compile` as a bare decorator: compiles `fn` at its first call."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        compiled: Callable[..., Any] | None = None
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal compiled
+            if compiled is None:
+                import torch
+
+                compiled = torch.compile(fn)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    return decorate
+
+
+deferred_compile.deferred = True  # type: ignore[attr-defined]
