@@ -71,3 +71,43 @@ def test_a_model_with_tied_embeddings_built_for_restoring_keeps_them_tied():
     with skip_parameter_init():
         model = build_causal_lm(GPT2)
     assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_skipping_the_init_on_one_thread_leaves_other_threads_building_as_usual_and_is_undone_in_any_order():
+    """Two threads enter, and leave in the order that made a save-and-put-back patch stay for good;
+    meanwhile a third builds a model as usual: its weights are transformers' init, not left as allocated."""
+    import threading
+
+    from transformers.modeling_utils import PreTrainedModel
+
+    originals = (torch.nn.init.normal_, torch.nn.init.kaiming_uniform_, PreTrainedModel._initialize_weights)
+    a_inside, b_inside, a_may_leave, b_may_leave = (threading.Event() for _ in range(4))
+    errors: list[BaseException] = []
+
+    def skipping(inside: threading.Event, may_leave: threading.Event) -> None:
+        try:
+            with skip_parameter_init():
+                inside.set()
+                assert may_leave.wait(30)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    a = threading.Thread(target=skipping, args=(a_inside, a_may_leave))
+    b = threading.Thread(target=skipping, args=(b_inside, b_may_leave))
+    a.start()
+    assert a_inside.wait(30)
+    b.start()
+    assert b_inside.wait(30)
+    torch.manual_seed(0)
+    built_beside = build_causal_lm(LLAMA)  # this thread is in no block: an ordinary build
+    torch.manual_seed(0)
+    a_may_leave.set()  # A (which entered first) leaves first: B put back what it found, A's no-ops
+    a.join(30)
+    b_may_leave.set()
+    b.join(30)
+    assert not errors, errors
+    now = (torch.nn.init.normal_, torch.nn.init.kaiming_uniform_, PreTrainedModel._initialize_weights)
+    assert now == originals, "every function put back as it was before either thread entered"
+    alone = build_causal_lm(LLAMA)
+    for (name, p), q in zip(built_beside.named_parameters(), alone.parameters(), strict=True):
+        assert torch.equal(p, q), f"{name}: not initialised as a build alone initialises it"

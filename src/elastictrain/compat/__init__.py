@@ -14,6 +14,7 @@ with its ranges is docs/reference/deepspeed-compatibility.md (`python -m elastic
   abort (process_group.py)
 - transformers/: weight initialization under ZeRO-3 (hf_init.py), the lazy model classes (preload.py)
 - mlflow/: the artifact location cache (artifact_cache.py)
+- per_thread.py: a package function replaced for the threads inside a block only (the weight-init patches)
 """
 
 from elastictrain.compat.registry import (

@@ -22,9 +22,10 @@ a time, never the whole model.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
+from elastictrain.compat.per_thread import replaced_in_this_thread
 from elastictrain.compat.registry import first_problem, has_attributes, has_parameters, patch
 
 TRANSFORMERS_TESTED = ">=4.45"  # pyproject's range; the checks below say whether a release fits
@@ -65,18 +66,12 @@ def _params_init_may_touch(module: Any, pretrained_model_class: type) -> list[An
     return list(found.values())
 
 
-@contextmanager
-def _initialize_weights_replaced(replacement: Callable[[Any], Any]) -> Iterator[None]:
+def _initialize_weights_replaced(replacement: Callable[[Any], Any]) -> AbstractContextManager[None]:
     """transformers' per-module init step (`PreTrainedModel._initialize_weights`) replaced by
-    `replacement(original)` while the block runs."""
+    `replacement(what this thread called until now)`, for this thread only, while the block runs."""
     from transformers.modeling_utils import PreTrainedModel
 
-    original = PreTrainedModel._initialize_weights
-    PreTrainedModel._initialize_weights = replacement(original)  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        PreTrainedModel._initialize_weights = original  # type: ignore[method-assign]
+    return replaced_in_this_thread(PreTrainedModel, "_initialize_weights", replacement)
 
 
 @patch(
@@ -134,9 +129,9 @@ def exact_hf_init_under_zero3() -> Iterator[None]:
 def skip_parameter_init() -> Iterator[None]:
     """Build a transformers model without computing the parameter values a checkpoint will overwrite.
 
-    What: the torch init functions transformers lists (`initialization.TORCH_INIT_FUNCTIONS` in
-    `TORCH_MODULES_TO_PATCH`) become no-ops, and `_initialize_weights` marks each parameter
-    `_is_hf_initialized` first, so only buffers are computed.
+    What: for the calling thread only (compat/per_thread.py), the torch init functions transformers
+    lists (`initialization.TORCH_INIT_FUNCTIONS` in `TORCH_MODULES_TO_PATCH`) become no-ops, and
+    `_initialize_weights` marks each parameter `_is_hf_initialized` first, so only buffers are computed.
     Retired by: a transformers switch to build a model for loading (its `from_pretrained` does this
     internally, not for a model built from a config); no upstream issue found.
 
@@ -164,16 +159,11 @@ def skip_parameter_init() -> Iterator[None]:
     def skipped(tensor: Any, *args: Any, **kwargs: Any) -> Any:
         return tensor
 
-    patched: list[tuple[Any, str, Any]] = []
-    for module_name in initialization.TORCH_MODULES_TO_PATCH:
-        module = sys.modules.get(module_name)
-        for name in initialization.TORCH_INIT_FUNCTIONS:
-            if module is not None and hasattr(module, name):
-                patched.append((module, name, getattr(module, name)))
-                setattr(module, name, skipped)
-    try:
-        with _initialize_weights_replaced(buffers_only):
-            yield
-    finally:
-        for module, name, function in reversed(patched):
-            setattr(module, name, function)
+    with ExitStack() as replaced:
+        for module_name in initialization.TORCH_MODULES_TO_PATCH:
+            module = sys.modules.get(module_name)
+            for name in initialization.TORCH_INIT_FUNCTIONS:
+                if module is not None and hasattr(module, name):
+                    replaced.enter_context(replaced_in_this_thread(module, name, lambda _: skipped))
+        replaced.enter_context(_initialize_weights_replaced(buffers_only))
+        yield
