@@ -184,3 +184,15 @@ def test_prepare_data_refuses_a_used_output_folder_and_a_missing_column(tmp_path
         app, ["prepare-data", str(inputs[0]), str(tmp_path / "o"), "--tokenizer", tok, "--text-field", "body"]
     )
     assert res.exit_code == 2 and "--text-field: got 'body'" in res.output
+
+
+def test_the_model_check_builds_plainly_after_a_zero3_load_left_transformers_zero3_config_set():
+    """A `--local` ZeRO-3 run's worker loading a pretrained model sets transformers' process-wide ZeRO-3
+    config; a config checked afterwards in the same process must still build (on meta, no zero.Init)."""
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    held = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    assert is_deepspeed_zero3_enabled()
+    assert model_problems(load_config(None, [])) == []
+    del held

@@ -93,7 +93,11 @@ def _structure_problem(built: Any) -> str | None:
     """Build the model on the meta device (no memory): what its constructor rejects is found here."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+    # A ZeRO-3 model load earlier in this process (a `--local` run's worker) leaves transformers building
+    # every model under zero.Init, which cannot partition meta tensors ("Cannot copy out of meta tensor").
+    unset_hf_deepspeed_config()
     try:
         with torch.device("meta"):
             AutoModelForCausalLM.from_config(built)
