@@ -242,6 +242,16 @@ def check_user_json(config: Config) -> list[str]:
             "use Adam, AdamW, Lion, SGD or Adagrad, or fix the world size (scaling.min_workers == "
             "scaling.max_workers)"
         )
+    tp = user.get("tensor_parallel") if isinstance(user.get("tensor_parallel"), dict) else {}
+    tp_size = tp.get("autotp_size", tp.get("tp_size", 1))
+    if tp_size not in (1, "auto"):
+        problems.append(
+            f"{key}: tensor_parallel.autotp_size is {tp_size!r} in {path.name}; tensor parallelism is not "
+            "supported yet: every rank is fed its own micro-batch, which DeepSpeed's AutoTP refuses at the "
+            'first step ("Data inconsistency within the TP group"). Remove the tensor_parallel block or set '
+            "autotp_size to 1; ZeRO-3 (deepspeed.zero_stage=3, with offload) splits a model too large for "
+            "one rank instead"
+        )
     zero = user.get("zero_optimization") if isinstance(user.get("zero_optimization"), dict) else {}
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
