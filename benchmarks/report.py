@@ -63,6 +63,13 @@ WHY = {
     "estimate counts the swap buffers at DeepSpeed's largest sub-group (64M elements at 1B, not 50M) and "
     "the largest layer's whole gradient beside its weights (DeepSpeed's 4 bytes are fp16's 2 + 2; 8 in "
     "fp32). What is left over the bound is the step's transients (activations, the logits).",
+    "survivors stopped by a grow": "nine of the ten grows stopped the survivors 0.52-0.68 s (the process "
+    "group, the engine at the new size and the state loaded from the survivors' memory); one took 1.6 s, "
+    "its memory load 1.2 s instead of 0.2 s, and a shrink's load earlier in the run was as slow once (1.1 "
+    "s). The load asks the snapshot holders for their pieces with one actor call each. Both slow loads came "
+    "right after a worker was killed (the shrink then, and the grow that brought its replacement in), but "
+    "not after every kill; the cause is not found: only the slowest rank's load time is reported, not each "
+    "rank's or each call's.",
     "throughput": "elastictrain's driver reports every step and queues at most two steps per actor "
     "(PIPELINE_DEPTH in control/pipeline.py); a slower driver or a busier machine shows here. Closing "
     "it: deeper pipelining, or reporting every k steps.",
