@@ -204,11 +204,11 @@ def s3_bucket(s3_server: dict[str, str], request: pytest.FixtureRequest) -> str:
 LONGEST_FIRST = (
     "test_readme_commands.py",  # 188 s
     "test_background_checkpoint.py",  # 136 s
+    "test_memory_recovery.py",  # 105 s
     "test_elastic.py",  # 94 s
     "test_job_submit.py",  # 71 s
     "test_driver_loss.py",  # 60 s
     "test_architectures.py",  # 58 s
-    "test_memory_recovery.py",  # 55 s
     "test_zero_stages.py",  # 54 s
     "test_chaos.py",  # 53 s
     "test_lora_options.py",  # 47 s

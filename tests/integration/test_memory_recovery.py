@@ -7,7 +7,10 @@ Two elastic runs on a 3-node Ray cluster and one fault-free reference run, share
   B: a rank and its buddy are killed together (nothing holds that rank's slice: disk), the replacements
      join, then a rank is killed while its in-memory copy is in progress (the previous complete one
      is used).
-Both end with the parameters of the fault-free run, and their sample ledgers are exact.
+Both end with the parameters of the fault-free run, and their sample ledgers are exact. Two more runs at
+default settings stop a step at a given moment (inside the backward pass, before the update, before the
+snapshot's replica is sent) by a crash of the worker's process, then by the removal of its node: each
+failure costs at most one step.
 """
 
 from __future__ import annotations
@@ -269,5 +272,67 @@ def test_a_worker_crashing_at_any_moment_of_a_step_costs_at_most_one_step_at_def
     assert all(r["recovered_from"] == "memory" for r in recovered), recovered
     assert all(r["steps_lost"] <= 1 for r in recovered), recovered
     assert not events(run_dir, "snapshots")  # the schedule kept a snapshot every step
+    assert_exact_ledger(records, seed=42)
+    assert_same_parameters(run_dir, reference)
+
+
+def test_a_node_removed_at_any_moment_of_a_step_costs_at_most_one_step_at_default_settings(
+    ray_cluster, reference, tmp_path
+):
+    """Default snapshot settings: a worker stops inside the first micro-batch's backward pass, right before
+    the optimizer update, and before the replica of the snapshot beside its step is sent; its node is
+    removed from the cluster while it is stopped there (a node lost at that moment). After each the run
+    goes on from memory at world size 2, the node is added back, the run grows back to 3, and the next
+    comes."""
+    import threading
+    import time
+
+    records: list[tuple[int, int, list[int]]] = []
+    phases = ["backward", "update", "replica"]
+    armed: list[tuple[str, int]] = []
+    removed: list[str] = []
+    problems: list[BaseException] = []
+
+    def remove_its_node_once_stopped(actor: Any, node_id: str) -> None:
+        try:
+            deadline = time.monotonic() + 60
+            progress = actor.progress.options(concurrency_group="control")  # answered while a step hangs
+            while ray.get(progress.remote(), timeout=10)["phase"] != "hung":
+                assert time.monotonic() < deadline, "the armed worker never stopped"
+                time.sleep(0.05)
+            node = next(n for n in ray_cluster.worker_nodes if n.node_id == node_id)
+            ray_cluster.remove_node(node)
+            removed.append(node_id)
+        except BaseException as e:  # noqa: BLE001 - reported by the test's thread
+            problems.append(e)
+
+    def arm_or_grow(controller: Any) -> None:
+        if controller.world_size < 3:
+            if len(ray_cluster.worker_nodes) < 3:
+                ray_cluster.add_node(num_cpus=1)
+            wait_until_replacements_are_warm(controller)  # so that the run grows back before the next
+        elif phases:
+            at = controller.step + 1
+            victim = controller.active[2]
+            ray.get(victim.actor.inject_fault.remote("hang", at, phases[0]))
+            armed.append((phases.pop(0), at))
+            threading.Thread(
+                target=remove_its_node_once_stopped, args=(victim.actor, victim.node_id), daemon=True
+            ).start()
+
+    summary, run_dir, out = run(
+        tiny_config(tmp_path / "run", "scaling.min_workers=1", "scaling.max_workers=3"),
+        hook=chain(ledger(records), after_attempt_start(arm_or_grow)),
+    )
+    assert not problems, problems
+    assert summary.status.value == "FINISHED", out
+    assert [p for p, _ in armed] == ["backward", "update", "replica"], armed
+    assert len(removed) == 3, removed
+    failures = events(run_dir, "failure")
+    assert len(failures) == 3 and all(f["kind"] in ("node_lost", "worker_died") for f in failures), failures
+    recovered = events(run_dir, "recovered")
+    assert len(recovered) >= 3, recovered
+    assert all(r["recovered_from"] == "memory" for r in recovered), recovered
+    assert all(r["steps_lost"] <= 1 for r in recovered), recovered
     assert_exact_ledger(records, seed=42)
     assert_same_parameters(run_dir, reference)
