@@ -56,6 +56,7 @@ EXPECTED: dict[str, list[str]] = {
         "steps_lost.elastictrain_memory",
         "death_to_first_step_s.elastictrain_memory",
         "copy_cpu_cost",
+        "step_cost_interleaved",
         "held_bytes_per_rank",
         "transport.actor_call_s",
     ],
