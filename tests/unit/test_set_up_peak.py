@@ -30,3 +30,16 @@ def test_no_peak_is_claimed_where_no_rank_could_read_one():
     unread = slowest_set_up({"w0": {"total_s": 1.0}})["setup_peak_rss_bytes"]
     assert unread == 0.0
     assert set_up_peak_note(unread) == ""
+
+
+def test_each_ranks_set_up_and_load_times_are_reported_in_rank_order():
+    timings = {
+        "w1": {"total_s": 0.4, "load_s": 0.2, "load_fetch_s": 0.15},
+        "w0": {"total_s": 1.4, "load_s": 1.2, "load_fetch_s": 1.1},
+        "w2": {"total_s": 0.3, "load_s": 0.1},  # loaded from disk: no holders asked
+    }
+    got = slowest_set_up(timings, ["w0", "w1", "w2"])
+    assert got["setup_s"] == 1.4 and got["load_s"] == 1.2
+    assert got["setup_s_by_rank"] == [1.4, 0.4, 0.3]
+    assert got["load_s_by_rank"] == [1.2, 0.2, 0.1]
+    assert got["load_fetch_s_by_rank"] == [1.1, 0.15, 0.0]

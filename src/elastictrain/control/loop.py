@@ -246,7 +246,7 @@ class Controller:
             return False
         self.recorder.record_world_size(self.step, size, resize_reason(previous, size))
         self.recorder.set_status(RunStatus.RUNNING, step=self.step)
-        set_up = slowest_set_up(timings)
+        set_up = slowest_set_up(timings, [w.worker_id for w in active])
         self._event(
             "attempt_started",
             f"attempt {self.attempt}: world size {size} (micro batch {plan.micro_batch_size} x accumulation "

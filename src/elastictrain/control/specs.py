@@ -88,9 +88,13 @@ def resize_reason(previous: int, size: int) -> str:
     return "shrink" if size < previous else "grow" if size > previous else "restart"
 
 
-def slowest_set_up(timings: dict[str, dict[str, float]]) -> dict[str, float]:
+def slowest_set_up(
+    timings: dict[str, dict[str, float]], worker_ids: list[str] | None = None
+) -> dict[str, Any]:
     """The slowest rank's set-up, in total and by part (each part's slowest rank), and the largest
-    resident peak a rank had reached by its end (process lifetime: a warm actor's earlier attempts count)."""
+    resident peak a rank had reached by its end (process lifetime: a warm actor's earlier attempts count).
+    With `worker_ids` (in rank order) also each rank's set-up and load times, and from memory its time
+    asking the holders: which rank was the slow one, and whether it waited on its peers."""
     parts = {
         "setup_s": "total_s",
         "process_group_s": "process_group_s",
@@ -98,7 +102,13 @@ def slowest_set_up(timings: dict[str, dict[str, float]]) -> dict[str, float]:
         "load_s": "load_s",
         "setup_peak_rss_bytes": "peak_rss_bytes",
     }
-    return {name: max(t.get(key, 0.0) for t in timings.values()) for name, key in parts.items()}
+    out: dict[str, Any] = {n: max(t.get(key, 0.0) for t in timings.values()) for n, key in parts.items()}
+    by_rank = {"setup_s_by_rank": "total_s", "load_s_by_rank": "load_s"}
+    by_rank["load_fetch_s_by_rank"] = "load_fetch_s"  # from memory: asking the holders for their pieces
+    if worker_ids is not None:
+        for name, key in by_rank.items():
+            out[name] = [round(timings.get(w, {}).get(key, 0.0), 4) for w in worker_ids]
+    return out
 
 
 def set_up_peak_note(peak_bytes: float) -> str:

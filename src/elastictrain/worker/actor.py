@@ -232,6 +232,7 @@ class TrainWorker(SnapshotPeer, ShardSaves, FaultHooks):
         t2 = time.perf_counter()
         if spec.memory is not None:
             self.memory.load(self.engine, spec.memory)
+            timings["load_fetch_s"] = self.memory.last_fetch_s
         elif spec.checkpoint_dir is not None:
             from elastictrain.checkpoint.zero_state import load_committed
 

@@ -54,6 +54,7 @@ class WorkerMemory:
         self.before_replica: Callable[[int], None] = lambda step: None  # tests: a fault before it is sent
         self.last_copy_s = 0.0
         self.last_replicate_s = 0.0
+        self.last_fetch_s = 0.0  # the last load's time asking the snapshots' holders for their pieces
         # CPU seconds of the last copy, of sending its replica, and of keeping the buddy's last replica:
         # on CPU workers each one is taken from training (control/snapshot_schedule.py).
         self.cpu_s = {"copy": 0.0, "replicate": 0.0, "hold": 0.0}
@@ -295,6 +296,7 @@ class WorkerMemory:
         from elastictrain.checkpoint.zero_layouts import FlatPartitionLayout, layout_for
         from elastictrain.checkpoint.zero_state import load_local_state
 
+        t0 = time.perf_counter()
         keys = {r: SnapshotKey(source.attempt, source.world_size, r, source.step) for r in source.holders}
         metas = self._ask_all(source, "snapshot_meta", lambda r: (keys[r],), self.meta)
         layout = layout_for(engine)
@@ -309,6 +311,7 @@ class WorkerMemory:
         )
         import torch
 
+        self.last_fetch_s = time.perf_counter() - t0  # asking the holders (this worker's own: no call)
         tensors = {r: {k: torch.from_numpy(a.copy()) for k, a in arrays.items()} for r, arrays in got.items()}
         scalars = metas[min(metas)]["scalars"]
         load_local_state(engine, MemoryReader(metas, tensors), scalars)
