@@ -68,8 +68,10 @@ WHY = {
     "its memory load 1.2 s instead of 0.2 s, and a shrink's load earlier in the run was as slow once (1.1 "
     "s). The load asks the snapshot holders for their pieces with one actor call each. Both slow loads came "
     "right after a worker was killed (the shrink then, and the grow that brought its replacement in), but "
-    "not after every kill; the cause is not found: only the slowest rank's load time is reported, not each "
-    "rank's or each call's.",
+    "not after every kill. Each rank's load time, and its time asking the holders, are in attempt_started "
+    "since (load_s_by_rank, load_fetch_s_by_rank): a later run on this workload caught one such grow, where "
+    "one survivor waited 1.05 s on its holders while the new rank asked the same ones in 0.07 s; the cause "
+    "behind that wait is not found yet.",
     "throughput": "elastictrain's driver reports every step and queues at most two steps per actor "
     "(PIPELINE_DEPTH in control/pipeline.py); a slower driver or a busier machine shows here. Closing "
     "it: deeper pipelining, or reporting every k steps.",
