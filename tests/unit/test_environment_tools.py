@@ -103,9 +103,18 @@ def test_the_cpu_probe_is_saved_for_this_cpu_and_read_back_instead_of_probing_ag
     assert imports.cpu_info_from_file(probe, tmp_path) == first and len(probes) == 2
 
 
-def test_a_worker_imports_deepspeed_without_mlflow_and_mlflow_stays_importable() -> None:
+def run_in_a_fresh_process(script: str) -> None:
+    """Run `script` in a new Python (nothing imported yet, as a worker starts) and fail with its stderr."""
     import subprocess
 
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_worker_imports_deepspeed_without_mlflow_and_mlflow_stays_importable() -> None:
     script = (
         "import sys\n"
         "from elastictrain.compat.deepspeed.imports import import_deepspeed\n"
@@ -115,16 +124,10 @@ def test_a_worker_imports_deepspeed_without_mlflow_and_mlflow_stays_importable()
         "import mlflow\n"
         "assert mlflow.__name__ == 'mlflow' and sys.modules['mlflow'] is mlflow\n"
     )
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    run_in_a_fresh_process(script)
 
 
 def test_deepspeeds_muon_module_imports_without_torchinductor_after_import_deepspeed() -> None:
-    import subprocess
-
     script = (
         "import sys\n"
         "from elastictrain.compat.deepspeed.imports import import_deepspeed\n"
@@ -133,11 +136,7 @@ def test_deepspeeds_muon_module_imports_without_torchinductor_after_import_deeps
         "import deepspeed.runtime.zero.muon.muon_optimizer\n"
         "assert 'torch._inductor.compile_fx' not in sys.modules, 'TorchInductor was imported'\n"
     )
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    run_in_a_fresh_process(script)
 
 
 def test_a_deferred_compile_compiles_once_at_the_first_call_and_returns_what_the_function_does(

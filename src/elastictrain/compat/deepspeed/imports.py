@@ -22,7 +22,7 @@ def _check_cpuinfo() -> str | None:
     return has_parameters(cpuinfo.get_cpu_info, where="cpuinfo.get_cpu_info")  # takes no arguments
 
 
-def _remember_nothing() -> None:
+def _do_nothing() -> None:
     return None
 
 
@@ -42,7 +42,7 @@ def _import_plainly() -> Any:
     tested=">=9.0",
     kind="performance",
     check=_check_cpuinfo,
-    otherwise=_remember_nothing,
+    otherwise=_do_nothing,
 )
 def remember_cpu_info() -> None:
     """Make py-cpuinfo's `get_cpu_info` ask once per machine: at the first call, then from a file.
@@ -153,13 +153,8 @@ def import_deepspeed() -> Any:
 def _check_compiler() -> str | None:
     import deepspeed.runtime.compiler as compiler
 
-    if not callable(getattr(compiler, "compile", None)):
-        return "deepspeed.runtime.compiler has no compile"
-    return has_parameters(compiler.compile, where="deepspeed.runtime.compiler.compile")  # a decorator factory
-
-
-def _compile_now() -> None:
-    return None
+    # A decorator factory (no parameters); a missing one is "not callable".
+    return has_parameters(getattr(compiler, "compile", None), where="deepspeed.runtime.compiler.compile")
 
 
 @patch(
@@ -167,7 +162,7 @@ def _compile_now() -> None:
     package="deepspeed",
     kind="performance",
     check=_check_compiler,
-    otherwise=_compile_now,
+    otherwise=_do_nothing,
 )
 def compile_lazily() -> None:
     """Make `deepspeed.runtime.compiler.compile()` decorate with `torch.compile` at the first call, not at
@@ -186,8 +181,6 @@ def compile_lazily() -> None:
     """
     import deepspeed.runtime.compiler as compiler
 
-    if getattr(compiler.compile, "deferred", False):
-        return
     compiler.compile = deferred_compile  # type: ignore[assignment]
 
 
@@ -209,6 +202,3 @@ def deferred_compile() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         return call
 
     return decorate
-
-
-deferred_compile.deferred = True  # type: ignore[attr-defined]
