@@ -7,10 +7,12 @@ Two elastic runs on a 3-node Ray cluster and one fault-free reference run, share
   B: a rank and its buddy are killed together (nothing holds that rank's slice: disk), the replacements
      join, then a rank is killed while its in-memory copy is in progress (the previous complete one
      is used).
-Both end with the parameters of the fault-free run, and their sample ledgers are exact. Two more runs at
-default settings stop a step at a given moment (inside the backward pass, before the update, before the
+Both end with the parameters of the fault-free run, and their sample ledgers are exact. Two more runs with
+a snapshot every step stop a step at a given moment (inside the backward pass, before the update, before the
 snapshot's replica is sent) by a crash of the worker's process, then by the removal of its node: each
-failure costs at most one step.
+failure costs at most one step. Those two keep a snapshot every step (the default interval) whatever a
+snapshot costs: on a loaded machine the default 3% rule may space snapshots out, and a step without one
+has no replica to stop before.
 """
 
 from __future__ import annotations
@@ -240,10 +242,10 @@ def test_rank_and_buddy_lost_falls_back_to_disk_and_a_copy_in_flight_uses_the_pr
     assert sorted(m.value for m in history) == [0.0, 1.0, 1.0 if memory_used else 0.0]
 
 
-def test_a_worker_crashing_at_any_moment_of_a_step_costs_at_most_one_step_at_default_settings(
+def test_a_worker_crashing_at_any_moment_of_a_step_costs_at_most_one_step_with_a_snapshot_every_step(
     ray_cluster, reference, tmp_path
 ):
-    """Default snapshot settings (the 3% rule on): a worker's process exits inside the first
+    """A snapshot every step (the default interval, held whatever it costs): a worker's process exits inside the first
     micro-batch's backward pass, right before the optimizer update, and before the replica of the
     snapshot beside its step reaches the buddy; after each the run goes on from memory at world size 2,
     grows back to 3 once the replacement is warm, and the next crash comes."""
@@ -260,7 +262,12 @@ def test_a_worker_crashing_at_any_moment_of_a_step_costs_at_most_one_step_at_def
             armed.append((phases.pop(0), at))
 
     summary, run_dir, out = run(
-        tiny_config(tmp_path / "run", "scaling.min_workers=1", "scaling.max_workers=3"),
+        tiny_config(
+            tmp_path / "run",
+            "scaling.min_workers=1",
+            "scaling.max_workers=3",
+            "checkpoint.memory_max_step_share=0",  # the replica phase needs a snapshot at the armed step
+        ),
         hook=chain(ledger(records), after_attempt_start(arm_or_wait)),
     )
     assert summary.status.value == "FINISHED", out
@@ -271,15 +278,14 @@ def test_a_worker_crashing_at_any_moment_of_a_step_costs_at_most_one_step_at_def
     assert len(recovered) >= 3, recovered  # each crash's shrink (and the grows after them)
     assert all(r["recovered_from"] == "memory" for r in recovered), recovered
     assert all(r["steps_lost"] <= 1 for r in recovered), recovered
-    assert not events(run_dir, "snapshots")  # the schedule kept a snapshot every step
     assert_exact_ledger(records, seed=42)
     assert_same_parameters(run_dir, reference)
 
 
-def test_a_node_removed_at_any_moment_of_a_step_costs_at_most_one_step_at_default_settings(
+def test_a_node_removed_at_any_moment_of_a_step_costs_at_most_one_step_with_a_snapshot_every_step(
     ray_cluster, reference, tmp_path
 ):
-    """Default snapshot settings: a worker stops inside the first micro-batch's backward pass, right before
+    """A snapshot every step (the default interval, held whatever it costs): a worker stops inside the first micro-batch's backward pass, right before
     the optimizer update, and before the replica of the snapshot beside its step is sent; its node is
     removed from the cluster while it is stopped there (a node lost at that moment). After each the run
     goes on from memory at world size 2, the node is added back, the run grows back to 3, and the next
@@ -321,7 +327,12 @@ def test_a_node_removed_at_any_moment_of_a_step_costs_at_most_one_step_at_defaul
             ).start()
 
     summary, run_dir, out = run(
-        tiny_config(tmp_path / "run", "scaling.min_workers=1", "scaling.max_workers=3"),
+        tiny_config(
+            tmp_path / "run",
+            "scaling.min_workers=1",
+            "scaling.max_workers=3",
+            "checkpoint.memory_max_step_share=0",  # the replica phase needs a snapshot at the armed step
+        ),
         hook=chain(ledger(records), after_attempt_start(arm_or_grow)),
     )
     assert not problems, problems
