@@ -245,10 +245,10 @@ def test_rank_and_buddy_lost_falls_back_to_disk_and_a_copy_in_flight_uses_the_pr
 def test_a_worker_crashing_at_any_moment_of_a_step_costs_at_most_one_step_with_a_snapshot_every_step(
     ray_cluster, reference, tmp_path
 ):
-    """A snapshot every step (the default interval, held whatever it costs): a worker's process exits inside the first
-    micro-batch's backward pass, right before the optimizer update, and before the replica of the
-    snapshot beside its step reaches the buddy; after each the run goes on from memory at world size 2,
-    grows back to 3 once the replacement is warm, and the next crash comes."""
+    """A snapshot every step (the default interval, held whatever it costs): a worker's process exits
+    inside the first micro-batch's backward pass, right before the optimizer update, and before the
+    replica of the snapshot beside its step reaches the buddy; after each the run goes on from memory at
+    world size 2, grows back to 3 once the replacement is warm, and the next crash comes."""
     records: list[tuple[int, int, list[int]]] = []
     phases = ["backward", "update", "replica"]
     armed: list[tuple[str, int]] = []
@@ -285,11 +285,11 @@ def test_a_worker_crashing_at_any_moment_of_a_step_costs_at_most_one_step_with_a
 def test_a_node_removed_at_any_moment_of_a_step_costs_at_most_one_step_with_a_snapshot_every_step(
     ray_cluster, reference, tmp_path
 ):
-    """A snapshot every step (the default interval, held whatever it costs): a worker stops inside the first micro-batch's backward pass, right before
-    the optimizer update, and before the replica of the snapshot beside its step is sent; its node is
-    removed from the cluster while it is stopped there (a node lost at that moment). After each the run
-    goes on from memory at world size 2, the node is added back, the run grows back to 3, and the next
-    comes."""
+    """A snapshot every step (the default interval, held whatever it costs): a worker stops inside the first
+    micro-batch's backward pass, right before the optimizer update, and before the replica of the snapshot
+    beside its step is sent; its node is removed from the cluster while it is stopped there (a node lost at
+    that moment). After each the run goes on from memory at world size 2, the node is added back, the run
+    grows back to 3, and the next comes."""
     import threading
     import time
 
