@@ -339,6 +339,11 @@ def test_a_node_removed_at_any_moment_of_a_step_costs_at_most_one_step_with_a_sn
     assert summary.status.value == "FINISHED", out
     assert [p for p, _ in armed] == ["backward", "update", "replica"], armed
     assert len(removed) == 3, removed
+    history = run_dir.read_info().world_size_history
+    # Each removal shrinks to 2; each node added back grows to 3 (the last may come after the last step).
+    sizes = [(h["world_size"], h["reason"]) for h in history]
+    want = [(3, "start"), (2, "shrink"), (3, "grow"), (2, "shrink"), (3, "grow"), (2, "shrink")]
+    assert sizes[:6] == want, history
     failures = events(run_dir, "failure")
     assert len(failures) == 3 and all(f["kind"] in ("node_lost", "worker_died") for f in failures), failures
     recovered = events(run_dir, "recovered")

@@ -89,7 +89,7 @@ def default_tracking_uri(run_dir: Path) -> str:
 _SQLITE = "sqlite:///"
 
 
-def _sqlite_path(tracking_uri: str) -> str | None:
+def sqlite_path(tracking_uri: str) -> str | None:
     """The file of a SQLite store URI, absolute ("/abs/mlflow.db") or relative ("mlflow.db")."""
     if not tracking_uri.startswith(_SQLITE):
         return None
@@ -102,7 +102,7 @@ def stored_tracking_uri(uri: str, run_dir: Path) -> str:
     relative to it, so a moved run folder goes on logging into its own store."""
     from elastictrain.redact import redact_text
 
-    db = _sqlite_path(uri)
+    db = sqlite_path(uri)
     if db is None:
         return redact_text(uri)
     path = Path(db).resolve()  # a relative one as this process sees it (its working directory)
@@ -115,7 +115,7 @@ def stored_tracking_uri(uri: str, run_dir: Path) -> str:
 
 def resolve_tracking_uri(stored: str, run_dir: Path) -> str:
     """A URI recorded by `stored_tracking_uri`, usable from this run folder wherever it now is."""
-    db = _sqlite_path(stored)
+    db = sqlite_path(stored)
     if db is None or Path(db).is_absolute():
         return stored
     return stored.replace(db, str(Path(run_dir).resolve() / db), 1)
@@ -124,7 +124,7 @@ def resolve_tracking_uri(stored: str, run_dir: Path) -> str:
 def artifacts_beside_sqlite(tracking_uri: str) -> str | None:
     # MLflow's default artifact root for a SQL store is relative to the current directory; keep a
     # SQLite store's artifacts next to its database instead (<run_dir>/mlartifacts for the default).
-    db = _sqlite_path(tracking_uri)
+    db = sqlite_path(tracking_uri)
     if db is None:
         return None
     return (Path(db).parent / "mlartifacts").resolve().as_uri()
