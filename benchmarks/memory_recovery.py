@@ -199,28 +199,38 @@ def _slice_bytes(held_bytes: float | None) -> float | None:
 
 
 def transport(nbytes: int, reps: int = 5) -> dict[str, float]:
-    """Seconds to get `nbytes` of fp32 arrays from one actor into another's memory, two ways."""
-    import numpy as np
+    """Seconds to get a snapshot of `nbytes` (eight tensors viewing one buffer, as a rank's copy does)
+    from one actor into another's memory: as the product sends a replica (`Snapshot.to_wire`, kept with
+    `Snapshot.from_wire`), and as pickled torch tensors."""
     import ray
 
     baselines.ensure_local_ray()
 
     @ray.remote(num_cpus=0)
     class Buddy:
-        def hold(self, wire: dict[str, Any]) -> int:
-            kept = {k: np.array(a, copy=True) for k, a in wire.items()}  # ours, as a replica is
-            return sum(a.nbytes for a in kept.values())
+        def hold(self, wire: Any) -> int:
+            from elastictrain.checkpoint.memory_snapshot import Snapshot
+
+            if isinstance(wire, dict) and "flat" in wire:
+                return Snapshot.from_wire(wire).nbytes  # a replica, as a worker keeps it
+            kept = {k: t.clone() for k, t in wire.items()}  # unpickled tensors, made ours
+            return sum(t.numel() * 4 for t in kept.values())
 
     @ray.remote(num_cpus=0)
     class Sender:
         def __init__(self, n: int) -> None:
             import torch
 
-            self.tensors = {f"p{i}::fp32": torch.ones(n // 4 // 8) for i in range(8)}
+            from elastictrain.checkpoint.memory_snapshot import Snapshot, SnapshotKey
+
+            flat = torch.ones(n // 4)
+            part = flat.numel() // 8
+            tensors = {f"p{i}::fp32": flat.narrow(0, i * part, part) for i in range(8)}
+            self.snapshot = Snapshot(SnapshotKey(1, 2, 0, 1), tensors, {}, {}, flat=flat)
 
         def send(self, buddy: Any, as_numpy: bool) -> float:
             t0 = time.perf_counter()
-            wire = {k: t.numpy() for k, t in self.tensors.items()} if as_numpy else self.tensors
+            wire = self.snapshot.to_wire() if as_numpy else dict(self.snapshot.tensors)
             ray.get(buddy.hold.remote(wire))
             return time.perf_counter() - t0
 

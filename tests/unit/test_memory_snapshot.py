@@ -69,5 +69,24 @@ def test_a_replica_survives_the_wire_as_its_own_copy():
     snap = old_rank(1)
     wire = snap.to_wire()
     back = Snapshot.from_wire(wire)
-    wire["arrays"]["w::fp32"][:] = 0  # the sender's buffer changing later does not touch the replica
-    assert torch.equal(back.tensors["w::fp32"], W[5:10]) and back.key == snap.key
+    wire["flat"][:] = 0  # the sender's buffer changing later does not touch the replica
+    assert back.key == snap.key and list(back.tensors) == list(snap.tensors)
+    assert all(torch.equal(back.tensors[k], t) for k, t in snap.tensors.items())
+
+
+def test_a_snapshot_goes_on_the_wire_as_the_one_buffer_its_tensors_view_and_a_replica_does_again():
+    import numpy as np
+
+    from elastictrain.checkpoint.rank_snapshot import Snapshot as RankSnapshot
+
+    buffer = torch.arange(8, dtype=torch.float32)
+    plan = type("Plan", (), {"keys": {"w::fp32": (0, 5), "b::fp32": (5, 3)}})()
+    raw = RankSnapshot(plan, buffer, {})  # type: ignore[arg-type]
+    own = Snapshot(SnapshotKey(1, 2, 0, 7), raw.tensors(), {}, {}, raw=raw)
+    wire = own.to_wire()
+    assert np.shares_memory(wire["flat"], buffer.numpy())  # not copied on the sender's side
+    assert wire["layout"] == {"w::fp32": (0, 5), "b::fp32": (5, 3)}
+    replica = Snapshot.from_wire(wire)
+    assert torch.equal(replica.tensors["b::fp32"], torch.tensor([5.0, 6.0, 7.0]))
+    handed = replica.to_wire()  # a replaced worker hands its replicas on the same way
+    assert np.shares_memory(handed["flat"], replica.flat.numpy()) and handed["layout"] == wire["layout"]

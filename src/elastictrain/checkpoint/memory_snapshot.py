@@ -41,6 +41,7 @@ class Snapshot:
     scalars: dict[str, Any]
     copy_s: float = 0.0
     raw: Any = None  # checkpoint/rank_snapshot.Snapshot the tensors view (own copies: a checkpoint writes it)
+    flat: torch.Tensor | None = None  # a replica's one buffer, which its tensors view
 
     @property
     def nbytes(self) -> int:
@@ -51,15 +52,37 @@ class Snapshot:
         return {"fragments": dict(self.fragments), "keys": list(self.tensors), "scalars": self.scalars}
 
     def to_wire(self) -> dict[str, Any]:
-        """For a replica sent to a buddy: numpy arrays travel through Ray's object store without pickling."""
-        arrays = {k: t.numpy() for k, t in self.tensors.items()}
-        return {"key": self.key, "arrays": arrays, "fragments": self.fragments, "scalars": self.scalars}
+        """For a replica sent to a buddy: the one buffer the tensors view, as a numpy array (it travels
+        through Ray's object store without pickling), and where each tensor lies in it. One array, not one
+        per tensor: Ray's serialization of a hundred views of one buffer took 8-12 CPU ms for 16.5 MB
+        on 2 cores, of one array 1 ms."""
+        flat, layout = self._flat_layout()
+        wire = {"key": self.key, "flat": flat.numpy(), "layout": layout}
+        return {**wire, "fragments": self.fragments, "scalars": self.scalars}
+
+    def _flat_layout(self) -> tuple[torch.Tensor, dict[str, tuple[int, int]]]:
+        """The buffer every tensor views and each one's (offset, length) in it; a snapshot whose tensors
+        are not views of one buffer (made by hand) is packed into a new one."""
+        flat = self.raw.buffer if self.raw is not None else self.flat
+        views = flat is not None and all(
+            t.dim() == 1 and t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+            for t in self.tensors.values()
+        )
+        if flat is not None and views and flat.storage_offset() == 0 and flat.is_contiguous():
+            return flat, {k: (t.storage_offset(), t.numel()) for k, t in self.tensors.items()}
+        parts = {k: t.reshape(-1).to(torch.float32) for k, t in self.tensors.items()}
+        packed = torch.cat(list(parts.values())) if parts else torch.empty(0, dtype=torch.float32)
+        layout, offset = {}, 0
+        for k, part in parts.items():
+            layout[k], offset = (offset, part.numel()), offset + part.numel()
+        return packed, layout
 
     @staticmethod
     def from_wire(wire: dict[str, Any]) -> Snapshot:
         # Copied out of the (read-only, shared) object-store buffer: the replica is ours to keep.
-        tensors = {k: torch.from_numpy(a.copy()) for k, a in wire["arrays"].items()}
-        return Snapshot(wire["key"], tensors, wire["fragments"], wire["scalars"])
+        flat = torch.from_numpy(wire["flat"].copy())
+        tensors = {k: flat.narrow(0, off, n) for k, (off, n) in wire["layout"].items()}
+        return Snapshot(wire["key"], tensors, wire["fragments"], wire["scalars"], flat=flat)
 
 
 @dataclass
