@@ -66,6 +66,12 @@ def _elastictrain_outcome(run_dir: Any, t_fail: float) -> dict[str, Any]:
         "world_sizes": [h["world_size"] for h in run_dir.read_info().world_size_history],
         "failure_kind": next(e["kind"] for e in events if e["event"] == "failure"),
         "recovered_from": first.get("recovered_from"),
+        # The in-memory snapshot schedule's moves (default settings: at most 3% of training time).
+        "snapshot_intervals": [
+            (e["step"], e.get("interval"), str(e.get("message", ""))[:300])
+            for e in events
+            if e["event"] == "snapshots"
+        ],
         # Where the recovery's time went: failure event -> restart's attempt_started -> first step.
         "failure_to_restart_s": event_time(restart) - event_time(failure),
         "restart_setup_s": restart.get("setup_s"),

@@ -5,7 +5,8 @@
     python -m benchmarks.run --report-only    # BENCHMARKS.md again from results/*.json, nothing run
 
 Benchmarks: throughput, checkpoint_stall, memory, reshard, recovery, memory_recovery, controller_scale,
-zero_stages; and, only when named with --only: goodput (a long run with failures injected), sft (one
+zero_stages; and, only when named with --only: goodput (a long run with failures injected),
+memory_presets (in-memory snapshots at the 30M and 125M presets, default settings), sft (one
 epoch of instruction records against Hugging Face's Trainer) and scale (30M to 1B parameters: hours
 on 2 cores; `--sizes` picks sizes, and sizes already in results/scale.json are skipped unless
 `--redo`). Runs that several benchmarks read (the plain training runs of each system) happen once per
@@ -28,6 +29,7 @@ from benchmarks import (
     controller_scale,
     goodput,
     memory,
+    memory_presets,
     memory_recovery,
     recovery,
     report,
@@ -49,10 +51,12 @@ MODULES = {
     "controller_scale": controller_scale,
     "zero_stages": zero_stages,
     "goodput": goodput,
+    "memory_presets": memory_presets,
     "scale": scale,
     "sft": sft,
 }
-OPT_IN = {"goodput", "scale", "sft"}  # long: run with --only (GOODPUT_MINUTES sets goodput's length)
+# Long: run with --only (GOODPUT_MINUTES sets goodput's length).
+OPT_IN = {"goodput", "memory_presets", "scale", "sft"}
 DEFAULT_REPS = 1  # the full run stays under 25 minutes on 2 cores; more with --reps
 
 

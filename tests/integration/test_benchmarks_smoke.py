@@ -148,3 +148,26 @@ def test_sft_benchmark_at_smoke_size(tmp_path: Path) -> None:
 
     assert {r["steps"] for r in data["runs"]} == {SMOKE.steps}
     assert (results / "sft.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(300)
+def test_memory_presets_benchmark_at_smoke_size(tmp_path: Path) -> None:
+    """The opt-in memory_presets benchmark on the smallest workload: a kill at default settings and a run
+    with a snapshot every other step, their figures finite (about 30 s on 2 cores)."""
+    results = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--smoke", "--only", "memory_presets", "--results",
+         str(results), "--markdown", str(tmp_path / "BENCHMARKS.md")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"benchmarks.run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    data = json.loads((results / "memory_presets.json").read_text())
+    assert data["benchmark"] == "memory_presets" and data["smoke"] is True
+    for key in ("steps_lost", "step_cost_interleaved", "step_s_without", "copy_s", "replicate_s"):
+        value = _get(data["metrics"], f"smoke.{key}")
+        assert isinstance(value, int | float) and math.isfinite(value), (key, value)
+    assert data["metrics"]["smoke"]["recovered_from"] == ["memory"]
+    assert (results / "memory_presets.png").stat().st_size > 0

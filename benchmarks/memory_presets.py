@@ -1,0 +1,112 @@
+"""In-memory snapshots at the 30M and 125M presets, at default settings (opt-in: `--only memory_presets`,
+about 15 minutes on 2 cores).
+
+Per preset, on 2 workers (min 1):
+- a run at default settings (`checkpoint.memory_every_steps=1`, `checkpoint.memory_max_step_share=0.03`)
+  long enough for the schedule to decide (it moves after 20 measured snapshots), whose last worker is
+  killed 3 steps before the end: the steps that failure lost, where it recovered from, and every move
+  of the snapshot interval with the cost the controller measured;
+- a run with a snapshot every other step: the steps a copy runs beside against the steps without, in
+  the same minutes on the same workers (what the memory_recovery benchmark measures on the tiny model).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from benchmarks import memory_recovery, recovery
+from benchmarks.common import SMOKE, Result, Target, Workload, median
+from benchmarks.scale import preset_overrides
+
+SIZES = ("30m", "125m")
+DEFAULT_RUN_STEPS = 25  # 2 warm-up steps, then 20 measured snapshots before the schedule may move
+INTERLEAVED_STEPS = {"30m": 18, "125m": 14, "smoke": 6}
+
+
+def workload(size: str, smoke: bool, steps: int) -> Workload:
+    overrides = preset_overrides(size) if not smoke else SMOKE.overrides
+    name = f"memory-{size}" if not smoke else "memory-smoke"
+    return Workload(name, overrides, warmup_steps=2, measured_steps=steps - 2, peer_timeout_s=3600)
+
+
+def measure(size: str, tmp: Path, smoke: bool) -> dict[str, Any]:
+    steps = DEFAULT_RUN_STEPS if not smoke else 6
+    killed = recovery.elastictrain_worker_killed(workload(size, smoke, steps), tmp / f"{size}-killed")
+    lost = killed["steps_lost"]
+    print(f"  memory_presets {size}: killed at default settings: {lost} step(s) lost", flush=True)
+    n = INTERLEAVED_STEPS["smoke" if smoke else size]
+    paired = memory_recovery.interleaved_cost(workload(size, smoke, n), tmp / f"{size}-interleaved", n)
+    print(f"  memory_presets {size}: a step beside a snapshot {paired['cost']:+.1%}", flush=True)
+    return {"size": size, "killed": killed, "interleaved": paired}
+
+
+def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
+    sizes = SIZES if not smoke else ("smoke",)
+    runs = [measure(size, tmp / f"rep{rep}", smoke) for rep in range(reps) for size in sizes]
+    metrics: dict[str, Any] = {}
+    targets: list[Target] = []
+    for size in sizes:
+        mine = [r for r in runs if r["size"] == size]
+        intervals = [i for r in mine for _, i, _ in r["killed"]["snapshot_intervals"]]
+        m = {
+            "steps_lost": median([r["killed"]["steps_lost"] for r in mine]),
+            "recovered_from": [r["killed"]["recovered_from"] for r in mine],
+            "interval_moves": [r["killed"]["snapshot_intervals"] for r in mine],
+            "interval_at_the_end": intervals[-1] if intervals else 1,
+            "step_cost_interleaved": median([r["interleaved"]["cost"] for r in mine]),
+            "step_s_without": median([r["interleaved"]["step_s_without"] for r in mine]),
+            "copy_s": median([r["interleaved"]["copy_s"] for r in mine]),
+            "replicate_s": median([r["interleaved"]["replicate_s"] for r in mine]),
+        }
+        metrics[size] = m
+        targets += [
+            Target(
+                f"{size} at default settings: steps lost per failure",
+                m["steps_lost"],
+                1,
+                "<=",
+                unit="steps",
+                note=f"from {m['recovered_from']}; snapshots every {m['interval_at_the_end']} step(s) when "
+                f"the worker was killed (the schedule's moves: {len(intervals)})",
+            ),
+            Target(
+                f"{size}: per-step cost of a snapshot, beside steps without (wall, one run)",
+                m["step_cost_interleaved"],
+                0.03,
+                "<=",
+                unit="fraction",
+                note=f"2 ranks, a snapshot every other step, {runs[-1]['interleaved']['steps']} steps; "
+                f"a step without {m['step_s_without']:.2f} s",
+            ),
+        ]
+    notes = [
+        "The kill comes 3 steps before the end of a 25-step run (disk checkpoints every 5), after the "
+        "default schedule had 20 snapshots to decide from; steps lost from memory are at most the interval "
+        "it chose, which the interval_moves list with the cost the controller measured.",
+    ]
+    if smoke:
+        notes.append("smoke: the benchmarks' smallest workload, not a preset: not a measurement.")
+    return Result("memory_presets", smoke, reps, metrics, targets, runs, notes, {"sizes": list(sizes)})
+
+
+def plot(result: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    m = result["metrics"]
+    sizes = list(m)
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    axes[0].bar(sizes, [100 * (m[s]["step_cost_interleaved"] or 0.0) for s in sizes])
+    axes[0].axhline(3, color="red", linestyle="--", label="target 3%")
+    axes[0].set_ylabel("% longer beside a snapshot")
+    axes[0].legend()
+    axes[1].bar(sizes, [m[s]["steps_lost"] for s in sizes])
+    axes[1].axhline(1, color="red", linestyle="--", label="target 1")
+    axes[1].set_ylabel("steps lost (default settings)")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
