@@ -106,10 +106,9 @@ WHY = {
     "runs). What remains is moving the bytes: each rank's 16.5 MB slice is copied three times a step (into "
     "the snapshot's buffer, into the object store, into the buddy's heap; the replica's actor call takes "
     "31-40 ms of a 0.4 s step) on threads that share the 2 cores and their memory bandwidth with the 2 "
-    "training ranks. The tiny preset is the worst case: its step computes little for the bytes it holds, "
-    "and a larger model's step grows with its parameters times its tokens while the copy grows with its "
-    "parameters alone. The schedule keeps every step here: its measured cost is under its 1.5x margin "
-    "over the 3% share. Closing it: one copy fewer (the buddy keeping the object-store buffer, or reading "
+    "training ranks (the memory_presets benchmark measures the same at 30M and 125M). The schedule keeps "
+    "every step here: its measured cost is under its 1.5x margin over the 3% share. Closing it: one copy "
+    "fewer (the buddy keeping the object-store buffer, or reading "
     "the sender's buffer over shared memory on one node), or idle cores (on a GPU machine the copy is a "
     "device-to-host transfer and the replica uses the network).",
     "memory recovery: per-step cost with the default schedule": "this short run keeps a snapshot every "
