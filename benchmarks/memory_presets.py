@@ -83,7 +83,7 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
                 0.03,
                 "<=",
                 unit="fraction",
-                note=f"2 ranks, a snapshot every other step, {runs[-1]['interleaved']['steps']} steps; "
+                note=f"2 ranks, a snapshot every other step, {mine[-1]['interleaved']['steps']} steps; "
                 f"a step without {m['step_s_without']:.2f} s"
                 + (f"; not measured: no copy was made ({m['snapshots_off']})" if not copied else ""),
             ),

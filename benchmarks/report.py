@@ -111,6 +111,24 @@ WHY = {
     "fewer (the buddy keeping the object-store buffer, or reading "
     "the sender's buffer over shared memory on one node), or idle cores (on a GPU machine the copy is a "
     "device-to-host transfer and the replica uses the network).",
+    "30m: per-step cost of a snapshot": "each rank's slice is 190 MB (31.7M parameters: fp32 weights and "
+    "two Adam moments, over 2 ranks); a copy takes about 0.1 s and its replica's call 0.16-0.18 s of a "
+    "2.1-2.3 s step (9.5% and 10.0% in two runs), on threads that share the 2 cores and their memory "
+    "bandwidth with the 2 training ranks. The default schedule kept a snapshot every step all the same "
+    "(the kill run's 27 steps: no move), since it "
+    "counts the snapshot threads' CPU seconds, which stay under its 1.5x margin over 3%, and not the "
+    "slowdown the copies cause the training threads. Closing it: a schedule that measures the wall cost "
+    "itself (a step beside a copy against one without, as this benchmark does), then spaces snapshots out "
+    "or makes them cheaper (one copy fewer in the replica's path; idle cores on a real node).",
+    "125m at default settings: steps lost": "in-memory snapshots were off: a worker may hold 8 copies of "
+    "its rank's slice (its last two and the one being copied, two replicas of its buddy's and the one "
+    "arriving, the object store's transfer buffer, a checkpoint's own copy), 8 x 767 MiB at world size 2, "
+    "over the 4.6 GB that checkpointing may use on this 23 GB machine (half the available memory split "
+    "between the node's ranks), so the kill recovered from the disk checkpoint, losing the 2 steps since "
+    "it. Closing it: checkpoint.max_host_memory_mb where the host has the room (GPU nodes hold hundreds "
+    "of GB), or fewer copies held at once.",
+    "125m: per-step cost of a snapshot": "not measured: the memory check turned in-memory snapshots off at "
+    "this size on this machine (the row above says why), so no copy ran beside any step.",
     "memory recovery: per-step cost with the default schedule": "this short run keeps a snapshot every "
     "step (the schedule moves only after a window of 20 snapshots, and only once they cost 1.5 times the "
     "allowed share), so the figure is the every-step cost, measured on single runs whose step times "

@@ -122,20 +122,26 @@ def test_every_benchmark_at_smoke_size(tmp_path: Path) -> None:
     assert "Repetitions:" in text and "Versions:" in text and "Machine:" in text
 
 
-@pytest.mark.timeout(420)
-def test_sft_benchmark_at_smoke_size(tmp_path: Path) -> None:
-    """The opt-in sft benchmark (elastictrain's `data.source: sft` against Hugging Face's Trainer under
-    torchrun), on its own: 1-2 minutes on 2 cores, too long to add to the run above."""
+def _smoke_only(name: str, tmp_path: Path, timeout: float) -> Path:
+    """Run one opt-in benchmark at its smoke size; the folder its results went to."""
     results = tmp_path / "results"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--smoke", "--only", "sft", "--results", str(results),
+        [sys.executable, "-m", "benchmarks.run", "--smoke", "--only", name, "--results", str(results),
          "--markdown", str(tmp_path / "BENCHMARKS.md")],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=timeout,
     )  # fmt: skip
     assert proc.returncode == 0, f"benchmarks.run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return results
+
+
+@pytest.mark.timeout(420)
+def test_sft_benchmark_at_smoke_size(tmp_path: Path) -> None:
+    """The opt-in sft benchmark (elastictrain's `data.source: sft` against Hugging Face's Trainer under
+    torchrun), on its own: 1-2 minutes on 2 cores, too long to add to the run above."""
+    results = _smoke_only("sft", tmp_path, timeout=400)
     data = json.loads((results / "sft.json").read_text())
     assert data["benchmark"] == "sft" and data["smoke"] is True
     for key in ("samples_per_s", "real_tokens_per_s"):
@@ -154,16 +160,7 @@ def test_sft_benchmark_at_smoke_size(tmp_path: Path) -> None:
 def test_memory_presets_benchmark_at_smoke_size(tmp_path: Path) -> None:
     """The opt-in memory_presets benchmark on the smallest workload: a kill at default settings and a run
     with a snapshot every other step, their figures finite (about 30 s on 2 cores)."""
-    results = tmp_path / "results"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--smoke", "--only", "memory_presets", "--results",
-         str(results), "--markdown", str(tmp_path / "BENCHMARKS.md")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )  # fmt: skip
-    assert proc.returncode == 0, f"benchmarks.run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    results = _smoke_only("memory_presets", tmp_path, timeout=280)
     data = json.loads((results / "memory_presets.json").read_text())
     assert data["benchmark"] == "memory_presets" and data["smoke"] is True
     for key in ("steps_lost", "step_cost_interleaved", "step_s_without", "copy_s", "replicate_s"):
