@@ -51,6 +51,7 @@ PATCH_MODULES = (
     "elastictrain.compat.torch_dist.process_group",
     "elastictrain.compat.transformers.hf_init",
     "elastictrain.compat.transformers.preload",
+    "elastictrain.compat.transformers.import_structure",
     "elastictrain.compat.mlflow.artifact_cache",
     "elastictrain.compat.mlflow.sqlite_template",
     "elastictrain.compat.peft.zero3",

@@ -42,6 +42,9 @@ def build_hf_config(hf_config: dict[str, Any]) -> Any:
 
 def preload_model_code(config: Any) -> None:
     """Import everything building the model will import, outside of DeepSpeed's zero.Init."""
+    from elastictrain.compat.transformers.import_structure import cache_import_structure
+
+    cache_import_structure()  # before transformers.models is first imported
     import torch._dynamo  # noqa: F401
     import transformers.modeling_utils  # noqa: F401
     from transformers import AutoConfig

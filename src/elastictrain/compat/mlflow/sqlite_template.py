@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 from elastictrain.compat.registry import installed_version, patch
+from elastictrain.compat.user_cache import cache_folder
 
 
 def _check() -> str | None:
@@ -24,10 +25,6 @@ def _check() -> str | None:
 
 def _leave_it_to_mlflow(db: Path) -> bool:
     return False
-
-
-def cache_folder() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "elastictrain"
 
 
 @patch(
