@@ -262,12 +262,7 @@ def test_a_worker_crashing_at_any_moment_of_a_step_costs_at_most_one_step_with_a
             armed.append((phases.pop(0), at))
 
     summary, run_dir, out = run(
-        tiny_config(
-            tmp_path / "run",
-            "scaling.min_workers=1",
-            "scaling.max_workers=3",
-            "checkpoint.memory_max_step_share=0",  # the replica phase needs a snapshot at the armed step
-        ),
+        config(tmp_path / "run"),  # a snapshot every step: the replica phase needs one at the armed step
         hook=chain(ledger(records), after_attempt_start(arm_or_wait)),
     )
     assert summary.status.value == "FINISHED", out
@@ -327,12 +322,7 @@ def test_a_node_removed_at_any_moment_of_a_step_costs_at_most_one_step_with_a_sn
             ).start()
 
     summary, run_dir, out = run(
-        tiny_config(
-            tmp_path / "run",
-            "scaling.min_workers=1",
-            "scaling.max_workers=3",
-            "checkpoint.memory_max_step_share=0",  # the replica phase needs a snapshot at the armed step
-        ),
+        config(tmp_path / "run"),  # a snapshot every step: the replica phase needs one at the armed step
         hook=chain(ledger(records), after_attempt_start(arm_or_grow)),
     )
     assert not problems, problems

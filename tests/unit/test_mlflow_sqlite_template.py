@@ -14,7 +14,7 @@ from elastictrain.compat.mlflow.sqlite_template import seed_sqlite_store
 
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("ELASTICTRAIN_CACHE", str(tmp_path / "cache"))
 
 
 def tables(db: Path) -> dict[str, list[str]]:
@@ -30,7 +30,7 @@ def tables(db: Path) -> dict[str, list[str]]:
 def test_a_seeded_store_has_the_schema_and_default_experiment_of_one_mlflow_made(tmp_path: Path):
     seeded, made = tmp_path / "seeded" / "mlflow.db", tmp_path / "made" / "mlflow.db"
     assert seed_sqlite_store(seeded) is True
-    assert list((tmp_path / "cache" / "elastictrain").glob("mlflow-*-empty.db"))  # built once, kept
+    assert list((tmp_path / "cache").glob("mlflow-*-empty.db"))  # built once, kept
     made.parent.mkdir()
     clients = {db: MlflowClient(f"sqlite:///{db}") for db in (seeded, made)}
     defaults = {db: c.get_experiment("0") for db, c in clients.items()}
@@ -57,7 +57,7 @@ def test_an_existing_file_is_never_replaced_and_a_second_seed_uses_the_cached_te
     assert seed_sqlite_store(db) is False
     assert db.read_bytes() == b"a store another process made first"
     assert seed_sqlite_store(tmp_path / "one" / "mlflow.db") is True
-    template = next((tmp_path / "cache" / "elastictrain").glob("mlflow-*-empty.db"))
+    template = next((tmp_path / "cache").glob("mlflow-*-empty.db"))
     built, seeded_at_ms = template.stat().st_mtime_ns, int(time.time() * 1000)
     assert seed_sqlite_store(tmp_path / "two" / "mlflow.db") is True
     assert template.stat().st_mtime_ns == built

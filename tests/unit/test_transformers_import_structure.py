@@ -33,7 +33,7 @@ print(json.dumps({"reads": read, "same": same, "llama": LlamaForCausalLM.__name_
 
 
 def fresh_process(cache: Path) -> dict:
-    env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
+    env = {**os.environ, "ELASTICTRAIN_CACHE": str(cache)}
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=180
     )
@@ -43,7 +43,7 @@ def fresh_process(cache: Path) -> dict:
 
 def test_a_second_process_reads_no_model_source_and_gets_the_structure_transformers_computes(tmp_path: Path):
     first = fresh_process(tmp_path)
-    stored = list((tmp_path / "elastictrain").glob("transformers-*-import-structure.pkl"))
+    stored = list(tmp_path.glob("transformers-*-import-structure.pkl"))
     assert len(stored) == 1 and first["reads"] > 1000 and first["same"], first
     second = fresh_process(tmp_path)
     assert second == {"reads": 0, "same": True, "llama": "LlamaForCausalLM"}, second
@@ -51,7 +51,7 @@ def test_a_second_process_reads_no_model_source_and_gets_the_structure_transform
 
 def test_a_cache_made_for_another_install_is_not_used(tmp_path: Path):
     first = fresh_process(tmp_path)
-    store = next((tmp_path / "elastictrain").glob("transformers-*-import-structure.pkl"))
+    store = next(tmp_path.glob("transformers-*-import-structure.pkl"))
     kept = pickle.loads(store.read_bytes())
     wrong = {path: {frozenset(): {"nowhere": {"Nothing"}}} for path in kept["structures"]}
     store.write_bytes(pickle.dumps({"stamp": (kept["stamp"][0], kept["stamp"][1] + 1), "structures": wrong}))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import uuid
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from typing import Any
 from elastictrain.core.state import RunStatus
 from elastictrain.redact import redact
 from elastictrain.storage import AnyPath, as_path, storage_of
+from elastictrain.user_cache import cache_folder
 
 log = logging.getLogger("elastictrain.rundir.run_dir")
 
@@ -49,8 +49,7 @@ def local_state_dir(path: AnyPath) -> Path:
     if isinstance(path, Path):
         return path
     # One folder per URL on this machine, so a driver started here again finds its spool.
-    cache = Path(os.environ.get("ELASTICTRAIN_CACHE", "~/.cache/elastictrain")).expanduser()
-    return cache / "object-runs" / path.protocol / path.key
+    return cache_folder() / "object-runs" / path.protocol / path.key
 
 
 class RunDirError(Exception):

@@ -3,15 +3,16 @@ critical path, cut by replacing what DeepSpeed calls."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from elastictrain.compat.registry import has_parameters, patch
+from elastictrain.user_cache import cache_folder, save_whole
 
 
 def _check_cpuinfo() -> str | None:
@@ -65,7 +66,7 @@ def remember_cpu_info() -> None:
     if getattr(cpuinfo.get_cpu_info, "remembered", False):
         return
     probe = cpuinfo.get_cpu_info
-    asked_once = functools.cache(lambda: cpu_info_from_file(probe, Path.home() / ".cache" / "elastictrain"))
+    asked_once = functools.cache(lambda: cpu_info_from_file(probe, cache_folder()))
 
     def get_cpu_info() -> dict[str, Any]:
         return dict(asked_once())
@@ -109,13 +110,8 @@ def cpu_info_from_file(probe: Any, folder: Path) -> dict[str, Any]:
             pass  # not saved yet (or unreadable): probe
     info = dict(probe())
     if path is not None:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            partial = path.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(json.dumps(info))
-            partial.replace(path)  # whole or absent, for workers starting together
-        except (OSError, TypeError, ValueError):
-            pass  # unsaved: the next process probes again
+        with contextlib.suppress(TypeError, ValueError):  # not JSON: unsaved, the next process probes again
+            save_whole(path, json.dumps(info).encode())  # whole or absent, for workers starting together
     return info
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sqlite3
 import tempfile
 from pathlib import Path
 
 from elastictrain.compat.registry import installed_version, patch
-from elastictrain.compat.user_cache import cache_folder
+from elastictrain.user_cache import cache_folder
 
 
 def _check() -> str | None:
@@ -38,7 +39,7 @@ def _leave_it_to_mlflow(db: Path) -> bool:
 def seed_sqlite_store(db: Path) -> bool:
     """Create the SQLite file `db` of a run's new MLflow store as a copy of an empty, migrated one.
 
-    What: where `db` does not exist yet, copies `<cache>/elastictrain/mlflow-<version>-empty.db` there
+    What: where `db` does not exist yet, copies `~/.cache/elastictrain/mlflow-<version>-empty.db` there
     (built once per MLflow release: MLflow makes a store, then its Default experiment, whose artifact
     location is the builder's folder, is deleted; MLflow adds the store's own at the first connection).
     Returns whether it made `db`. Never replaces a file: a store another process created first stays.
@@ -54,9 +55,9 @@ def seed_sqlite_store(db: Path) -> bool:
         template = _template()
         db.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".mlflow-", suffix=".db", dir=db.parent)
+        os.close(fd)
         try:
-            with os.fdopen(fd, "wb") as out, template.open("rb") as src:
-                out.write(src.read())
+            shutil.copyfile(template, tmp)
             os.link(tmp, db)  # fails where the file exists: a store made meanwhile is never replaced
         finally:
             os.unlink(tmp)

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import pickle
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from elastictrain.compat.registry import installed_version, patch
-from elastictrain.compat.user_cache import cache_folder
+from elastictrain.user_cache import cache_folder, save_whole
 
 _installed: list[bool] = []
 
@@ -44,7 +41,7 @@ def cache_import_structure() -> None:
 
     What: wraps `transformers.utils.import_utils.create_import_structure_from_path` (looked up by name
     at each call, so `define_import_structure` calls the wrapper): for a package's `__init__.py` inside
-    the installed transformers it answers from `<cache>/elastictrain/transformers-<version>-import-
+    the installed transformers it answers from `~/.cache/elastictrain/transformers-<version>-import-
     structure.pkl`, computing and adding what is missing. Folders (the scan's own recursion) and paths
     outside transformers go to the original. A development release (`.dev` in its version) is never
     cached, since its sources change under one version. Call it before `transformers.models` is imported.
@@ -92,14 +89,4 @@ def _read(store: Path, stamp: tuple[str, int]) -> dict[str, Any]:
 
 
 def _write(store: Path, stamp: tuple[str, int], structures: dict[str, Any]) -> None:
-    """Whole or not at all: a process reading it meanwhile sees the old file or the new one."""
-    with contextlib.suppress(OSError):
-        store.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".transformers-", dir=store.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                pickle.dump({"stamp": stamp, "structures": structures}, f)
-            os.replace(tmp, store)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+    save_whole(store, pickle.dumps({"stamp": stamp, "structures": structures}))
