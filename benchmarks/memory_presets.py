@@ -3,7 +3,7 @@ about 15 minutes on 2 cores).
 
 Per preset, on 2 workers (min 1):
 - a run at default settings (`checkpoint.memory_every_steps=1`, `checkpoint.memory_max_step_share=0.03`)
-  long enough for the schedule to decide (it moves after 20 measured snapshots), whose last worker is
+  long enough for the schedule to decide (DEFAULT_RUN_STEPS), whose last worker is
   killed 3 steps before the end: the steps that failure lost, where it recovered from, and every move
   of the snapshot interval with the cost the controller measured;
 - a run with a snapshot every other step: the steps a copy runs beside against the steps without, in
@@ -21,9 +21,10 @@ from benchmarks.common import SMOKE, Result, Target, Workload, median
 from benchmarks.scale import preset_overrides
 
 SIZES = ("30m", "125m")
-# The kill comes 3 steps before the end: after 2 warm-up steps and about 24 measured snapshots, so the
-# schedule (which may move after 20) has decided by then.
-DEFAULT_RUN_STEPS = 30
+# The kill comes 3 steps before the end. At 30M the schedule has had its 8 probes by then (it compares
+# one step in 10 that has no copy beside it with the steps around it, and counts the comparisons from
+# the 8th): about 85 steps. At 125M 30 steps: the memory check decides at the first copy.
+DEFAULT_RUN_STEPS = {"30m": 95, "125m": 30, "smoke": 6}
 INTERLEAVED_STEPS = {"30m": 18, "125m": 14, "smoke": 6}
 
 
@@ -34,7 +35,7 @@ def workload(size: str, smoke: bool, steps: int) -> Workload:
 
 
 def measure(size: str, tmp: Path, smoke: bool) -> dict[str, Any]:
-    steps = DEFAULT_RUN_STEPS if not smoke else 6
+    steps = DEFAULT_RUN_STEPS["smoke" if smoke else size]
     killed = recovery.elastictrain_worker_killed(workload(size, smoke, steps), tmp / f"{size}-killed")
     lost = killed["steps_lost"]
     print(f"  memory_presets {size}: killed at default settings: {lost} step(s) lost", flush=True)
@@ -89,9 +90,11 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
             ),
         ]
     notes = [
-        "The kill comes 3 steps before the end of a 30-step run (disk checkpoints every 5), after the "
-        "default schedule had 20 snapshots to decide from; steps lost from memory are at most the interval "
-        "it chose, which the interval_moves list with the cost the controller measured.",
+        "The kill comes 3 steps before the end of a run of "
+        + ", ".join(f"{DEFAULT_RUN_STEPS[s]} steps at {s}" for s in sizes)
+        + ", after the default schedule had its windows of 20 snapshots (and at 30M its 8 probes) to decide "
+        "from; steps lost from memory are at most the interval it chose, which the interval_moves list with "
+        "the cost the controller measured.",
     ]
     if smoke:
         notes.append("smoke: the benchmarks' smallest workload, not a preset: not a measurement.")

@@ -181,4 +181,74 @@ def test_measured_noisy_costs_with_a_stable_mean_change_the_interval_at_most_onc
     if share < 0.03:
         assert s.interval == 1 and not said  # as measured on the tiny preset: every step
     if share > 0.06:
-        assert s.interval == 3 and "every 3 step(s) (was 1)" in said[0]  # ceil(9% / 3%)
+        # ceil(about 9% / 3%): 3, or 4 where the window's median lands just above 9%.
+        assert s.interval in (3, 4) and f"every {s.interval} step(s) (was 1)" in said[0]
+
+
+def simulate_walls(
+    s: SnapshotSchedule,
+    steps: range,
+    *,
+    base: float,
+    beside_s: float,
+    cpu_s: float,
+    noise: Callable[[int], float],
+) -> list[str]:
+    """As `simulate`, on CPU workers that also report each step's forward and backward: `beside_s` more
+    beside a copy (what the copy costs the training threads), `cpu_s` the copies' CPU time; a probe's
+    step runs without its copy beside it (the copy waits for its update), and the step after it with
+    the probe's replica beside its own copy."""
+    said = []
+    for j in steps:
+        s.due(j + 1)
+        marked, probed, after_probe = s._marked.get(j), s.probe(j), s.probe(j - 1)
+        beside = bool(marked) and not probed
+        fb = base + noise(j) + (beside_s if beside else 0.0) + (beside_s if after_probe else 0.0)
+        reports = [
+            {"memory": {"off": "", "cpu_s": cpu_s if beside else 0.0}, "forward_backward_s": fb},
+            {"memory": {"off": "", "cpu_s": 0.0}, "forward_backward_s": fb * 0.98},
+        ]
+        said.append(s.observe(j, reports, fb + 0.05))
+    return [m for m in said if m]
+
+
+def test_on_cpu_workers_one_marked_step_in_ten_is_a_probe_and_never_a_checkpoints_or_on_gpu():
+    cpu = _schedule(use_gpu=False)
+    probes = [n for n in range(1, 60) if cpu.due(n, checkpoint=n % 20 == 0) and cpu.probe(n)]
+    assert probes == [5, 15, 26, 36, 47, 57]  # the 5th, 15th, ... marked step that is not a checkpoint's
+    gpu = _schedule(use_gpu=True)
+    assert not [n for n in range(1, 60) if gpu.due(n) and gpu.probe(n)]
+    spaced = _schedule(use_gpu=False, every=2)  # steps without a copy beside them come unasked
+    assert not [n for n in range(1, 60) if spaced.due(n) and spaced.probe(n)]
+
+
+def test_on_cpu_workers_a_cost_that_cpu_time_misses_is_found_against_probes_and_spaces_snapshots():
+    # A 30M model's step on 2 cores (2.27 s) takes 10% longer beside a copy, while the copies' CPU time
+    # says 3.5% (under the 4.5% that moves the interval); steps scatter by +-5%.
+    rng = random.Random(3)
+    s = _schedule(use_gpu=False)
+    said = simulate_walls(
+        s, range(0, 400), base=2.27, beside_s=0.227, cpu_s=0.08, noise=lambda j: rng.uniform(-0.11, 0.11)
+    )
+    assert len(said) == 1 and "seconds more on the slowest rank than a step with no copy beside it" in said[0]
+    assert s.interval in (3, 4), said  # ceil(cost / 3% of a step), the cost at the lower end of its interval
+    assert "(was 1)" in said[0]
+
+
+@pytest.mark.parametrize("beside_share", [0.0, 0.026, 0.04])
+def test_wall_time_noise_around_a_cost_within_the_margin_never_moves_the_interval(beside_share: float):
+    """Steps scattered as measured on the tiny preset (the file's step times, resampled), beside a copy
+    `beside_share` longer, the copies' CPU time 2% of a step: 3,000 steps, no move."""
+    steps = json.loads(MEASURED.read_text())["step_time_s"]
+    typical = statistics.median(steps)
+    rng = random.Random(int(beside_share * 1000) + 1)
+    s = _schedule(use_gpu=False)
+    said = simulate_walls(
+        s,
+        range(0, 3000),
+        base=0.0,
+        beside_s=beside_share * typical,
+        cpu_s=0.02 * typical,
+        noise=lambda j: rng.choice(steps),
+    )
+    assert not said and s.interval == 1, said

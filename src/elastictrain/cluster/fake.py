@@ -254,7 +254,9 @@ class FakeGroup:
         w.spec, w.step, w.writer = spec, spec.start_step, None
         return {"total_s": 0.0, "load_s": 0.0}
 
-    def _train_step(self, w: FakeWorker, step: int, snapshot: bool | None = None) -> dict[str, Any]:
+    def _train_step(
+        self, w: FakeWorker, step: int, snapshot: bool | None = None, probe: bool = False
+    ) -> dict[str, Any]:
         rank = w.spec.rank
         if self._take("die", rank, step):
             raise FakeDied

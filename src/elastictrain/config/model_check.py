@@ -153,8 +153,10 @@ def vocab_problem(config: Any, vocab: int | None, field: str) -> str | None:
 def model_problems(config: Any) -> list[str]:
     """Everything about `config.model` checkable without weights, one line per problem."""
     from elastictrain.compat.transformers.import_structure import cache_import_structure
+    from elastictrain.compat.transformers.scipy_deferred import import_losses_without_scipy
 
     cache_import_structure()  # before transformers.models is first imported in this process
+    import_losses_without_scipy()  # before the meta build below imports transformers' losses
     built, problems = _build(config)
     if built is None or problems:
         return problems

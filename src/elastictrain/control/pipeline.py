@@ -121,7 +121,7 @@ class StepPipeline:
     def _submit(self, step: int, checkpoint_at: int) -> Calls:
         # The checkpoint's step is copied to memory too: its save then writes that copy (no pause for it).
         due = self.snapshots.due(step + 1, checkpoint=step + 1 == checkpoint_at)
-        calls = self.group.call(self.workers, "train_step", step, due)
+        calls = self.group.call(self.workers, "train_step", step, due, self.snapshots.probe(step + 1))
         self.evals.submit(self.group, self.workers, step)  # queued behind the step on every rank
         return calls
 

@@ -278,9 +278,10 @@ class TrainWorker(SnapshotPeer, ShardSaves, FaultHooks):
 
         self.collate = run_collate(self.dataset, user_callable(cfg, "data.collate"))  # pad id: the dataset's
 
-    def train_step(self, step: int, snapshot: bool | None = None) -> dict[str, Any]:
+    def train_step(self, step: int, snapshot: bool | None = None, probe: bool = False) -> dict[str, Any]:
         """One optimizer step: `grad_accum_steps` micro-batches of this rank's share of the global batch;
-        then, if `snapshot` (the controller's mark), the in-memory snapshot of the state after it."""
+        then, if `snapshot` (the controller's mark), the in-memory snapshot of the state after it (with
+        `probe`, copied only at the next step's update: `WorkerMemory.after_step`)."""
         assert self.spec is not None and self.engine is not None, "train_step before setup"
         waited = time.time() - self._idle_since
         try:
@@ -288,7 +289,7 @@ class TrainWorker(SnapshotPeer, ShardSaves, FaultHooks):
             result["waited_s"] = waited  # idle before this step: after a save, part of its pause
             result["update_wait_s"] = self.memory.pop_update_wait()  # for a copy: after a save, too
             result["memory"] = self.memory.report()
-            self.memory.after_step(self.engine, step + 1, snapshot)
+            self.memory.after_step(self.engine, step + 1, snapshot, probe=probe)
             self._idle_since = time.time()
             return result
         except Exception as e:  # noqa: BLE001 - re-raised below, after the attempt is released
@@ -336,7 +337,10 @@ class TrainWorker(SnapshotPeer, ShardSaves, FaultHooks):
             batches.append((batch, derive_seed(cfg.training.seed, positions.start)))
         self._arm_backward_fault(step)
 
+        forward_backward_s = [0.0]
+
         def before_update() -> None:
+            forward_backward_s[0] = time.perf_counter() - t0  # beside a copy or not: what copies cost
             self.memory.before_update()
             self._maybe_fault(step, "update")
 
@@ -358,6 +362,7 @@ class TrainWorker(SnapshotPeer, ShardSaves, FaultHooks):
             "samples": len(samples),
             "tokens": len(samples) * cfg.data.seq_len,
             "step_time_s": elapsed,
+            "forward_backward_s": forward_backward_s[0],
             "sample_ids": samples,
             **memory_peaks(engine),
             # How the last background checkpoint write is doing: the controller commits when all are done.

@@ -25,6 +25,7 @@ from elastictrain.checkpoint.memory_snapshot import (
     Snapshot,
     SnapshotKey,
     SnapshotStore,
+    SpareBuffers,
     keys_to_fetch,
 )
 from elastictrain.core.memory_snapshots import SLICES_HELD, snapshots_unaffordable
@@ -36,6 +37,7 @@ class WorkerMemory:
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
         self.store = SnapshotStore()
+        self.spare = SpareBuffers()  # buffers of dropped snapshots, copied into again
         self._thread: threading.Thread | None = None
         self._copied = threading.Event()
         self._copied.set()
@@ -48,6 +50,7 @@ class WorkerMemory:
         self.off = ""  # why snapshots are off for this attempt (too large for the budget), or ""
         self._steps_done = -1  # after the attempt's last step
         self._copying: SnapshotKey | None = None  # the last copy started (maybe complete)
+        self._deferred: tuple[Any, SnapshotKey] | None = None  # a probe's copy, started by the next update
         self._for_disk: dict[SnapshotKey, Future[Any]] = {}  # copies a checkpoint write waits for
         self._lock = threading.Lock()
         self.delay_s = 0.0  # tests: a slow copy, to fail in the middle of one
@@ -74,17 +77,28 @@ class WorkerMemory:
     ) -> None:
         """Join an attempt; `budget()` is the host memory (bytes) this rank's snapshots may take."""
         self.copy_finished()
+        self._deferred = None
         self._update_wait_s = 0.0
         self._identity = (attempt, world_size, rank)
         self._every, self._buddy, self._inline = every, buddy, inline
         self._budget = budget or (lambda: float("inf"))
         self._checked, self.off = False, ""
         self.cpu_s = dict.fromkeys(self.cpu_s, 0.0)  # measured anew at this attempt's slice size
+        self.spare.clear()  # slices of another world size (and memory the load may need)
 
-    def after_step(self, engine: Any, steps_done: int, due: bool | None = None) -> None:
+    def after_step(
+        self, engine: Any, steps_done: int, due: bool | None = None, *, probe: bool = False
+    ) -> None:
         """The state after `steps_done` steps is final: copy it (in a thread unless inline) when `due`
-        (the controller's mark; None: every `every` steps, for callers without a controller)."""
+        (the controller's mark; None: every `every` steps, for callers without a controller).
+
+        `probe`: the copy starts only when the next step's forward and backward are done, and that
+        update waits for it, so that step's forward and backward run with no copy beside them: the
+        controller's baseline for what copies beside a step cost (control/snapshot_schedule.py). A
+        failure during that step still loses at most the step before it, as when its copy is beside it.
+        """
         self._steps_done = steps_done
+        self._deferred = None
         if due is None:
             due = self._every > 0 and steps_done % self._every == 0
         if not due or self._every <= 0 or self.off:
@@ -92,6 +106,12 @@ class WorkerMemory:
         self.wait()  # one copy and one replication at a time
         self.copy_finished()  # a checkpoint's own copy (copy_for_disk) too
         key = SnapshotKey(*self._identity, steps_done)
+        if probe and not self._inline and self._checked:
+            self._deferred = (engine, key)
+            return
+        self._start_copy(engine, key)
+
+    def _start_copy(self, engine: Any, key: SnapshotKey) -> None:
         self._copying = key
         self._copied.clear()
         if self._inline:
@@ -156,6 +176,10 @@ class WorkerMemory:
         """The optimizer is about to change the state: the copy in progress must be finished. The wait
         is training held up by the copy (`pop_update_wait`)."""
         t0 = time.perf_counter()
+        if self._deferred is not None:  # a probe's copy: now, alone, while the update waits
+            engine, key = self._deferred
+            self._deferred = None
+            self._start_copy(engine, key)
         self.copy_finished()
         self._update_wait_s += time.perf_counter() - t0
 
@@ -176,7 +200,7 @@ class WorkerMemory:
 
     def snapshot_last_step(self, engine: Any) -> dict[str, Any]:
         """Copy the state after the last step unless that copy was started; wait for it and its replica."""
-        if self.live_key() != self._copying:
+        if self.live_key() != self._copying:  # not started, or a probe's copy not started yet
             self.after_step(engine, self._steps_done, True)
         self.wait()
         return {
@@ -204,6 +228,8 @@ class WorkerMemory:
             done = self.store.find(key)
             future: Future[Any] = Future()
             if done is not None or self._copied.is_set():
+                if done is not None:
+                    done.lent = True  # a checkpoint writes it: never copied into again
                 future.set_result(done.raw if done is not None else None)
             else:
                 self._for_disk[key] = future
@@ -213,6 +239,8 @@ class WorkerMemory:
         # Under the lock with the event, so that `for_disk` either finds the copy ended or registers first.
         with self._lock:
             future = self._for_disk.pop(key, None)
+            if future is not None and snap is not None:
+                snap.lent = True  # a checkpoint writes it: never copied into again
             self._copied.set()  # held before anyone waiting on the copy (leaving, the next update) goes on
         if future is not None:
             future.set_result(snap.raw if snap is not None else None)
@@ -235,7 +263,7 @@ class WorkerMemory:
             found = Walked()
             limit = float("inf") if budget is None else budget / SLICES_HELD
             with _on_stream(stream):  # device-to-host into pinned memory beside the next step's kernels
-                raw = take_snapshot(engine, limit, found)
+                raw = take_snapshot(engine, limit, found, self._spare_buffer)
             if budget is not None:
                 self._checked = True
                 assert found.plan is not None
@@ -248,7 +276,8 @@ class WorkerMemory:
             self.last_copy_s = snap.copy_s
             self.cpu_s["copy"] = time.thread_time() - cpu0
             with self._lock:
-                self.store.add_own(snap)  # complete: only now may it stand for this rank
+                dropped = self.store.add_own(snap)  # complete: only now may it stand for this rank
+            self.spare.offer(dropped)
         except Exception as e:  # noqa: BLE001 - a failed copy leaves the last complete one in place
             self.error = f"{type(e).__name__}: {e}"
             snap = None
@@ -257,6 +286,9 @@ class WorkerMemory:
             self._copy_ended(key, snap)  # a checkpoint write waiting for this copy gets it (or None)
         if self._buddy is not None:
             self._replicate(snap)
+
+    def _spare_buffer(self, numel: int, pinned: bool) -> Any:
+        return self.spare.take(numel, pinned=pinned)
 
     def _replicate(self, snap: Snapshot) -> None:
         t0, cpu0 = time.perf_counter(), time.thread_time()
@@ -270,7 +302,8 @@ class WorkerMemory:
 
     def hold_replica(self, wire: dict[str, Any]) -> None:
         cpu0 = time.thread_time()
-        self.store.add_replica(Snapshot.from_wire(wire))
+        into = self.spare.take(wire["flat"].size)
+        self.spare.offer(self.store.add_replica(Snapshot.from_wire(wire, into)))
         self.cpu_s["hold"] = time.thread_time() - cpu0
 
     def report(self) -> dict[str, Any]:
