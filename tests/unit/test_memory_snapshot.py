@@ -9,7 +9,6 @@ from elastictrain.checkpoint.memory_snapshot import (
     Snapshot,
     SnapshotKey,
     SnapshotStore,
-    SpareBuffers,
     keys_to_fetch,
 )
 from elastictrain.checkpoint.zero_state import Fragment
@@ -91,34 +90,3 @@ def test_a_snapshot_goes_on_the_wire_as_the_one_buffer_its_tensors_view_and_a_re
     assert torch.equal(replica.tensors["b::fp32"], torch.tensor([5.0, 6.0, 7.0]))
     handed = replica.to_wire()  # a replaced worker hands its replicas on the same way
     assert np.shares_memory(handed["flat"], replica.flat.numpy()) and handed["layout"] == wire["layout"]
-
-
-def test_a_replica_is_copied_into_the_buffer_of_the_one_it_pushed_out_and_stays_exact():
-    from elastictrain.worker.memory import WorkerMemory
-
-    memory = WorkerMemory("w")
-    sent = [old_rank(1).to_wire() for _ in range(4)]
-    buffers = []
-    for step, wire in enumerate(sent):
-        wire["key"] = SnapshotKey(1, 2, 1, step)
-        wire["flat"] = wire["flat"] + step  # each step's values differ
-        memory.hold_replica(wire)
-        buffers.append(memory.store.replicas[-1].flat.data_ptr())
-    first, second = memory.store.replicas
-    assert (first.key.step, second.key.step) == (2, 3)
-    # Step 2's replica pushed step 0's out; step 3's was copied into that buffer, not a new one.
-    assert buffers[3] == buffers[0] and len(set(buffers[:3])) == 3
-    assert all(torch.equal(r.flat, torch.from_numpy(sent[r.key.step]["flat"])) for r in (first, second))
-    sent[3]["flat"][:] = 0  # the sender's buffer changing later does not touch the replica
-    assert torch.equal(second.tensors["b::fp32"], torch.tensor([102.0 + 3]))
-
-
-def test_a_dropped_buffer_is_taken_again_only_at_its_own_size_and_never_once_lent_to_a_write():
-    spare = SpareBuffers(keep=1)
-    lent = Snapshot(SnapshotKey(1, 2, 0, 5), {}, {}, {}, flat=torch.zeros(8), lent=True)
-    assert not spare.offer(lent) and spare.take(8) is None  # a checkpoint may still be writing it
-    buffer = torch.zeros(8)
-    assert spare.offer(Snapshot(SnapshotKey(1, 2, 0, 6), {}, {}, {}, flat=buffer))
-    assert not spare.offer(Snapshot(SnapshotKey(1, 2, 0, 7), {}, {}, {}, flat=torch.zeros(8)))  # keep=1
-    assert spare.take(9) is None and spare.take(8, pinned=True) is None
-    assert spare.take(8) is buffer and spare.take(8) is None

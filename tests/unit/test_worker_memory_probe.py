@@ -1,5 +1,5 @@
 """A probe's copy (worker/memory.py): taken at the next step's update instead of beside its forward and
-backward, which then run with no copy beside them; and copies go into the buffers of dropped ones."""
+backward, which then run with no copy beside them."""
 
 from __future__ import annotations
 
@@ -23,16 +23,13 @@ class Plan:
 
 @pytest.fixture
 def copies(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """Each copy the worker takes: the engine's value then, the thread it ran on, its buffer."""
+    """Each copy the worker takes: the engine's value then, and the thread it ran on."""
     taken: list[dict[str, Any]] = []
 
-    def take_snapshot(engine: Any, max_bytes: float, found: Any, spare: Any) -> RankSnapshot:
+    def take_snapshot(engine: Any, max_bytes: float, found: Any) -> RankSnapshot:
         found.plan = Plan(4)
-        buffer = spare(4, False)
-        reused = buffer is not None
-        buffer = buffer if reused else torch.empty(4)
-        buffer.fill_(engine["value"])
-        taken.append({"value": engine["value"], "thread": threading.current_thread().name, "reused": reused})
+        buffer = torch.full((4,), engine["value"])
+        taken.append({"value": engine["value"], "thread": threading.current_thread().name})
         return RankSnapshot(found.plan, buffer, {})  # type: ignore[arg-type]
 
     monkeypatch.setattr(rank_snapshot, "take_snapshot", take_snapshot)
@@ -70,28 +67,3 @@ def test_a_probes_copy_not_yet_taken_is_taken_when_a_grow_asks_for_the_last_step
     assert held["held"] and held["step"] == 2 and [c["value"] for c in copies] == [1.0, 2.0]
     memory.before_update()  # the next attempt's first update: nothing deferred any more
     assert len(copies) == 2
-
-
-def test_a_copy_goes_into_the_buffer_of_the_snapshot_dropped_two_copies_before(copies):
-    memory = WorkerMemory("w")
-    memory.attach(1, 2, 0, every=1, buddy=None, inline=False)
-    for step in range(1, 6):
-        memory.after_step({"value": float(step)}, step, True)
-        memory.wait()
-    assert [c["reused"] for c in copies] == [False, False, False, True, True]
-    assert [float(s.raw.buffer[0]) for s in memory.store.own] == [4.0, 5.0]
-
-
-def test_a_copy_lent_to_a_checkpoint_write_is_never_copied_into_again(copies):
-    memory = WorkerMemory("w")
-    memory.attach(1, 2, 0, every=1, buddy=None, inline=False)
-    memory.after_step({"value": 1.0}, 1, True)
-    memory.wait()
-    written = memory.for_disk()  # a checkpoint of step 1 writes this copy in the background
-    assert written is not None
-    raw = written[0]()
-    for step in range(2, 6):
-        memory.after_step({"value": float(step)}, step, True)
-        memory.wait()
-    assert float(raw.buffer[0]) == 1.0  # still step 1's bytes while the write may be reading them
-    assert [c["reused"] for c in copies] == [False, False, False, False, True]  # step 2's buffer, at 5

@@ -9,10 +9,6 @@ its slices from them through `MemoryReader`, the in-memory twin of `FragmentRead
 A worker keeps the last two complete snapshots of its own rank and the last two replicas it holds for
 its buddy: a snapshot is added only once its copy is complete, so a copy in progress never replaces
 the last complete one, and the one before stays for a peer whose newer copy never completed.
-
-The buffers of snapshots the store lets go are copied into again (`SpareBuffers`): a new buffer's first
-write faults in every page and the kernel zeroes each one, which made a copy into it 2-3 times slower
-than into a used one.
 """
 
 from __future__ import annotations
@@ -23,7 +19,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy
 import torch
 
 from elastictrain.checkpoint.zero_state import Fragment, FragmentReader
@@ -47,7 +42,6 @@ class Snapshot:
     copy_s: float = 0.0
     raw: Any = None  # checkpoint/rank_snapshot.Snapshot the tensors view (own copies: a checkpoint writes it)
     flat: torch.Tensor | None = None  # a replica's one buffer, which its tensors view
-    lent: bool = False  # given to a checkpoint's write: its buffer is never copied into again
 
     @property
     def nbytes(self) -> int:
@@ -84,15 +78,9 @@ class Snapshot:
         return packed, layout
 
     @staticmethod
-    def from_wire(wire: dict[str, Any], into: torch.Tensor | None = None) -> Snapshot:
-        """The snapshot `to_wire` sent, copied out of the (read-only, shared) object-store buffer: the
-        replica is ours to keep. `into`: a spare buffer of the same size to copy into."""
-        sent = wire["flat"]
-        if into is not None and into.numel() == sent.size and into.dtype == torch.float32:
-            flat = into
-            numpy.copyto(flat.numpy(), sent)
-        else:
-            flat = torch.from_numpy(sent.copy())
+    def from_wire(wire: dict[str, Any]) -> Snapshot:
+        # Copied out of the (read-only, shared) object-store buffer: the replica is ours to keep.
+        flat = torch.from_numpy(wire["flat"].copy())
         tensors = {k: flat.narrow(0, off, n) for k, (off, n) in wire["layout"].items()}
         return Snapshot(wire["key"], tensors, wire["fragments"], wire["scalars"], flat=flat)
 
@@ -106,21 +94,15 @@ class SnapshotStore:
     handed: list[Snapshot] = field(default_factory=list)  # from a peer replaced while it held them
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add_own(self, snapshot: Snapshot) -> Snapshot | None:
-        """Keep `snapshot`; the one it pushes out (the oldest of KEEP), if any."""
+    def add_own(self, snapshot: Snapshot) -> None:
         with self._lock:
-            dropped = self.own[0] if len(self.own) == KEEP else None
             self.own.append(snapshot)
             # Handed-over snapshots serve the restart after the failure they were saved from, no later.
             self.handed = [s for s in self.handed if s.key.attempt >= snapshot.key.attempt]
-            return dropped
 
-    def add_replica(self, snapshot: Snapshot) -> Snapshot | None:
-        """Keep the buddy's `snapshot`; the replica it pushes out, if any."""
+    def add_replica(self, snapshot: Snapshot) -> None:
         with self._lock:
-            dropped = self.replicas[0] if len(self.replicas) == KEEP else None
             self.replicas.append(snapshot)
-            return dropped
 
     def add_handed(self, snapshot: Snapshot) -> None:
         with self._lock:
@@ -152,45 +134,6 @@ class SnapshotStore:
 
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.all())
-
-
-class SpareBuffers:
-    """Buffers of snapshots the store let go, to copy the next snapshots of the same size into.
-
-    What may still read a snapshot the store let go: a checkpoint's background write given its copy
-    (`lent`: never offered back), and a peer loading from it, which happens only while a new attempt
-    sets up, before any step (and so before any snapshot of it pushes one out). At most `keep` wait.
-    """
-
-    def __init__(self, keep: int = 2) -> None:
-        self.keep = keep
-        self._spare: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-
-    def offer(self, dropped: Snapshot | None) -> bool:
-        """Keep the buffer of `dropped`, just let go by the store, unless it was lent to a write."""
-        if dropped is None or dropped.lent:
-            return False
-        buffer = dropped.raw.buffer if dropped.raw is not None else dropped.flat
-        if buffer is None:
-            return False
-        with self._lock:
-            if len(self._spare) >= self.keep:
-                return False
-            self._spare.append(buffer)
-        return True
-
-    def take(self, numel: int, *, pinned: bool = False) -> torch.Tensor | None:
-        """A kept buffer of exactly `numel` float32 elements (pinned or not), or None."""
-        with self._lock:
-            for i, buffer in enumerate(self._spare):
-                if buffer.numel() == numel and buffer.is_pinned() == pinned:
-                    return self._spare.pop(i)
-        return None
-
-    def clear(self) -> None:
-        with self._lock:
-            self._spare = []
 
 
 def keys_to_fetch(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -178,14 +178,10 @@ def snapshot_bytes(engine: Any) -> int:
 
 @torch.no_grad()
 def take_snapshot(
-    engine: Any,
-    max_bytes: float = float("inf"),
-    found: Walked | None = None,
-    spare: Callable[[int, bool], torch.Tensor | None] = lambda numel, pinned: None,
+    engine: Any, max_bytes: float = float("inf"), found: Walked | None = None
 ) -> Snapshot | None:
     """Copy the rank's state into one host buffer; None when it would exceed `max_bytes`, decided from
-    the plan before anything is allocated (`found.plan` then says how large it would have been).
-    `spare(numel, pinned)`: a used buffer of that size to copy into, if the caller has one."""
+    the plan before anything is allocated (`found.plan` then says how large it would have been)."""
     found = found if found is not None else Walked()
     buffer: torch.Tensor | None = None
     for group, opened in _walk(engine, found):
@@ -195,9 +191,7 @@ def take_snapshot(
             if plan.data_bytes > max_bytes:
                 return None
             pin = opened.fp32.is_cuda  # pinned host memory lets a GPU copy run at full speed
-            buffer = spare(plan.numel, pin)
-            if buffer is None:
-                buffer = torch.empty(plan.numel, dtype=torch.float32, pin_memory=pin)
+            buffer = torch.empty(plan.numel, dtype=torch.float32, pin_memory=pin)
         sources = opened.fields()
         for run in plan.runs[group]:
             src = sources[run.field].narrow(0, run.source_offset, run.length)

@@ -25,7 +25,6 @@ from elastictrain.checkpoint.memory_snapshot import (
     Snapshot,
     SnapshotKey,
     SnapshotStore,
-    SpareBuffers,
     keys_to_fetch,
 )
 from elastictrain.core.memory_snapshots import SLICES_HELD, snapshots_unaffordable
@@ -37,7 +36,6 @@ class WorkerMemory:
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
         self.store = SnapshotStore()
-        self.spare = SpareBuffers()  # buffers of dropped snapshots, copied into again
         self._thread: threading.Thread | None = None
         self._copied = threading.Event()
         self._copied.set()
@@ -84,7 +82,6 @@ class WorkerMemory:
         self._budget = budget or (lambda: float("inf"))
         self._checked, self.off = False, ""
         self.cpu_s = dict.fromkeys(self.cpu_s, 0.0)  # measured anew at this attempt's slice size
-        self.spare.clear()  # slices of another world size (and memory the load may need)
 
     def after_step(
         self, engine: Any, steps_done: int, due: bool | None = None, *, probe: bool = False
@@ -228,8 +225,6 @@ class WorkerMemory:
             done = self.store.find(key)
             future: Future[Any] = Future()
             if done is not None or self._copied.is_set():
-                if done is not None:
-                    done.lent = True  # a checkpoint writes it: never copied into again
                 future.set_result(done.raw if done is not None else None)
             else:
                 self._for_disk[key] = future
@@ -239,8 +234,6 @@ class WorkerMemory:
         # Under the lock with the event, so that `for_disk` either finds the copy ended or registers first.
         with self._lock:
             future = self._for_disk.pop(key, None)
-            if future is not None and snap is not None:
-                snap.lent = True  # a checkpoint writes it: never copied into again
             self._copied.set()  # held before anyone waiting on the copy (leaving, the next update) goes on
         if future is not None:
             future.set_result(snap.raw if snap is not None else None)
@@ -263,7 +256,7 @@ class WorkerMemory:
             found = Walked()
             limit = float("inf") if budget is None else budget / SLICES_HELD
             with _on_stream(stream):  # device-to-host into pinned memory beside the next step's kernels
-                raw = take_snapshot(engine, limit, found, self._spare_buffer)
+                raw = take_snapshot(engine, limit, found)
             if budget is not None:
                 self._checked = True
                 assert found.plan is not None
@@ -276,8 +269,7 @@ class WorkerMemory:
             self.last_copy_s = snap.copy_s
             self.cpu_s["copy"] = time.thread_time() - cpu0
             with self._lock:
-                dropped = self.store.add_own(snap)  # complete: only now may it stand for this rank
-            self.spare.offer(dropped)
+                self.store.add_own(snap)  # complete: only now may it stand for this rank
         except Exception as e:  # noqa: BLE001 - a failed copy leaves the last complete one in place
             self.error = f"{type(e).__name__}: {e}"
             snap = None
@@ -286,9 +278,6 @@ class WorkerMemory:
             self._copy_ended(key, snap)  # a checkpoint write waiting for this copy gets it (or None)
         if self._buddy is not None:
             self._replicate(snap)
-
-    def _spare_buffer(self, numel: int, pinned: bool) -> Any:
-        return self.spare.take(numel, pinned=pinned)
 
     def _replicate(self, snap: Snapshot) -> None:
         t0, cpu0 = time.perf_counter(), time.thread_time()
@@ -302,8 +291,7 @@ class WorkerMemory:
 
     def hold_replica(self, wire: dict[str, Any]) -> None:
         cpu0 = time.thread_time()
-        into = self.spare.take(wire["flat"].size)
-        self.spare.offer(self.store.add_replica(Snapshot.from_wire(wire, into)))
+        self.store.add_replica(Snapshot.from_wire(wire))
         self.cpu_s["hold"] = time.thread_time() - cpu0
 
     def report(self) -> dict[str, Any]:
