@@ -23,8 +23,9 @@ from benchmarks.scale import preset_overrides
 SIZES = ("30m", "125m")
 # The kill comes 3 steps before the end. At 30M the schedule has had its 8 probes by then (it compares
 # one step in 10 that has no copy beside it with the steps around it, and counts the comparisons from
-# the 8th): about 85 steps. At 125M 30 steps: the memory check decides at the first copy.
-DEFAULT_RUN_STEPS = {"30m": 95, "125m": 30, "smoke": 6}
+# the 8th, at the end of a window): with disk checkpoints every 5 steps (not probes), about 115 steps.
+# At 125M 30 steps: the memory check decides at the first copy.
+DEFAULT_RUN_STEPS = {"30m": 130, "125m": 30, "smoke": 6}
 INTERLEAVED_STEPS = {"30m": 18, "125m": 14, "smoke": 6}
 
 
@@ -65,8 +66,22 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
             "step_s_without": median([r["interleaved"]["step_s_without"] for r in mine]),
             "copy_s": median([r["interleaved"]["copy_s"] for r in mine]),
             "replicate_s": median([r["interleaved"]["replicate_s"] for r in mine]),
+            # Each window the default schedule measured in the killed run (the last repetition's).
+            "schedule_windows": mine[-1]["killed"].get("snapshot_windows", []),
         }
         metrics[size] = m
+        last = m["schedule_windows"][-1] if m["schedule_windows"] else {}
+        measured = (
+            f"; its last window: a step {last['step_s']:.2f} s, "
+            + ", ".join(
+                f"{k} {last[k]:.3f} s"
+                for k in ("cpu_cost_s", "wait_cost_s", "wall_cost_s")
+                if last.get(k) is not None
+            )
+            + f" ({last['comparisons']} probe comparisons)"
+            if last
+            else ""
+        )
         targets += [
             Target(
                 f"{size} at default settings: steps lost per failure",
@@ -75,7 +90,7 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
                 "<=",
                 unit="steps",
                 note=f"from {m['recovered_from']}; snapshots every {m['interval_at_the_end']} step(s) when "
-                f"the worker was killed (the schedule's moves: {len(intervals)})"
+                f"the worker was killed (the schedule's moves: {len(intervals)}){measured}"
                 + (f"; snapshots were off: {m['snapshots_off']}" if m["snapshots_off"] else ""),
             ),
             Target(

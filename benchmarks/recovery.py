@@ -72,6 +72,12 @@ def _elastictrain_outcome(run_dir: Any, t_fail: float) -> dict[str, Any]:
             for e in events
             if e["event"] == "snapshots"
         ],
+        # Each window the schedule measured (moved or not): its costs, and how many probes it compared.
+        "snapshot_windows": [
+            {k: v for k, v in e.items() if k not in ("event", "time", "message")}
+            for e in events
+            if e["event"] == "snapshot_costs"
+        ],
         # Where the recovery's time went: failure event -> restart's attempt_started -> first step.
         "failure_to_restart_s": event_time(restart) - event_time(failure),
         "restart_setup_s": restart.get("setup_s"),

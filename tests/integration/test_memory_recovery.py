@@ -12,7 +12,8 @@ a snapshot every step stop a step at a given moment (inside the backward pass, b
 snapshot's replica is sent) by a crash of the worker's process, then by the removal of its node: each
 failure costs at most one step. Those two keep a snapshot every step (the default interval) whatever a
 snapshot costs: on a loaded machine the default 3% rule may space snapshots out, and a step without one
-has no replica to stop before.
+has no replica to stop before. A last run keeps the 3% rule on and crashes a worker in the step whose
+copy is the schedule's first probe (taken at that step's update, not beside it): one step lost too.
 """
 
 from __future__ import annotations
@@ -340,5 +341,44 @@ def test_a_node_removed_at_any_moment_of_a_step_costs_at_most_one_step_with_a_sn
     assert len(recovered) >= 3, recovered
     assert all(r["recovered_from"] == "memory" for r in recovered), recovered
     assert all(r["steps_lost"] <= 1 for r in recovered), recovered
+    assert_exact_ledger(records, seed=42)
+    assert_same_parameters(run_dir, reference)
+
+
+def test_a_worker_crashing_in_a_probe_steps_backward_costs_at_most_one_step_at_default_settings(
+    ray_cluster, reference, tmp_path
+):
+    """With the 3% rule on (the default), one marked step in 10 on CPU workers is a probe: its copy is
+    taken at the next step's optimizer update instead of beside that step's forward and backward. A
+    worker's process exits inside that step's backward pass, before the copy began: the run goes on from
+    memory at the step before, one step lost, as when the copy runs beside the step."""
+    records: list[tuple[int, int, list[int]]] = []
+    probes: list[int] = []
+
+    def crash_in_the_first_probes_step(controller: Any) -> None:
+        schedule = controller.pipeline.snapshots
+        asked = schedule.probe
+
+        def probe(steps_done: int) -> bool:
+            if asked(steps_done) and not probes:
+                probes.append(steps_done)  # its copy waits for the update of step index `steps_done`
+                ray.get(controller.active[2].actor.inject_fault.remote("crash", steps_done, "backward"))
+            return asked(steps_done)
+
+        schedule.probe = probe
+
+    summary, run_dir, out = run(
+        config(tmp_path / "run", "checkpoint.memory_max_step_share=0.03"),
+        hook=chain(ledger(records), crash_in_the_first_probes_step),
+    )
+    assert summary.status.value == "FINISHED", out
+    # Checkpoint steps (4, 8) are not probes: the 5th other marked step of the attempt is.
+    assert probes == [6], probes
+    failures = events(run_dir, "failure")
+    assert [(f["kind"], f["step"]) for f in failures] == [("worker_died", 6)], failures
+    recovered = events(run_dir, "recovered")
+    assert (recovered[0]["recovered_from"], recovered[0]["steps_lost"]) == ("memory", 1), recovered
+    starts = events(run_dir, "attempt_started")
+    assert (starts[1]["world_size"], starts[1]["source"], starts[1]["step"]) == (2, "memory", 5), starts[1]
     assert_exact_ledger(records, seed=42)
     assert_same_parameters(run_dir, reference)

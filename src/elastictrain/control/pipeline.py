@@ -144,6 +144,9 @@ class StepPipeline:
             "world_size": float(self.world_size),
         }
         changed = self.snapshots.observe(step, results, wall)
+        if self.snapshots.window is not None:  # a window of snapshots measured: its figures, moved or not
+            self.recorder.quiet_event("snapshot_costs", step=self.step, **self.snapshots.window)
+            self.snapshots.window = None
         if self.snapshots.measured is not None:  # what this step's snapshot cost training (CPU or wait)
             metrics["snapshot_cost_s"] = self.snapshots.measured
         if changed:

@@ -72,6 +72,7 @@ class SnapshotSchedule:
         self.comparisons: deque[list[float]] = deque(maxlen=COMPARISONS_KEPT)  # log(beside / without)
         self.clean_s: deque[float] = deque(maxlen=COMPARISONS_KEPT)  # forward+backward with nothing beside
         self.waits: list[float] = []  # this window: the update's wait for the copy, steps beside one
+        self.window: dict[str, Any] | None = None  # the last window's figures, until the caller takes them
 
     def start_attempt(self) -> None:
         """A new attempt (world size, slices, maybe nodes): the memory check runs again on its workers,
@@ -140,6 +141,13 @@ class SnapshotSchedule:
             return None
         cost, typical_step = statistics.median(self.costs), statistics.median(self.steps)
         wall = self._wall_cost()
+        self.window = {
+            "interval": self.interval,
+            "step_s": typical_step,
+            f"{self.cost_kind}_cost_s": cost,
+            "wall_cost_s": wall,  # None: fewer than MIN_PROBES comparisons yet
+            "comparisons": len(self.comparisons),
+        }
         if wall is not None and wall > cost:
             cost, self.cost_kind = wall, "wall"
         self.costs, self.steps, self.waits = [], [], []
