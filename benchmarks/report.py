@@ -112,14 +112,15 @@ WHY = {
     "the sender's buffer over shared memory on one node), or idle cores (on a GPU machine the copy is a "
     "device-to-host transfer and the replica uses the network).",
     "30m: per-step cost of a snapshot": "each rank's slice is 190 MB (31.7M parameters: fp32 weights and "
-    "two Adam moments, over 2 ranks); a copy takes about 0.1 s and its replica's call 0.16-0.18 s of a "
-    "2.1-2.3 s step (9.5% and 10.0% in two runs), on threads that share the 2 cores and their memory "
-    "bandwidth with the 2 training ranks. The default schedule kept a snapshot every step all the same "
-    "(the kill run's 27 steps: no move), since it "
-    "counts the snapshot threads' CPU seconds, which stay under its 1.5x margin over 3%, and not the "
-    "slowdown the copies cause the training threads. Closing it: a schedule that measures the wall cost "
-    "itself (a step beside a copy against one without, as this benchmark does), then spaces snapshots out "
-    "or makes them cheaper (one copy fewer in the replica's path; idle cores on a real node).",
+    "two Adam moments, over 2 ranks); a copy takes about 0.1 s and its replica's call 0.18-0.2 s of a "
+    "2.3-2.5 s step, on threads that share the 2 cores and their memory bandwidth with the 2 training "
+    "ranks. The figure scatters between runs: 9.5%, 10.0%, 12.0% and 5.8% in four. The default schedule "
+    "kept a snapshot every step in the 130-step kill run: the copies' CPU time was 3.3% of a step (under "
+    "its 4.5% margin), and its wall measure (each probe step, whose copy waits for its update, against "
+    "the steps beside a copy around it) had 9 comparisons by step 110, whose lower 95% bound was 0: "
+    "step times scatter too much here for 9 to resolve a 6-12% cost; a longer run gathers more (one per "
+    "10 marked steps). Closing it: cheaper copies (one copy fewer in the replica's path) or idle cores "
+    "(on a GPU machine the copy is a device-to-host transfer and the replica uses the network).",
     "125m at default settings: steps lost": "in-memory snapshots were off: a worker may hold 8 copies of "
     "its rank's slice (its last two and the one being copied, two replicas of its buddy's and the one "
     "arriving, the object store's transfer buffer, a checkpoint's own copy), 8 x 767 MiB at world size 2, "
