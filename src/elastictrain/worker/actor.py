@@ -143,6 +143,8 @@ class TrainWorker(SnapshotPeer, ShardSaves, FaultHooks):
         """
         with self._lock:
             phase, step, since = self._mark
+        if self._hung is not None:  # an injected hang (worker/faults.py)
+            phase, (step, since) = "hung", self._hung
         frame = sys._current_frames().get(self._train_thread) if self._train_thread else None
         stack = traceback.extract_stack(frame) if frame is not None else []
         in_collective = any(any(m in f.filename for m in _COLLECTIVE_MODULES) for f in stack)

@@ -19,6 +19,9 @@ class FaultHooks:
     worker_id: str
     _faults: dict[tuple[int, str], str]
     _write_delay_s: float
+    # An injected hang that fired (step, time): the worker reports itself hung from then on, though a
+    # hang off the training thread (before a replica is sent) lets that thread mark a few more moves.
+    _hung: tuple[int, float] | None = None
 
     if TYPE_CHECKING:  # the worker's own
 
@@ -46,6 +49,7 @@ class FaultHooks:
         if kind == "raise":
             raise WorkerFault(f"injected fault in worker {self.worker_id} at step {step}")
         if kind == "hang":
+            self._hung = (step, time.time())
             self._set_mark("hung", step)
             while True:  # stops stepping without dying, holding no lock the control thread needs
                 time.sleep(3600)
