@@ -46,6 +46,20 @@ def measure(size: str, tmp: Path, smoke: bool) -> dict[str, Any]:
     return {"size": size, "killed": killed, "interleaved": paired}
 
 
+def _last_window(windows: list[dict[str, Any]]) -> str:
+    """What the schedule measured in its last window, for a target's note ("" when it measured none)."""
+    if not windows:
+        return ""
+    last = windows[-1]
+    costs = [
+        f"{k} {last[k]:.3f} s"
+        for k in ("cpu_cost_s", "wait_cost_s", "wall_cost_s")
+        if last.get(k) is not None
+    ]
+    step, compared = f"{last['step_s']:.2f} s", last["comparisons"]
+    return f"; its last window: a step {step}, {', '.join(costs)} ({compared} probe comparisons)"
+
+
 def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
     sizes = SIZES if not smoke else ("smoke",)
     runs = [measure(size, tmp / f"rep{rep}", smoke) for rep in range(reps) for size in sizes]
@@ -70,18 +84,6 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
             "schedule_windows": mine[-1]["killed"].get("snapshot_windows", []),
         }
         metrics[size] = m
-        last = m["schedule_windows"][-1] if m["schedule_windows"] else {}
-        measured = (
-            f"; its last window: a step {last['step_s']:.2f} s, "
-            + ", ".join(
-                f"{k} {last[k]:.3f} s"
-                for k in ("cpu_cost_s", "wait_cost_s", "wall_cost_s")
-                if last.get(k) is not None
-            )
-            + f" ({last['comparisons']} probe comparisons)"
-            if last
-            else ""
-        )
         targets += [
             Target(
                 f"{size} at default settings: steps lost per failure",
@@ -90,7 +92,8 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
                 "<=",
                 unit="steps",
                 note=f"from {m['recovered_from']}; snapshots every {m['interval_at_the_end']} step(s) when "
-                f"the worker was killed (the schedule's moves: {len(intervals)}){measured}"
+                f"the worker was killed (the schedule's moves: {len(intervals)})"
+                + _last_window(m["schedule_windows"])
                 + (f"; snapshots were off: {m['snapshots_off']}" if m["snapshots_off"] else ""),
             ),
             Target(

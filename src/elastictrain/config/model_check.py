@@ -92,6 +92,10 @@ def _build(config: Any) -> tuple[Any, list[str]]:
 def _structure_problem(built: Any) -> str | None:
     """Build the model on the meta device (no memory): what its constructor rejects is found here."""
     import torch
+
+    from elastictrain.compat.transformers.scipy_deferred import import_losses_without_scipy
+
+    import_losses_without_scipy()  # before the build imports transformers' modeling code and its losses
     from transformers import AutoModelForCausalLM
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
@@ -153,10 +157,8 @@ def vocab_problem(config: Any, vocab: int | None, field: str) -> str | None:
 def model_problems(config: Any) -> list[str]:
     """Everything about `config.model` checkable without weights, one line per problem."""
     from elastictrain.compat.transformers.import_structure import cache_import_structure
-    from elastictrain.compat.transformers.scipy_deferred import import_losses_without_scipy
 
     cache_import_structure()  # before transformers.models is first imported in this process
-    import_losses_without_scipy()  # before the meta build below imports transformers' losses
     built, problems = _build(config)
     if built is None or problems:
         return problems

@@ -24,12 +24,11 @@ that a failure at any moment loses at most the step in flight. Where they cost m
 `checkpoint.memory_max_step_share` of the training time they are spaced out, but only on evidence:
 the cost and the step time are the medians of a window of WINDOW snapshots (or WINDOW_STEPS steps),
 and `core.memory_snapshots.next_interval` moves the interval only past a margin, so that noise does
-not move it back and forth. Every change is a `snapshots` event
-with the measured figures. Each step is sent with its mark, so a change reaches every rank at the same
-step. A checkpoint's step is always marked: the checkpoint's background write then writes that copy,
-and training does not stop for a copy of its own. A rank that finds its copies would not fit in host
-memory turns them off for the attempt and says so in its reports; the schedule then marks no step
-until the next attempt.
+not move it back and forth. Every change is a `snapshots` event with the measured figures. Each step
+is sent with its mark, so a change reaches every rank at the same step. A checkpoint's step is always
+marked: the checkpoint's background write then writes that copy, and training does not stop for a
+copy of its own. A rank that finds its copies would not fit in host memory turns them off for the
+attempt and says so in its reports; the schedule then marks no step until the next attempt.
 """
 
 from __future__ import annotations
@@ -130,7 +129,7 @@ class SnapshotSchedule:
         if beside_copy and not probed:
             self.measured = self._cost(results)
             self.costs.append(self.measured)
-            self.waits.append(max((float(r.get("update_wait_s") or 0.0) for r in results), default=0.0))
+            self.waits.append(_update_wait_s(results))
         if self.cpu_bound:
             kind = "without" if probed or not beside_copy else "beside"
             self._compare(step, "skip" if after_probe else kind, _forward_backward_s(results, step_s))
@@ -180,7 +179,7 @@ class SnapshotSchedule:
             self.cost_kind = "cpu"
             return float(cpu)
         self.cost_kind = "wait"
-        return float(max((r.get("update_wait_s") or 0.0 for r in results), default=0.0))
+        return _update_wait_s(results)
 
     def _compare(self, step: int, kind: str, forward_backward_s: float) -> None:
         """Keep step `step`'s forward and backward time; compare the step PAIR steps back, if it ran
@@ -219,3 +218,8 @@ class SnapshotSchedule:
 def _forward_backward_s(results: list[dict[str, Any]], step_s: float) -> float:
     """The slowest rank's forward and backward (the step's wall time where workers do not report it)."""
     return max((float(r.get("forward_backward_s") or 0.0) for r in results), default=0.0) or step_s
+
+
+def _update_wait_s(results: list[dict[str, Any]]) -> float:
+    """The longest wait of a rank's optimizer update for the copy."""
+    return max((float(r.get("update_wait_s") or 0.0) for r in results), default=0.0)
