@@ -267,10 +267,6 @@ def test_user_json_with_auto_values_is_fully_resolved():
             "in ds.json: deepspeed.offload_optimizer: got 'nvme' with deepspeed.zero_stage 2",
         ),
         ({"foo": {"bar": "auto"}}, '"auto" at foo.bar in ds.json cannot be resolved'),
-        (
-            {"tensor_parallel": {"autotp_size": 2}},
-            "tensor_parallel.autotp_size is 2 in ds.json; tensor parallelism is not supported yet",
-        ),
     ],
 )
 def test_conflicting_user_json_is_refused_naming_the_key(tmp_path, content, expected):

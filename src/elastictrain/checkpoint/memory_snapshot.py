@@ -187,7 +187,7 @@ class MemoryReader(FragmentReader):
     def __init__(self, metas: dict[int, dict[str, Any]], tensors: dict[int, dict[str, torch.Tensor]]) -> None:
         self._handles = []
         self._index = {}
-        self.params = {}
+        self._saved = {}
         self._fields = {}
         for rank, meta in sorted(metas.items()):
             handle = _Tensors(tensors.get(rank, {}))
@@ -199,6 +199,5 @@ class MemoryReader(FragmentReader):
                     fields.append(fld)
             for name, frag in meta["fragments"].items():
                 self._index.setdefault(name, []).append((frag.start, frag.length, handle))
-                self.params[name] = Fragment(0, frag.numel, frag.numel, frag.shape)
-        for parts in self._index.values():
-            parts.sort(key=lambda p: p[0])
+                self._saved[name] = Fragment(0, frag.numel, frag.numel, frag.shape)
+        self._finish_index()

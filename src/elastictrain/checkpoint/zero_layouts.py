@@ -29,7 +29,9 @@ from typing import Any
 
 import torch
 
+from elastictrain.checkpoint.tensor_slices import saved_names
 from elastictrain.compat.deepspeed import optimizer_state as ds_state
+from elastictrain.compat.deepspeed.autotp import data_parallel_rank
 from elastictrain.compat.deepspeed.swap_buffers import (
     adam_state_in_swap_buffers,
     buffers_without_reading,
@@ -133,7 +135,7 @@ class Zero3Layout:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.optimizer = engine.optimizer
-        names = {param: name for name, param in engine.module.named_parameters()}
+        names = saved_names(engine)
         opt = self.optimizer
         self._slices: list[list[LocalSlice]] = []
         for params in opt.fp16_groups:
@@ -211,7 +213,7 @@ class FlatPartitionLayout:
         self.optimizer = engine.optimizer
         inner = self.optimizer.optimizer
         self._flats = [g["params"][0] for g in inner.param_groups]
-        names = {param: name for name, param in engine.module.named_parameters()}
+        names = saved_names(engine)
         if hasattr(self.optimizer, "round_robin_bit16_groups"):
             self._slices = self._from_flat_layout(names)
         else:
@@ -281,8 +283,8 @@ class FlatPartitionLayout:
         # Every rank holds every low-precision parameter in these stages: set each from the full fp32
         # weights (what DeepSpeed's step does with an all-gather), so no collective is needed here.
         with torch.no_grad():
-            for name, param in self.engine.module.named_parameters():
-                if name in reader.params:
+            for param, name in saved_names(self.engine).items():
+                if reader.has(name):
                     param.data.copy_(reader.full(name, FP32).to(param.dtype))
         # The optimizer reads state through fragment views it links lazily; make it relink them.
         ds_state.relink_optimizer_states(self.optimizer)
@@ -294,10 +296,11 @@ class ReplicatedLayout:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.optimizer = engine.optimizer
-        rank = engine.global_rank if hasattr(engine, "global_rank") else 0
+        # The ranks of one tensor-parallel slice split it: this rank's place among them.
+        rank = data_parallel_rank(engine)
         world = engine.dp_world_size if hasattr(engine, "dp_world_size") else 1
         self._params: list[tuple[torch.Tensor, LocalSlice]] = []
-        for name, param in engine.module.named_parameters():
+        for param, name in saved_names(engine).items():
             if not param.requires_grad:
                 continue
             n = param.numel()

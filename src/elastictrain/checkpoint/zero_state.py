@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from elastictrain.checkpoint.tensor_slices import TensorSlice, join, parse
 from elastictrain.checkpoint.zero_layouts import (
     FP32,
     LocalSlice,
@@ -71,16 +72,19 @@ def parse_fragments_metadata(text: str) -> dict[str, Fragment]:
 
 
 class FragmentReader:
-    """Reads any element range of any saved parameter from the fragment files of one checkpoint."""
+    """Reads any element range of any saved parameter from the fragment files of one checkpoint.
+
+    A parameter saved as tensor-parallel slices (checkpoint/tensor_slices.py) reads as a whole under its
+    own name (`params`, `full`) and as any slice of any tensor-parallel size under a slice's name."""
 
     def __init__(self, files: list[Any]) -> None:
         from elastictrain.storage.ranges import open_safetensors
 
         # Local files or objects (run.dir on an object store): either way only the bytes read are fetched.
         self._handles = [open_safetensors(f) for f in files]
-        # name -> sorted starts, and the (start, length, handle) behind each
+        # saved name -> sorted starts, and the (start, length, handle) behind each
         self._index: dict[str, list[tuple[int, int, Any]]] = {}
-        self.params: dict[str, Fragment] = {}
+        self._saved: dict[str, Fragment] = {}  # saved name -> the whole of what was saved under it
         self._fields: dict[str, list[str]] = {}  # name -> saved fields: "fp32" and the optimizer's states
         for path, handle in zip(files, self._handles, strict=True):
             for key in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
@@ -93,13 +97,77 @@ class FragmentReader:
                 raise ValueError(f"{path}: not an elastictrain fragment file (no {FRAGMENTS_KEY} metadata)")
             for name, frag in parse_fragments_metadata(meta[FRAGMENTS_KEY]).items():
                 self._index.setdefault(name, []).append((frag.start, frag.length, handle))
-                self.params[name] = Fragment(0, frag.numel, frag.numel, frag.shape)
+                self._saved[name] = Fragment(0, frag.numel, frag.numel, frag.shape)
+        self._finish_index()
+
+    def _finish_index(self) -> None:
+        """Sort each saved name's fragments and see the parameters saved as tensor-parallel slices."""
         for parts in self._index.values():
             parts.sort(key=lambda p: p[0])
+        self._sliced: dict[str, dict[int, str]] = {}  # parameter -> slice index -> saved name
+        self._slicing: dict[str, TensorSlice] = {}  # parameter -> how it was sliced (index 0's)
+        for saved in self._saved:
+            base, piece = parse(saved)
+            if piece is not None:
+                self._sliced.setdefault(base, {})[piece.index] = saved
+                self._slicing.setdefault(base, TensorSlice(piece.dim, 0, piece.count))
+        self.params: dict[str, Fragment] = {n: f for n, f in self._saved.items() if parse(n)[1] is None}
+        for base, by_index in self._sliced.items():
+            self.params[base] = self._joined(base, by_index)
+        self._cached: tuple[tuple[str, str], torch.Tensor] | None = None
+
+    def _joined(self, base: str, by_index: dict[int, str]) -> Fragment:
+        slicing = self._slicing[base]
+        if sorted(by_index) != list(range(slicing.count)):
+            raise ValueError(
+                f"checkpoint holds slices {sorted(by_index)} of {slicing.count} of {base}: "
+                "a rank's file is missing"
+            )
+        shapes = [self._saved[by_index[i]].shape for i in range(slicing.count)]
+        shape = list(shapes[0])
+        shape[slicing.dim] = sum(s[slicing.dim] for s in shapes)
+        numel = 1
+        for d in shape:
+            numel *= d
+        return Fragment(0, numel, numel, tuple(shape))
+
+    def has(self, name: str) -> bool:
+        """Whether `name` (a parameter, or a slice of one at any tensor-parallel size) can be read."""
+        return name in self._saved or parse(name)[0] in self.params
+
+    def numel(self, name: str) -> int:
+        """The elements of `name` as this checkpoint would give them (a slice: its share of the whole)."""
+        if name in self._saved:
+            return self._saved[name].numel
+        base, piece = parse(name)
+        whole = self.params[base].numel
+        return whole // piece.count if piece is not None else whole
 
     def read(self, name: str, field: str, start: int, length: int) -> torch.Tensor:
-        if name not in self._index:
+        if name in self._index:
+            return self._read_saved(name, field, start, length)
+        base, piece = parse(name)
+        if base not in self.params:
             raise KeyError(f"parameter {name!r} is not in this checkpoint")
+        whole = self._whole(base, field)
+        if piece is not None:
+            whole = piece.cut(whole, base).contiguous()
+        return whole.reshape(-1).narrow(0, start, length).clone()
+
+    def _whole(self, base: str, field: str) -> torch.Tensor:
+        """A parameter whole, joined from its slices (the last one kept: a rank reads it field by field)."""
+        if self._cached is not None and self._cached[0] == (base, field):
+            return self._cached[1]
+        if base in self._index:
+            whole = self.full(base, field)
+        else:
+            by_index, dim = self._sliced[base], self._slicing[base].dim
+            parts = [self.full(by_index[i], field) for i in range(len(by_index))]
+            whole = join(parts, dim)
+        self._cached = ((base, field), whole)
+        return whole
+
+    def _read_saved(self, name: str, field: str, start: int, length: int) -> torch.Tensor:
         parts = self._index[name]
         out = torch.empty(length, dtype=torch.float32)
         pos = start
@@ -119,12 +187,23 @@ class FragmentReader:
 
     def fields(self, name: str) -> list[str]:
         """What was saved for parameter `name`: "fp32" first, then its optimizer state's fields."""
-        found = self._fields.get(name, [])
+        found = self._fields.get(name)
+        if found is None:
+            base = parse(name)[0]
+            found = self._fields.get(base) or self._fields.get(
+                next(iter(self._sliced.get(base, {}).values()), ""), []
+            )
         return sorted(found, key=lambda f: (f != FP32, f))
 
     def full(self, name: str, field: str = FP32) -> torch.Tensor:
-        frag = self.params[name]
-        return self.read(name, field, 0, frag.numel).view(frag.shape)
+        if name in self._saved:
+            frag = self._saved[name]
+            return self._read_saved(name, field, 0, frag.numel).view(frag.shape)
+        base, piece = parse(name)
+        whole = self._whole(base, field) if base in self.params else None
+        if whole is None:
+            raise KeyError(f"parameter {name!r} is not in this checkpoint")
+        return piece.cut(whole, base).contiguous() if piece is not None else whole
 
 
 def _saved_scalars(scalars: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -147,13 +226,13 @@ def load_local_state(engine: Any, reader: FragmentReader, scalars: dict[str, Any
     names: set[str] = set()
     for piece in layout.load_slices():
         names.add(piece.name)
-        if piece.name in reader.params and reader.params[piece.name].numel != piece.numel:
-            saved = reader.params[piece.name].numel
+        if reader.has(piece.name) and reader.numel(piece.name) != piece.numel:
+            saved = reader.numel(piece.name)
             raise ValueError(
                 f"checkpoint does not match the model: {piece.name} has {saved} elements "
                 f"in the checkpoint and {piece.numel} in the model"
             )
-    missing = sorted(names - set(reader.params))
+    missing = sorted(n for n in names if not reader.has(n))
     if missing:
         raise ValueError(f"checkpoint does not match the model: missing parameters {missing[:5]}")
     layout.before_load()

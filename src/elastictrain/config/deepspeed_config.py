@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.config.schema import Config
+from elastictrain.config.tensor_parallel_check import user_json_tensor_parallel
 from elastictrain.core.zero import stage_problems
 
 SCHEDULERS_REPLACED = {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"}
@@ -242,15 +243,12 @@ def check_user_json(config: Config) -> list[str]:
             "use Adam, AdamW, Lion, SGD or Adagrad, or fix the world size (scaling.min_workers == "
             "scaling.max_workers)"
         )
-    tp = user.get("tensor_parallel") if isinstance(user.get("tensor_parallel"), dict) else {}
-    tp_size = tp.get("autotp_size", tp.get("tp_size", 1))
-    if tp_size not in (1, "auto"):
+    tp_size = user_json_tensor_parallel(user)
+    if tp_size != "auto" and tp_size != config.scaling.tensor_parallel:
         problems.append(
-            f"{key}: tensor_parallel.autotp_size is {tp_size!r} in {path.name}; tensor parallelism is not "
-            "supported yet: every rank is fed its own micro-batch, which DeepSpeed's AutoTP refuses at the "
-            'first step ("Data inconsistency within the TP group"). Remove the tensor_parallel block or set '
-            "autotp_size to 1; ZeRO-3 (deepspeed.zero_stage=3, with offload) splits a model too large for "
-            "one rank instead"
+            f"{key}: tensor_parallel.autotp_size is {tp_size!r} in {path.name} but scaling.tensor_parallel "
+            f"is {config.scaling.tensor_parallel}; set one of them to the other's value (or leave "
+            "scaling.tensor_parallel at 1, and the JSON's value is used)"
         )
     zero = user.get("zero_optimization") if isinstance(user.get("zero_optimization"), dict) else {}
     stage = zero.get("stage", 0)
@@ -300,12 +298,16 @@ def effective_offload(config: Config) -> tuple[str, str]:
 
 
 def build_deepspeed_config(
-    config: Config, micro_batch_size: int, grad_accum_steps: int, world_size: int
+    config: Config,
+    micro_batch_size: int,
+    grad_accum_steps: int,
+    replicas: int,
+    *,
+    tensor_parallel: int = 1,
 ) -> dict:
+    """The DeepSpeed config of one attempt: `replicas` data-parallel replicas of `tensor_parallel` ranks."""
     t = config.training
-    assert micro_batch_size * grad_accum_steps * world_size == t.global_batch_size, (
-        "batch split must be exact"
-    )
+    assert micro_batch_size * grad_accum_steps * replicas == t.global_batch_size, "batch split must be exact"
     if config.deepspeed.config_file:
         cfg = _read_user_json(config)
         cfg.pop("scheduler", None)  # the LR schedule is training.lr_schedule's
@@ -319,7 +321,14 @@ def build_deepspeed_config(
         if t.grad_clip > 0:
             cfg["gradient_clipping"] = t.grad_clip
     cfg = _resolve_auto(cfg, _auto_values(config, micro_batch_size, grad_accum_steps), "", [])
-    cfg["train_batch_size"] = t.global_batch_size
+    # DeepSpeed checks train_batch_size against every rank of the world: with AutoTP the config is read
+    # before its tensor-parallel groups exist, so each rank of a replica counts as one more replica.
+    cfg["train_batch_size"] = t.global_batch_size * tensor_parallel
+    if tensor_parallel > 1 or isinstance(cfg.get("tensor_parallel"), dict):
+        block = dict(cfg.get("tensor_parallel") or {})
+        block.pop("tp_size", None)
+        block["autotp_size"] = tensor_parallel  # the attempt's, also where the run (`--local`) has 1
+        cfg["tensor_parallel"] = block
     cfg["train_micro_batch_size_per_gpu"] = micro_batch_size
     cfg["gradient_accumulation_steps"] = grad_accum_steps
     cfg.setdefault("steps_per_print", 10**9)  # elastictrain reports progress itself

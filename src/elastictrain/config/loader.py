@@ -25,6 +25,10 @@ from elastictrain.config.eval_check import eval_problems, pop_eval_data, set_eva
 from elastictrain.config.length import layer_length, length_pending, length_problems
 from elastictrain.config.lora_check import lora_problems
 from elastictrain.config.schema import Config, DataConfig
+from elastictrain.config.tensor_parallel_check import (
+    adopt_user_json_tensor_parallel,
+    tensor_parallel_problems,
+)
 from elastictrain.core.batch import workable_world_sizes
 from elastictrain.core.zero import stage_problems
 from elastictrain.data.hf_files import DATA_FORMATS
@@ -255,6 +259,8 @@ def validate(config: Config) -> Config:
             "deepspeed.offload_param: offloading parameters needs deepspeed.offload_optimizer "
             "to be cpu or nvme too (a DeepSpeed requirement)"
         )
+    adopt_user_json_tensor_parallel(config)
+    p.extend(tensor_parallel_problems(config))
     _at_least(p, "scaling.min_workers", s.min_workers, 1)
     _at_least(p, "scaling.max_workers", s.max_workers, 1)
     _at_least(p, "scaling.spare_workers", s.spare_workers, 0)
@@ -391,17 +397,22 @@ def _writable(folder: str) -> bool:
 
 def valid_world_sizes(config: Config) -> list[int]:
     s, t = config.scaling, config.training
-    return workable_world_sizes(t.global_batch_size, t.micro_batch_size, s.min_workers, s.max_workers)
+    return workable_world_sizes(
+        t.global_batch_size, t.micro_batch_size, s.min_workers, s.max_workers, s.tensor_parallel
+    )
 
 
 def _no_world_size_message(config: Config) -> str:
     s, t = config.scaling, config.training
-    sizes = range(s.min_workers, s.max_workers + 1)
+    n = s.tensor_parallel
+    sizes = [w // n for w in range(s.min_workers, s.max_workers + 1) if w % n == 0]  # replicas
     candidates = [g for g in range(1, 2 * t.global_batch_size + 64) if all(g % w == 0 for w in sizes)]
     nearby = sorted(sorted(candidates, key=lambda g: abs(g - t.global_batch_size))[:4])
     return (
         f"training.global_batch_size: got {t.global_batch_size}; no world size in "
-        f"[scaling.min_workers={s.min_workers}, scaling.max_workers={s.max_workers}] divides it, so it "
+        f"[scaling.min_workers={s.min_workers}, scaling.max_workers={s.max_workers}]"
+        + (f" (as {min(sizes)}-{max(sizes)} replicas of scaling.tensor_parallel={n} ranks)" if n > 1 else "")
+        + " divides it, so it "
         f"cannot be split exactly; global batch sizes that work at every size in range: "
         f"{', '.join(map(str, nearby)) or 'none nearby'}"
     )

@@ -194,6 +194,11 @@ class ScalingConfig:
     # (failure.wait_for_capacity_s)
     min_workers: int = 2
     max_workers: int = 2  # the largest world size: the run grows to it as capacity appears
+    # Ranks per data-parallel replica, splitting every layer's matrices between them (DeepSpeed's AutoTP,
+    # Megatron-style): world size / N replicas of N ranks, each replica on one node. min_workers and
+    # max_workers count ranks and must be multiples of N. A DeepSpeed JSON's tensor_parallel.autotp_size
+    # sets it too.
+    tensor_parallel: int = 1
     # Warm actors kept beside the attempt's workers, each holding its slot (a GPU) idle: one replaces a
     # worker or node lost at once, instead of after a new actor's start and imports (seconds to tens of
     # seconds), where the run cannot go on smaller (at min_workers). They join a grow like any warm worker.

@@ -19,6 +19,7 @@ from elastictrain.core.policy import (
     decide_start,
     repeated_warmup_error,
 )
+from elastictrain.core.replicas import usable_workers
 from elastictrain.core.state import RunStatus
 
 FIRST_PLACEMENT_WAIT_S = 5.0  # at the first start, time for the reservations to be placed
@@ -35,6 +36,7 @@ def scaling_rules(config: Any) -> ScalingRules:
         micro_batch_size=config.training.micro_batch_size,
         max_failures=config.failure.max_failures,
         wait_for_capacity_s=config.failure.wait_for_capacity_s,
+        tensor_parallel=s.tensor_parallel,
     )
 
 
@@ -52,6 +54,11 @@ class Capacity:
         self.recorder = recorder
         self.rules = scaling_rules(config)
         self.clock = clock
+
+    def usable_warm(self) -> int:
+        """Warm workers that can take part: with tensor parallelism, whole replicas on each node."""
+        nodes = [w.node_id for w in self.group.warm_workers]
+        return usable_workers(nodes, self.rules.tensor_parallel)
 
     def slots(self) -> int:
         """Workers that exist plus reservations placed: what a restart could run on."""
@@ -95,14 +102,14 @@ class Capacity:
             self.group.poll_warm()
             self._fail_on_repeated_warmup_error()
             if not initial:
-                size = self.rules.best_size(len(self.group.warm_workers))
+                size = self.rules.best_size(self.usable_warm())
                 if size is not None:
                     return size
             capacity = self.slots()  # read once: a reservation may be placed at any moment
             decision = decide_start(self.rules, capacity, self.clock(), waiting_since)
             if isinstance(decision, Restart):
                 # Enough workers exist but some are still warming up: wait for them.
-                need = decision.world_size - len(self.group.warm_workers)
+                need = decision.world_size - self.usable_warm()
                 if need <= 0:
                     if waiting_since is not None:
                         self.recorder.event(
@@ -169,4 +176,4 @@ class Capacity:
         self._request_missing()
         self.start_new_workers(step)
         self.group.poll_warm()
-        return decide_grow(self.rules, world_size, len(self.group.warm_workers))
+        return decide_grow(self.rules, world_size, self.usable_warm())

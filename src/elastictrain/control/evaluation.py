@@ -19,7 +19,7 @@ from elastictrain.control.completions import Completions
 from elastictrain.control.failures import gather_results
 from elastictrain.control.record import RunRecorder
 from elastictrain.core.checkpoints import tag_for_step
-from elastictrain.core.losses import eval_due, eval_summary
+from elastictrain.core.losses import eval_due, eval_summary, replica_results
 
 log = logging.getLogger("elastictrain.controller")
 
@@ -64,7 +64,7 @@ class Evaluations:
 
     def record(self, step_done: int, results: list[dict[str, Any]]) -> dict[str, float]:
         """Report a validation of the model after `step_done` steps (from every rank's share)."""
-        summary = eval_summary(results)
+        summary = eval_summary(replica_results(results, self.cfg.scaling.tensor_parallel))
         if step_done <= self.logged_step:  # repeated after a restart: logged the first time
             return summary
         self.logged_step = step_done

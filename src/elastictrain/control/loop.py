@@ -31,10 +31,17 @@ from elastictrain.control.pipeline import Ahead, StepPipeline
 from elastictrain.control.record import RunRecorder
 from elastictrain.control.resume import ResumePoints
 from elastictrain.control.saves import SaveCoordinator
-from elastictrain.control.specs import attempt_specs, resize_reason, set_up_peak_note, slowest_set_up
+from elastictrain.control.specs import (
+    attempt_specs,
+    replicas_text,
+    resize_reason,
+    set_up_peak_note,
+    slowest_set_up,
+)
 from elastictrain.control.stop import sigterm_stops
-from elastictrain.core.batch import BatchPlan, plan_batch
+from elastictrain.core.batch import BatchPlan
 from elastictrain.core.policy import Fail, Failure, Restart, decide_after_failure
+from elastictrain.core.replicas import replica_order
 from elastictrain.core.state import RunStatus
 from elastictrain.progress import Reporter
 from elastictrain.rundir.run_dir import RunDir
@@ -197,13 +204,17 @@ class Controller:
     def _set_up_attempt(self, size: int) -> bool:
         """Set up the workers of an attempt of `size`; False when the checkpoint they loaded was rejected."""
         self.attempt += 1
-        plan = plan_batch(self.capacity.rules.global_batch_size, self.capacity.rules.micro_batch_size, size)
+        plan = self.capacity.rules.plan(size)
         assert plan is not None
         # Survivors keep their ranks' order; newly warm workers follow.
         warm = self.group.warm_workers
         active = [w for w in self.active_before if w in warm] + [
             w for w in warm if w not in self.active_before
         ]
+        n = plan.tensor_parallel
+        if n > 1:  # each replica's ranks together on one node, survivors first where they can be
+            order = replica_order([w.node_id for w in active], size, n)
+            active = [active[i] for i in order] if order is not None else []
         active = active[:size]
         if len(active) < size:
             raise AttemptFailed(
@@ -250,7 +261,7 @@ class Controller:
         self._event(
             "attempt_started",
             f"attempt {self.attempt}: world size {size} (micro batch {plan.micro_batch_size} x accumulation "
-            f"{plan.grad_accum_steps} x {size} ranks = {plan.global_batch_size}), step {self.step}"
+            f"{plan.grad_accum_steps} x {replicas_text(plan)} = {plan.global_batch_size}), step {self.step}"
             + (f", from {resume.tag}" if resume else "")
             + (f", from memory (snapshot of attempt {memory.plan.attempt})" if memory else "")
             + f", set up in {self.clock() - t0:.2f}s"

@@ -16,7 +16,7 @@ from elastictrain.control.failures import gather_results
 from elastictrain.control.record import RunRecorder
 from elastictrain.control.saves import QueuedSave, SaveCoordinator
 from elastictrain.control.snapshot_schedule import SnapshotSchedule
-from elastictrain.core.losses import step_loss
+from elastictrain.core.losses import replica_results, step_loss
 
 PIPELINE_DEPTH = 2  # steps queued per actor, so no rank idles while the driver reads results
 
@@ -135,8 +135,9 @@ class StepPipeline:
         self.last_step_s = wall
         self.step = step + 1
         gbs = self.cfg.training.global_batch_size
+        replicas = replica_results(results, self.cfg.scaling.tensor_parallel)
         metrics = {
-            "loss": step_loss(results),
+            "loss": step_loss(replicas),
             "lr": results[0]["lr"],
             "step_time_s": wall,
             "samples_per_s": gbs / wall if wall > 0 else 0.0,
@@ -178,7 +179,7 @@ class StepPipeline:
             self.recovering_since, self.lost_steps = None, 0  # the next recovery counts its own
             self.stalled_since = None
         if self.ledger is not None:
-            for r in sorted(results, key=lambda r: r["rank"]):
+            for r in sorted(replicas, key=lambda r: r["rank"]):
                 self.ledger(step, r["rank"], r["sample_ids"])
         if self.group.pending:
             self.capacity.start_new_workers(self.step)  # a replacement placed mid-segment starts warming now

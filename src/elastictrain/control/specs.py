@@ -28,7 +28,13 @@ def attempt_specs(
     """One spec per rank; `memory` (the old ranks' in-memory snapshots) replaces the checkpoint load.
     Rank r runs on node_ids[r]: ranks sharing a node share its host memory."""
     size = len(buddies)
-    ds_config = build_deepspeed_config(cfg, plan.micro_batch_size, plan.grad_accum_steps, size)
+    ds_config = build_deepspeed_config(
+        cfg,
+        plan.micro_batch_size,
+        plan.grad_accum_steps,
+        plan.data_parallel,
+        tensor_parallel=plan.tensor_parallel,
+    )
     source = None
     if memory is not None:
         p = memory.plan
@@ -72,6 +78,13 @@ def single_rank_spec(cfg: Any, *, checkpoint_dir: str | None, start_step: int) -
         checkpoint_dir=checkpoint_dir,
         start_step=start_step,
     )
+
+
+def replicas_text(plan: BatchPlan) -> str:
+    """ "2 ranks", or with tensor parallelism "2 replicas of 2 ranks": what reads distinct data."""
+    if plan.tensor_parallel == 1:
+        return f"{plan.world_size} ranks"
+    return f"{plan.data_parallel} replica(s) of {plan.tensor_parallel} tensor-parallel ranks"
 
 
 def loopback_port() -> int:

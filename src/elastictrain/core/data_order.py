@@ -30,14 +30,17 @@ def sample_at(position: int, num_samples: int, seed: int) -> int:
 def micro_batch_positions(step: int, plan: BatchPlan, rank: int, micro_step: int) -> range:
     """Global positions read by `rank` in accumulation micro-step `micro_step` of optimizer step `step`.
 
-    Step s covers positions [s*G, (s+1)*G). Inside it, micro-step k of rank r takes the contiguous
-    slice k*W + r: every position of the step is read exactly once, whatever W is.
+    Step s covers positions [s*G, (s+1)*G). Inside it, micro-step k of replica d takes the contiguous
+    slice k*D + d, where D is the number of data-parallel replicas (the world size without tensor
+    parallelism, each rank its own replica): every position of the step is read exactly once, whatever
+    D is, and the ranks of one tensor-parallel replica read the same slice.
     """
     if not 0 <= rank < plan.world_size:
         raise ValueError(f"rank {rank} outside world size {plan.world_size}")
     if not 0 <= micro_step < plan.grad_accum_steps:
         raise ValueError(f"micro_step {micro_step} outside {plan.grad_accum_steps} accumulation steps")
-    start = step * plan.global_batch_size + (micro_step * plan.world_size + rank) * plan.micro_batch_size
+    slot = micro_step * plan.data_parallel + plan.data_rank(rank)
+    start = step * plan.global_batch_size + slot * plan.micro_batch_size
     return range(start, start + plan.micro_batch_size)
 
 

@@ -12,6 +12,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 
+def replica_results(results: Sequence[Mapping[str, Any]], tensor_parallel: int) -> list[Mapping[str, Any]]:
+    """One result per data-parallel replica (its first rank's): the ranks of a tensor-parallel replica
+    read the same samples and report the same loss, which must count once."""
+    return [r for r in results if int(r["rank"]) % tensor_parallel == 0]
+
+
 def step_loss(results: Sequence[Mapping[str, Any]]) -> float:
     """A step's loss: per target token of the global batch when ranks count them, else the ranks' mean."""
     if results and all(r.get("target_tokens") is not None for r in results):

@@ -9,7 +9,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from elastictrain.core.batch import plan_batch
+from elastictrain.core.batch import BatchPlan, plan_batch
 
 FAILURE_KINDS = ("worker_died", "node_lost", "out_of_memory", "step_error", "hang", "setup_error")
 
@@ -52,17 +52,21 @@ class ScalingRules:
     micro_batch_size: int
     max_failures: int
     wait_for_capacity_s: float
+    tensor_parallel: int = 1  # world sizes are whole replicas of this many ranks
+
+    def plan(self, world_size: int) -> BatchPlan | None:
+        return plan_batch(self.global_batch_size, self.micro_batch_size, world_size, self.tensor_parallel)
 
     def best_size(self, capacity: int) -> int | None:
         """The largest world size within [min, max] and capacity that splits the global batch exactly."""
         for w in range(min(capacity, self.max_workers), self.min_workers - 1, -1):
-            if plan_batch(self.global_batch_size, self.micro_batch_size, w) is not None:
+            if self.plan(w) is not None:
                 return w
         return None
 
     def smallest_workable(self) -> int | None:
         for w in range(self.min_workers, self.max_workers + 1):
-            if plan_batch(self.global_batch_size, self.micro_batch_size, w) is not None:
+            if self.plan(w) is not None:
                 return w
         return None
 

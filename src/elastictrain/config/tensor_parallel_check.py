@@ -1,0 +1,68 @@
+"""What a tensor-parallel layout needs of the config: whole replicas, and layers that split evenly.
+
+With `scaling.tensor_parallel: N` the world is world_size / N data-parallel replicas of N ranks
+(DeepSpeed's AutoTP slices each attention's heads and each MLP's hidden units between them), so every
+world size the run may take must be a multiple of N, and the model's heads must divide by N.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# Where a model built from model.hf_config says how many heads and hidden units it splits.
+_SPLIT_SIZES = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def user_json_tensor_parallel(user: dict[str, Any]) -> Any:
+    """The tensor-parallel degree a DeepSpeed JSON asks for (1 when it has no tensor_parallel block)."""
+    tp = user.get("tensor_parallel") if isinstance(user.get("tensor_parallel"), dict) else {}
+    return tp.get("autotp_size", tp.get("tp_size", 1))
+
+
+def adopt_user_json_tensor_parallel(config: Any) -> None:
+    """Take the degree from the user's DeepSpeed JSON (unchanged) where scaling.tensor_parallel is 1.
+
+    An unreadable file is left to the JSON's own check, which names it; a conflict between the two is
+    reported there too."""
+    path = Path(config.deepspeed.config_file or "")
+    if config.scaling.tensor_parallel != 1 or not config.deepspeed.config_file or not path.is_file():
+        return
+    try:
+        user = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    found = user_json_tensor_parallel(user) if isinstance(user, dict) else 1
+    if isinstance(found, int) and not isinstance(found, bool) and found > 1:
+        config.scaling.tensor_parallel = found
+
+
+def tensor_parallel_problems(config: Any) -> list[str]:
+    s = config.scaling
+    n = s.tensor_parallel
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return [
+            f"scaling.tensor_parallel: got {n!r}; expected a whole number >= 1 (1: no tensor parallelism)"
+        ]
+    if n == 1:
+        return []
+    p = []
+    for key in ("min_workers", "max_workers", "spare_workers"):
+        value = getattr(s, key)
+        if value % n:
+            fits = sorted({value // n * n, (value // n + 1) * n} - {0})
+            p.append(
+                f"scaling.{key}: got {value} with scaling.tensor_parallel {n}; it counts ranks and must be a "
+                f"multiple of {n} (whole replicas of {n} ranks): {' or '.join(map(str, fits))}"
+            )
+    if not (config.model.factory or config.model.pretrained):
+        hf = config.model.hf_config
+        for key in _SPLIT_SIZES:
+            value = hf.get(key)
+            if isinstance(value, int) and value % n:
+                p.append(
+                    f"model.hf_config.{key}: got {value}; scaling.tensor_parallel {n} splits it between "
+                    f"{n} ranks, so it must be a multiple of {n}"
+                )
+    return p

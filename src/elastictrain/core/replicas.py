@@ -1,0 +1,40 @@
+"""Which workers form an attempt's tensor-parallel replicas: each replica's ranks on one node.
+
+A replica of N ranks exchanges activations at every layer, so its ranks share a node (the fast link);
+DeepSpeed's mesh puts consecutive ranks in one replica. A node with k warm workers thus offers
+floor(k / N) replicas, and the rank order lists each replica's workers together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def usable_workers(nodes: Sequence[str], tensor_parallel: int) -> int:
+    """How many of these workers (by node id) can take part: whole replicas on each node."""
+    counts: dict[str, int] = {}
+    for node in nodes:
+        counts[node] = counts.get(node, 0) + 1
+    return sum(k // tensor_parallel * tensor_parallel for k in counts.values())
+
+
+def replica_order(nodes: Sequence[str], size: int, tensor_parallel: int) -> list[int] | None:
+    """Indices of `size` workers (of those listed, by node id) in rank order, each replica's N ranks
+    together on one node; None when the nodes do not hold size / N replicas.
+
+    Workers keep their order of preference (survivors first): a replica is formed on the node where N
+    preferred workers are first found, so survivors keep their places where they can.
+    """
+    if size % tensor_parallel:
+        return None
+    pending: dict[str, list[int]] = {}
+    order: list[int] = []
+    for index, node in enumerate(nodes):
+        bucket = pending.setdefault(node, [])
+        bucket.append(index)
+        if len(bucket) == tensor_parallel:
+            order.extend(bucket)
+            bucket.clear()
+            if len(order) == size:
+                return order
+    return None
