@@ -178,7 +178,9 @@ def _ray_group(config: Config, run_dir: RunDir, address: str | None, reporter: R
         reporter.event(estimate.describe())
     s = config.scaling
     return WorkerGroup(
-        WorkerResources(s.use_gpu, s.cpus_per_worker, s.gpus_per_worker, s.worker_allocator),
+        WorkerResources(
+            s.use_gpu, s.cpus_per_worker, s.gpus_per_worker, s.worker_allocator, s.tensor_parallel
+        ),
         name_prefix=run_dir.read_info().run_id[:6],
     )
 

@@ -69,3 +69,98 @@ def test_tensor_parallel_replicas_report_the_plain_pytorch_loss_and_export_the_r
     with torch.no_grad():
         diff = (exported(input_ids=ids).logits - want).abs().max().item()
     assert diff <= logits_tol, f"export vs reference after {STEPS} steps: {diff:.2e} > {logits_tol:.2e}"
+
+
+@pytest.fixture(scope="module")
+def two_cpu_nodes():  # noqa: ANN201
+    """A head with no CPUs and 3 worker nodes of 2 CPUs: each node holds one replica of 2 ranks."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    for _ in range(3):
+        cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_a_replica_losing_a_rank_leaves_the_run_to_the_others_from_memory_and_rejoins_on_its_node(
+    two_cpu_nodes, tmp_path
+):
+    from collections.abc import Callable
+    from typing import Any
+
+    import ray
+    from helpers import at_step, chain, wait_until_replacements_are_warm
+
+    from elastictrain.core.batch import plan_batch
+    from elastictrain.core.data_order import micro_batch_samples
+
+    steps, gbs = 12, 12
+    records: list[tuple[int, int, list[int]]] = []
+
+    def ledger(controller: Any) -> None:
+        controller.ledger = lambda step, rank, ids: records.append((step, rank, list(ids)))
+
+    nodes_before: list[list[str]] = []
+
+    def kill_the_second_replicas_first_rank(controller: Any) -> None:
+        nodes_before.append([w.node_id for w in controller.active])
+        ray.kill(controller.active[2].actor)
+
+    def nodes_now(controller: Any) -> None:
+        nodes_before.append([w.node_id for w in controller.active])
+
+    hook: Callable[[Any], None] = chain(
+        ledger,
+        at_step(5, kill_the_second_replicas_first_rank),  # checkpoints at 4, 8, 12: 5 is not one
+        at_step(6, wait_until_replacements_are_warm),
+        at_step(11, nodes_now),
+    )
+    cfg = config(
+        tmp_path / "run",
+        False,
+        "deepspeed.zero_stage=1",
+        "scaling.tensor_parallel=2",
+        "scaling.min_workers=2",
+        "scaling.max_workers=4",
+        f"training.max_steps={steps}",
+        "checkpoint.every_steps=4",
+        "checkpoint.memory_max_step_share=0",  # a snapshot every step, whatever it costs here
+    )
+    summary, run_dir, output = run(cfg, hook=hook)
+    assert summary.status.value == "FINISHED", output
+    starts = [e for e in run_dir.read_events() if e["event"] == "attempt_started"]
+    sizes = [(s["world_size"], s["source"]) for s in starts]
+    assert sizes == [(4, "none"), (2, "memory"), (4, "memory")], output
+    # Killed right after step 5 was reported: its copy of step 5 may still have been on its way to the
+    # buddy, and then step 4 (complete everywhere) is loaded; at most the step in flight is lost.
+    assert starts[1]["step"] in (4, 5)
+    recovered = [e for e in run_dir.read_events() if e["event"] == "recovered"]
+    assert recovered[0]["steps_lost"] <= 1 and recovered[1]["steps_lost"] == 0, recovered
+    # Every replica's two ranks on one node, before and after the replacement joined in its bundle.
+    for active in nodes_before:
+        assert active[0] == active[1] and active[2] == active[3], active
+
+    # The sample ledger: each step's last recorded samples are exactly its global batch, once each.
+    final: dict[int, dict[int, list[int]]] = {}
+    for step, rank, ids in records:
+        if rank == 0:
+            final[step] = {}
+        final[step][rank] = ids
+    whole = plan_batch(gbs, gbs, 1)
+    assert whole is not None
+    for step in range(steps):
+        got = sorted(i for ids in final[step].values() for i in ids)
+        want = sorted(micro_batch_samples(step, whole, 0, 0, num_samples=120000 // 64, seed=42))
+        assert got == want, step
+    # Through the shrink and the grow, every step's loss is the plain PyTorch loop's (the schedule of
+    # this run's 12 steps: the reference's first 12).
+    reference = Reference(cfg)
+    what = "TP 2: DP 2, 1 after a rank's loss, 2 again"
+    assert_same_losses(logged_losses(run_dir), reference.losses[:steps], reference.loss_tol, what)

@@ -1,9 +1,12 @@
 """Ray side of the workers: reservations (placement groups), actors, and their liveness.
 
-Each worker gets its own single-bundle placement group. A lost node then releases exactly the
-workers it hosted, and a reservation that cannot be met yet stays *pending*: the Ray autoscaler (and
-KubeRay) sees pending placement groups as demand and adds nodes, which plain polling of free
-resources would never cause. When a pending reservation becomes ready, capacity has returned.
+Each worker gets its own single-bundle placement group; with tensor parallelism (N ranks a replica)
+each replica gets one placement group of N bundles packed on one node, the fast link its ranks need.
+A lost node then releases exactly the workers it hosted, and a reservation that cannot be met yet
+stays *pending*: the Ray autoscaler (and KubeRay) sees pending placement groups as demand and adds
+nodes, which plain polling of free resources would never cause. When a pending reservation becomes
+ready, capacity has returned. A worker lost from a replica whose node lives on gives its bundle back
+as a pending slot: its replacement starts there, beside the replica's survivors.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class WorkerHandle:
     actor: Any
     pg: PlacementGroup
     info: dict[str, Any] = field(default_factory=dict)
+    bundle: int = 0  # its bundle in pg (a replica's placement group holds one per rank)
     warm_ref: Any = None  # the pending `warmup` call; None once it finished
     warm: bool = False
 
@@ -51,11 +55,20 @@ class WorkerHandle:
 
 
 @dataclass(frozen=True)
+class Slot:
+    """One worker's place in a reservation: bundle `bundle` of placement group `pg`."""
+
+    pg: PlacementGroup
+    bundle: int
+
+
+@dataclass(frozen=True)
 class WorkerResources:
     use_gpu: bool
     cpus_per_worker: float
     gpus_per_worker: float
     allocator: str = "system"  # scaling.worker_allocator
+    ranks_per_reservation: int = 1  # scaling.tensor_parallel: a replica's ranks share one node
 
     def bundle(self) -> dict[str, float]:
         b = {"CPU": self.cpus_per_worker}
@@ -82,7 +95,7 @@ class WorkerGroup:
     def __init__(self, resources: WorkerResources, name_prefix: str = "et") -> None:
         self.resources = resources
         self.workers: list[WorkerHandle] = []
-        self.pending: list[PlacementGroup] = []
+        self.pending: list[Slot] = []
         self._ready_refs: dict[str, Any] = {}  # placement group id -> its one `ready()` ref
         self._ids = itertools.count()
         self._prefix = name_prefix
@@ -93,53 +106,67 @@ class WorkerGroup:
 
     # -- reservations --
     def request(self, n: int) -> None:
-        """Ask for n more worker slots; they stay pending until the cluster can place them."""
-        for _ in range(n):
-            pg = placement_group([self.resources.bundle()], strategy="STRICT_PACK")
-            self.pending.append(pg)
+        """Ask for n more worker slots (whole replicas of them); they stay pending until the cluster
+        can place them."""
+        size = self.resources.ranks_per_reservation
+        for _ in range(-(-n // size)):
+            pg = placement_group([self.resources.bundle()] * size, strategy="STRICT_PACK")
+            self.pending.extend(Slot(pg, i) for i in range(size))
             self._ready_refs[pg.id.hex()] = pg.ready()
 
-    def _ready(self, timeout_s: float, n: int | None = None) -> list[PlacementGroup]:
-        """Pending reservations that are placed, after waiting up to timeout_s for n of them."""
+    def _ready(self, timeout_s: float, n: int | None = None) -> list[Slot]:
+        """Pending slots whose reservation is placed, after waiting up to timeout_s for n slots."""
         if not self.pending:
             return []
-        refs = [self._ready_refs[pg.id.hex()] for pg in self.pending]
-        want = len(refs) if n is None else max(1, min(n, len(refs)))
+        groups = list({slot.pg.id.hex(): slot.pg for slot in self.pending}.values())
+        refs = [self._ready_refs[pg.id.hex()] for pg in groups]
+        slots_per = {pg.id.hex(): sum(s.pg is pg for s in self.pending) for pg in groups}
+        want = len(refs) if n is None else max(1, min(-(-n // max(slots_per.values())), len(refs)))
         ray.wait(refs, num_returns=want, timeout=timeout_s)
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        placed = set(ready)
-        return [pg for pg, ref in zip(self.pending, refs, strict=True) if ref in placed]
+        placed = {pg.id.hex() for pg, ref in zip(groups, refs, strict=True) if ref in set(ready)}
+        return [slot for slot in self.pending if slot.pg.id.hex() in placed]
 
     def ready_reservations(self, timeout_s: float = 0.0) -> int:
-        """How many pending reservations are placed now (waits up to timeout_s for all of them)."""
+        """How many pending slots are placed now (waits up to timeout_s for all of them)."""
         return len(self._ready(timeout_s))
 
     def wait_for_reservations(self, n: int, timeout_s: float) -> int:
-        """Wait until n pending reservations are placed or the timeout passes; returns how many are."""
+        """Wait until n pending slots are placed or the timeout passes; returns how many are."""
         return len(self._ready(timeout_s, n))
 
     def release_pending(self, keep: int = 0) -> None:
         while len(self.pending) > keep:
-            pg = self.pending.pop()
-            self._ready_refs.pop(pg.id.hex(), None)
+            slot = self.pending.pop()
+            self._drop_if_unused(slot.pg)
+
+    def _drop_if_unused(self, pg: PlacementGroup) -> None:
+        """Remove a placement group no worker and no pending slot uses any more."""
+        if any(w.pg is pg for w in self.workers) or any(s.pg is pg for s in self.pending):
+            return
+        self._ready_refs.pop(pg.id.hex(), None)
+        try:
             remove_placement_group(pg)
+        except Exception as e:  # noqa: BLE001 - already gone with its node
+            log.debug("remove placement group %s: %s", pg.id.hex(), e)
 
     # -- actors --
     def start_workers(self, limit: int, config: Any) -> list[WorkerHandle]:
-        """Start actors in up to `limit` placed reservations; they warm up in the background."""
+        """Start actors in up to `limit` placed slots; they warm up in the background."""
         new: list[WorkerHandle] = []
-        for pg in self._ready(0.0)[:limit]:
-            self.pending.remove(pg)
-            self._ready_refs.pop(pg.id.hex(), None)
+        for slot in self._ready(0.0)[:limit]:
+            self.pending.remove(slot)
             worker_id = f"{self._prefix}-w{next(self._ids)}"
+            strategy = PlacementGroupSchedulingStrategy(slot.pg, placement_group_bundle_index=slot.bundle)
             actor = self._actor_cls.options(
                 num_cpus=self.resources.cpus_per_worker,
                 num_gpus=self.resources.gpus_per_worker if self.resources.use_gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+                scheduling_strategy=strategy,
                 runtime_env={"env_vars": self.resources.env_vars()},
                 max_restarts=0,
             ).remote(worker_id, self.resources.use_gpu)
-            handle = WorkerHandle(worker_id, actor, pg, warm_ref=actor.warmup.remote(config))
+            warm_ref = actor.warmup.remote(config)
+            handle = WorkerHandle(worker_id, actor, slot.pg, warm_ref=warm_ref, bundle=slot.bundle)
             new.append(handle)
         self.workers.extend(new)
         return new
@@ -200,10 +227,12 @@ class WorkerGroup:
                 ray.kill(handle.actor, no_restart=True)
             except Exception as e:  # noqa: BLE001 - already dead is fine
                 log.debug("kill %s: %s", handle.worker_id, e)
-        try:
-            remove_placement_group(handle.pg)
-        except Exception as e:  # noqa: BLE001
-            log.debug("remove placement group of %s: %s", handle.worker_id, e)
+        if any(w.pg is handle.pg for w in self.workers):
+            # The rest of its replica lives on: its replacement starts in this bundle, on their node.
+            self.pending.append(Slot(handle.pg, handle.bundle))
+            return
+        self.pending = [s for s in self.pending if s.pg is not handle.pg]
+        self._drop_if_unused(handle.pg)
 
     def progress(self, timeout_s: float = 5.0) -> dict[str, dict[str, Any] | None]:
         refs = {
