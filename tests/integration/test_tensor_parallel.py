@@ -164,3 +164,43 @@ def test_a_replica_losing_a_rank_leaves_the_run_to_the_others_from_memory_and_re
     reference = Reference(cfg)
     what = "TP 2: DP 2, 1 after a rank's loss, 2 again"
     assert_same_losses(logged_losses(run_dir), reference.losses[:steps], reference.loss_tol, what)
+
+
+def test_a_checkpoint_loads_at_another_tensor_parallel_size_and_the_run_continues_as_if_uninterrupted(
+    ray_local, tmp_path
+):
+    """TP 2 x DP 2 stopped after step 6 (checkpoint at 4) continues at TP 1 x DP 3, stopped after step
+    10 (checkpoint at 8) continues at TP 2 x DP 1: every step's loss is the plain PyTorch loop's."""
+    from helpers import at_step
+
+    def stop(controller: object) -> None:
+        raise KeyboardInterrupt
+
+    steps = 12
+    common = ["deepspeed.zero_stage=1", f"training.max_steps={steps}", "checkpoint.every_steps=4"]
+
+    def layout(tp: int, workers: int) -> object:
+        scaling = [f"scaling.tensor_parallel={tp}", f"scaling.min_workers={workers}"]
+        return config(tmp_path / "run", False, *common, *scaling, f"scaling.max_workers={workers}")
+
+    from elastictrain.launch import apply_resume_changes
+    from elastictrain.rundir.run_dir import RunDir
+
+    def resumed_as(cfg: object) -> object:  # what `elastictrain resume RUN_DIR scaling...` does first
+        apply_resume_changes(RunDir.open(tmp_path / "run"), cfg)
+        return cfg
+
+    with pytest.raises(KeyboardInterrupt):
+        run(layout(2, 4), hook=at_step(6, stop))
+    with pytest.raises(KeyboardInterrupt):
+        run(resumed_as(layout(1, 3)), hook=at_step(10, stop))
+    cfg = resumed_as(layout(2, 2))
+    summary, run_dir, output = run(cfg)
+    assert summary.status.value == "FINISHED", output
+    resumed = [e for e in run_dir.read_events() if e["event"] == "resume"]
+    assert [e["tag"] for e in resumed] == ["step-000004", "step-000008"], resumed
+    starts = [(e["world_size"], e["step"]) for e in run_dir.read_events() if e["event"] == "attempt_started"]
+    assert starts == [(4, 0), (3, 4), (2, 8)], starts
+    reference = Reference(cfg)
+    what = "TP 2 x DP 2, then TP 1 x DP 3 from its checkpoint, then TP 2 x DP 1 from that one's"
+    assert_same_losses(logged_losses(run_dir), reference.losses[:steps], reference.loss_tol, what)
