@@ -1,6 +1,6 @@
 """Tensor parallelism (issue 40): replicas of AutoTP ranks compute what plain PyTorch computes.
 
-TP 2 x DP 2 (four workers) under ZeRO-1 and TP 2 x DP 1 under ZeRO-2 report the single-process
+TP 2 x DP 2 (four workers) under ZeRO-0, 1 and 3 and TP 2 x DP 1 under ZeRO-2 report the single-process
 reference loop's loss at every step, within the tolerance derived in test_plain_pytorch_equivalence
 (10x the difference between two reference runs that differ only in summation order). The checkpoint
 holds each projection as named slices, and `export` joins them into a model whose logits are the
@@ -23,7 +23,11 @@ from elastictrain.data.sources import dataset_from_config
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize(("stage", "workers"), [(1, 4), (2, 2)], ids=["tp2xdp2-z1", "tp2xdp1-z2"])
+@pytest.mark.parametrize(
+    ("stage", "workers"),
+    [(1, 4), (2, 2), (0, 4), (3, 4)],
+    ids=["tp2xdp2-z1", "tp2xdp1-z2", "tp2xdp2-z0", "tp2xdp2-z3"],
+)
 def test_tensor_parallel_replicas_report_the_plain_pytorch_loss_and_export_the_reference_model(
     ray_local, tmp_path, stage, workers
 ):
