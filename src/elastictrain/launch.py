@@ -167,9 +167,11 @@ def _ray_group(config: Config, run_dir: RunDir, address: str | None, reporter: R
     """Connect to Ray, check every node can run the config (PreflightError if not), the worker group."""
     from elastictrain.cluster.connect import connect_ray
     from elastictrain.cluster.worker_group import WorkerGroup, WorkerResources
-    from elastictrain.preflight import check_memory_on_nodes, check_nvme_on_nodes
+    from elastictrain.preflight import check_memory_on_nodes, check_nvme_on_nodes, choose_tensor_parallel
 
     reporter.event(connect_ray(config, address))
+    if config.scaling.tensor_parallel == "auto":  # before anything reads the degree
+        reporter.event(choose_tensor_parallel(config))
     # Both raise PreflightError before any worker or tracker exists.
     if check_nvme_on_nodes(config):
         reporter.event(f"deepspeed.nvme_path {config.deepspeed.nvme_path} is writable on every worker node")
@@ -201,6 +203,7 @@ def local_config(config: Config) -> Config:
     local = copy.deepcopy(config)
     local.scaling.min_workers = local.scaling.max_workers = 1
     local.scaling.spare_workers = 0
+    local.scaling.tensor_parallel = 1  # one rank holds every layer whole
     local.checkpoint.memory_every_steps = 0
     return local
 

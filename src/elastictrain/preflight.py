@@ -197,6 +197,15 @@ def _memory_probe() -> tuple[str, int | None]:
 def model_size(config: Any) -> tuple[list[int], int]:
     """(each parameter's size in order, parameters of the largest layer) of the model, built empty (no
     memory, no download)."""
+    sizes, largest, _ = model_parts(config)
+    return sizes, largest
+
+
+def model_parts(config: Any) -> tuple[list[int], int, int]:
+    """`model_size`, and the parameters of its linear layers: what tensor parallelism slices (AutoTP
+    splits each nn.Linear between a replica's ranks; embeddings and norms stay whole)."""
+    import torch
+
     from elastictrain.model.build import forget_hf_deepspeed_config
     from elastictrain.model.empty import empty_weights
     from elastictrain.tools.adapter import base_structure
@@ -206,17 +215,22 @@ def model_size(config: Any) -> tuple[list[int], int]:
         model = base_structure(config)
     sizes = [p.numel() for p in model.parameters()]
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
-    return sizes, largest
+    linear = {
+        id(p): p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()
+    }
+    return sizes, largest, sum(linear.values())
 
 
-def memory_estimate(config: Any, world_size: int) -> Any:
-    """core.memory's estimate for this config at `world_size` (None for LoRA: most weights are frozen)."""
+def memory_estimate(config: Any, world_size: int, tensor_parallel: int | None = None) -> Any:
+    """core.memory's estimate for this config at `world_size` (None for LoRA: most weights are frozen),
+    at scaling.tensor_parallel unless `tensor_parallel` is given."""
     from elastictrain.config.deepspeed_config import NVME_SUB_GROUP, live_parameters
     from elastictrain.core.memory import estimate_rank_memory, largest_sub_group
 
     if config.model.lora.enabled:
         return None
-    sizes, largest = model_size(config)
+    n = int(config.scaling.tensor_parallel) if tensor_parallel is None else tensor_parallel
+    sizes, largest, sliced = model_parts(config)
     params = sum(sizes)
     # What ZeRO-3 may hold gathered at once: at least the largest layer, at most its live-parameter bound.
     largest = (
@@ -238,6 +252,8 @@ def memory_estimate(config: Any, world_size: int) -> Any:
         swap_buffer_bytes=swap,
         memory_snapshots=config.checkpoint.memory_every_steps > 0,
         allocator=config.scaling.worker_allocator,
+        tensor_parallel=n,
+        sliced_params=sliced if n > 1 else 0,
     )
 
 
@@ -266,6 +282,34 @@ def check_memory_on_nodes(config: Any, timeout_s: float = 60.0) -> Any:
             "bf16, a smaller model, or nodes with more memory"
         )
     return estimate
+
+
+def choose_tensor_parallel(config: Any, timeout_s: float = 60.0) -> str:
+    """Resolve `scaling.tensor_parallel: auto` on the connected cluster: the smallest degree the config
+    allows whose min_workers ranks fit the worker nodes' memory (each replica on one node). Sets it in
+    `config` and returns the line saying what was chosen and why."""
+    from elastictrain.config.tensor_parallel_check import tensor_parallel_candidates
+    from elastictrain.core.memory import memory_shortfall
+    from elastictrain.core.replicas import pick_degree
+
+    s = config.scaling
+    nodes = worker_nodes(config)
+    answers, _ = on_each_node(nodes, _memory_probe, timeout_s=timeout_s) if nodes else ([], [])
+    known = [(n, mem) for n, (_, mem) in answers if mem]
+    slots = [_slots(n.get("Resources", {}), config) for n, _ in known]
+    # A replica's ranks share a node: a degree larger than any node's ranks is never placed.
+    candidates = [n for n in tensor_parallel_candidates(config) if not slots or n <= max(slots)]
+
+    def fits(n: int) -> bool | None:
+        estimate = memory_estimate(config, s.min_workers, n)
+        if estimate is None or not known:
+            return None
+        whole = [k // n * n for k in slots]
+        return memory_shortfall([mem for _, mem in known], whole, estimate.host_need, s.min_workers) is None
+
+    n, why = pick_degree(candidates or [1], fits)
+    s.tensor_parallel = n
+    return f"scaling.tensor_parallel=auto chose {why}"
 
 
 def _slots(resources: dict[str, float], config: Any) -> int:

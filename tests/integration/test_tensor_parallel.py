@@ -208,3 +208,41 @@ def test_a_checkpoint_loads_at_another_tensor_parallel_size_and_the_run_continue
     reference = Reference(cfg)
     what = "TP 2 x DP 2, then TP 1 x DP 3 from its checkpoint, then TP 2 x DP 1 from that one's"
     assert_same_losses(logged_losses(run_dir), reference.losses[:steps], reference.loss_tol, what)
+
+
+def test_auto_chooses_two_for_a_model_whose_ranks_do_not_fit_the_node_at_one(ray_local, tmp_path):
+    """A model sized from this machine's memory so that two whole-model ranks do not fit its node and
+    two TP-2 ranks do (built on the meta device only: nothing is trained or allocated)."""
+    from elastictrain.host_memory import meminfo_bytes
+    from elastictrain.preflight import choose_tensor_parallel, memory_estimate
+
+    total = meminfo_bytes("MemTotal")
+    assert total
+
+    def sized(layers: int, degree: object) -> object:
+        return config(
+            tmp_path / "run",
+            False,
+            "model.hf_config.hidden_size=1024",
+            "model.hf_config.intermediate_size=4096",
+            "model.hf_config.num_attention_heads=8",
+            "model.hf_config.num_key_value_heads=8",
+            f"model.hf_config.num_hidden_layers={layers}",
+            "deepspeed.zero_stage=0",
+            "scaling.min_workers=2",
+            "scaling.max_workers=2",
+            f"scaling.tensor_parallel={degree}",
+        )
+
+    def need(layers: int, degree: int) -> int:
+        return 2 * memory_estimate(sized(layers, degree), 2).host_need
+
+    layers = next(n for n in range(1, 4096) if need(n, 1) > total)
+    assert need(layers, 2) <= total, "the machine's memory leaves no model between the two sizes"
+    cfg = sized(layers, "auto")
+    said = choose_tensor_parallel(cfg)
+    assert cfg.scaling.tensor_parallel == 2
+    assert said == (
+        "scaling.tensor_parallel=auto chose 2: the smallest degree whose memory estimate fits the nodes; "
+        "1 would not fit"
+    )

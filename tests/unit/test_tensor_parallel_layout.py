@@ -183,3 +183,60 @@ def test_a_checkpoint_of_tensor_parallel_slices_reads_whole_and_as_any_other_lay
                     reader.read(qualified, "fp32", half, expected.numel() - half), expected[half:]
                 )
     assert reader.fields("q.weight#tp0of4d0") == ["fp32", "exp_avg"]
+
+
+def test_the_memory_estimate_gives_each_rank_its_share_of_the_sliced_layers_and_zero_the_replicas():
+    from elastictrain.core.memory import estimate_rank_memory
+
+    def host(world: int, tp: int, sliced: int, stage: int) -> int:
+        estimate = estimate_rank_memory(
+            10**8,
+            0,
+            world,
+            zero_stage=stage,
+            precision="fp32",
+            baseline_bytes=0,
+            allocator="system",
+            tensor_parallel=tp,
+            sliced_params=sliced,
+        )
+        return estimate.host_bytes
+
+    # ZeRO-0: 20 bytes a parameter, whole on every rank; TP 2 halves what is sliced, at any world size.
+    assert host(2, 1, 0, 0) == 20 * 10**8
+    assert host(2, 2, 10**8, 0) == host(4, 2, 10**8, 0) == 10 * 10**8
+    assert host(2, 2, 6 * 10**7, 0) == 20 * 4 * 10**7 + 20 * 3 * 10**7
+    # ZeRO-3 divides over the replicas: TP 2 x DP 2 holds what DP 4 holds when everything is sliced.
+    assert host(4, 2, 10**8, 3) == host(4, 1, 0, 3)
+    with pytest.raises(ValueError, match="expected a divisor of 3"):
+        host(3, 2, 0, 0)
+
+
+def test_auto_picks_the_smallest_degree_that_fits_and_says_why():
+    from elastictrain.core.replicas import pick_degree
+
+    assert pick_degree([1, 2, 4], lambda n: n >= 2) == (
+        2,
+        "2: the smallest degree whose memory estimate fits the nodes; 1 would not fit",
+    )
+    assert pick_degree([1, 2], lambda n: None)[0] == 1  # memory unknown: the smallest
+    n, why = pick_degree([1, 2, 4], lambda n: False)
+    assert n == 4 and "no degree of 1, 2, 4 fits" in why
+
+
+def test_auto_is_accepted_where_some_degree_fits_the_config_and_refused_where_none_does():
+    cfg = load_config(
+        None, ["scaling.tensor_parallel=auto", "scaling.min_workers=2", "scaling.max_workers=4"]
+    )
+    from elastictrain.config.tensor_parallel_check import tensor_parallel_candidates
+
+    assert tensor_parallel_candidates(cfg) == [1, 2]  # 4 would leave min_workers=2 no whole replica
+    text = problems(
+        "scaling.tensor_parallel=auto",
+        "scaling.min_workers=3",
+        "scaling.max_workers=3",
+        "model.hf_config.num_attention_heads=2",
+        "model.hf_config.num_key_value_heads=2",
+        "training.global_batch_size=8",
+    )
+    assert "scaling.tensor_parallel: got 'auto' but no degree fits" in text

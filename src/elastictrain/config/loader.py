@@ -397,14 +397,13 @@ def _writable(folder: str) -> bool:
 
 def valid_world_sizes(config: Config) -> list[int]:
     s, t = config.scaling, config.training
-    return workable_world_sizes(
-        t.global_batch_size, t.micro_batch_size, s.min_workers, s.max_workers, s.tensor_parallel
-    )
+    n = 1 if s.tensor_parallel == "auto" else s.tensor_parallel  # auto: a degree is chosen at start
+    return workable_world_sizes(t.global_batch_size, t.micro_batch_size, s.min_workers, s.max_workers, n)
 
 
 def _no_world_size_message(config: Config) -> str:
     s, t = config.scaling, config.training
-    n = s.tensor_parallel
+    n = 1 if s.tensor_parallel == "auto" else s.tensor_parallel
     sizes = [w // n for w in range(s.min_workers, s.max_workers + 1) if w % n == 0]  # replicas
     candidates = [g for g in range(1, 2 * t.global_batch_size + 64) if all(g % w == 0 for w in sizes)]
     nearby = sorted(sorted(candidates, key=lambda g: abs(g - t.global_batch_size))[:4])

@@ -38,9 +38,41 @@ def adopt_user_json_tensor_parallel(config: Any) -> None:
         config.scaling.tensor_parallel = found
 
 
+def tensor_parallel_candidates(config: Any) -> list[int]:
+    """The degrees `tensor_parallel: auto` may choose from, smallest first: those the config can hold
+    (whole replicas in min, max and spare workers, heads that split, a global batch that splits)."""
+    from elastictrain.core.batch import workable_world_sizes
+
+    s, t = config.scaling, config.training
+    out = []
+    for n in range(1, max(1, s.max_workers) + 1):
+        trial = _with_degree(config, n)
+        if n > 1 and tensor_parallel_problems(trial):
+            continue
+        if workable_world_sizes(t.global_batch_size, t.micro_batch_size, s.min_workers, s.max_workers, n):
+            out.append(n)
+    return out
+
+
+def _with_degree(config: Any, n: int) -> Any:
+    import copy
+
+    trial = copy.copy(config)
+    trial.scaling = copy.copy(config.scaling)
+    trial.scaling.tensor_parallel = n
+    return trial
+
+
 def tensor_parallel_problems(config: Any) -> list[str]:
     s = config.scaling
     n = s.tensor_parallel
+    if n == "auto":
+        if not tensor_parallel_candidates(config):
+            return [
+                "scaling.tensor_parallel: got 'auto' but no degree fits scaling.min_workers, max_workers "
+                "and the model's heads; set a number"
+            ]
+        return []
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         return [
             f"scaling.tensor_parallel: got {n!r}; expected a whole number >= 1 (1: no tensor parallelism)"

@@ -33,6 +33,10 @@ whole heap, jemalloc reuses what it just freed. Per parameter of a rank's share,
 benchmark (`make bench ARGS="--only scale"`, 2 ranks, 30M-1B): see `RETAINED_BYTES`; the lower ends
 are used, so that a configuration that fits is never refused.
 
+With tensor parallelism of degree N (`scaling.tensor_parallel`) each rank holds 1/N of every sliced
+parameter (the linear layers AutoTP splits) and the rest whole, and ZeRO divides over the world / N
+replicas, not over the world.
+
 In-memory snapshots (`checkpoint.memory_every_steps`) come on top, counted apart: a worker holds up to
 `SLICES_HELD` copies of its rank's slice (fp32 weights and Adam's moments, 12 bytes per parameter over
 the ranks that share them). They are optional: a worker whose copies do not fit the memory
@@ -71,6 +75,7 @@ class MemoryEstimate:
     host_bytes: int  # model states on the host + largest layer + runtime baseline
     nvme_bytes: int  # swapped to deepspeed.nvme_path
     bytes_per_param: int  # model states per parameter before dividing by the world size
+    tensor_parallel: int = 1  # ranks per replica, each holding 1/N of the sliced parameters
     snapshot_bytes: int = 0  # in-memory snapshots' copies, on the host, beyond host_bytes (0: off)
     retained_bytes: int = 0  # freed temporaries the host allocator keeps (CPU-only runs), beyond host_bytes
 
@@ -95,9 +100,10 @@ class MemoryEstimate:
                 f"; in-memory snapshots up to {self.snapshot_bytes / GIB:.2f} GiB more "
                 "(turned off where they do not fit)"
             )
+        layout = f" (tensor parallel {self.tensor_parallel})" if self.tensor_parallel > 1 else ""
         return (
             f"memory per rank (estimate, {self.params / 1e6:.1f}M parameters at world size "
-            f"{self.world_size}, {self.bytes_per_param} bytes of model state per parameter): {where}"
+            f"{self.world_size}{layout}, {self.bytes_per_param} bytes of model state per parameter): {where}"
         )
 
 
@@ -115,14 +121,23 @@ def estimate_rank_memory(
     swap_buffer_bytes: int = 0,
     memory_snapshots: bool = False,
     allocator: str = "jemalloc",
+    tensor_parallel: int = 1,
+    sliced_params: int = 0,
 ) -> MemoryEstimate:
-    """Per-rank memory at `world_size` (see the module's docstring for the accounting)."""
+    """Per-rank memory at `world_size` (see the module's docstring for the accounting); `sliced_params`
+    of the `params` are split between the `tensor_parallel` ranks of a replica."""
     if world_size < 1:
         raise ValueError(f"world_size: got {world_size}; expected >= 1")
+    if tensor_parallel < 1 or world_size % tensor_parallel:
+        raise ValueError(f"tensor_parallel: got {tensor_parallel}; expected a divisor of {world_size}")
+    model_params = params
+    # What one rank of a replica holds before ZeRO divides it over the replicas.
+    params = params - sliced_params + -(-sliced_params // tensor_parallel)
+    largest_layer_params = min(largest_layer_params, params)
     weight_bytes = 4 if precision == "fp32" else 2
     in_place = zero_stage >= 3 and precision == "fp32" and offload_optimizer == "none"
     optimizer_bytes = MOMENT_BYTES + (0 if in_place else MASTER_BYTES)
-    share = 1.0 / world_size
+    share = tensor_parallel / world_size
     weights = params * weight_bytes * (share if zero_stage >= 3 else 1.0)
     grads = params * GRAD_BYTES * (share if zero_stage >= 2 else 1.0)
     optimizer = params * optimizer_bytes * (share if zero_stage >= 1 else 1.0)
@@ -143,8 +158,9 @@ def estimate_rank_memory(
         per_param = RETAINED_BYTES[allocator].get(offload_optimizer, 0)
         retained = params * per_param * (share if zero_stage >= 1 else 1.0)
     return MemoryEstimate(
-        params=params,
+        params=model_params,
         world_size=world_size,
+        tensor_parallel=tensor_parallel,
         device_bytes=int(device),
         host_bytes=int(host),
         nvme_bytes=int(places["nvme"]),

@@ -7,7 +7,7 @@ floor(k / N) replicas, and the rank order lists each replica's workers together.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def usable_workers(nodes: Sequence[str], tensor_parallel: int) -> int:
@@ -38,3 +38,26 @@ def replica_order(nodes: Sequence[str], size: int, tensor_parallel: int) -> list
             if len(order) == size:
                 return order
     return None
+
+
+def pick_degree(candidates: Sequence[int], fits: Callable[[int], bool | None]) -> tuple[int, str]:
+    """`tensor_parallel: auto`: the smallest candidate degree whose ranks fit in memory, and why.
+
+    `fits(n)` says whether min_workers ranks at degree n fit the nodes' memory (None: unknown, e.g. no
+    node yet). Unknown memory keeps the smallest degree (more replicas, fewer collectives); where none
+    fits, the largest is taken (each rank's share is smallest there) and the memory check says why."""
+    if not candidates:
+        raise ValueError("no tensor-parallel degree to choose from")
+    tried = []
+    for n in candidates:
+        verdict = fits(n)
+        if verdict is None:
+            return n, f"{n}: the nodes' memory is not known yet, so the smallest degree the config allows"
+        if verdict:
+            why = f"; {', '.join(map(str, tried))} would not fit" if tried else ""
+            return n, f"{n}: the smallest degree whose memory estimate fits the nodes{why}"
+        tried.append(n)
+    return candidates[-1], (
+        f"{candidates[-1]}: no degree of {', '.join(map(str, candidates))} fits the nodes' memory; "
+        "the largest holds the smallest share"
+    )
