@@ -97,6 +97,11 @@ def test_world_sizes_of_a_tensor_parallel_config_are_multiples_of_the_degree():
         ),
         (["scaling.tensor_parallel=2", "scaling.spare_workers=1"], "scaling.spare_workers: got 1"),
         (["scaling.tensor_parallel=0"], "scaling.tensor_parallel: got 0; expected a whole number >= 1"),
+        (["scaling.tensor_parallel=2", "model.lora.enabled=true"], "model.lora.enabled: LoRA with scaling"),
+        (
+            ["scaling.tensor_parallel=2", "model.pretrained=/nonexistent", "deepspeed.zero_stage=3"],
+            "deepspeed.zero_stage: got 3 with model.pretrained and scaling.tensor_parallel 2",
+        ),
         (
             ["scaling.tensor_parallel=3", "scaling.min_workers=3", "scaling.max_workers=3"],
             "model.hf_config.num_attention_heads: got 4; scaling.tensor_parallel 3 splits it between 3 ranks",

@@ -88,6 +88,17 @@ def tensor_parallel_problems(config: Any) -> list[str]:
                 f"scaling.{key}: got {value} with scaling.tensor_parallel {n}; it counts ranks and must be a "
                 f"multiple of {n} (whole replicas of {n} ranks): {' or '.join(map(str, fits))}"
             )
+    if config.model.lora.enabled:
+        p.append(
+            f"model.lora.enabled: LoRA with scaling.tensor_parallel {n} is not supported: peft's adapters "
+            "inside the layers AutoTP slices fail to build; train LoRA with tensor_parallel 1 (ZeRO-3 "
+            "splits a large base model instead)"
+        )
+    if config.model.pretrained and config.deepspeed.zero_stage == 3 and not config.deepspeed.config_file:
+        p.append(
+            f"deepspeed.zero_stage: got 3 with model.pretrained and scaling.tensor_parallel {n}; transformers "
+            "cannot load a pretrained folder under ZeRO-3 into AutoTP's slices yet; use stage 1 or 2"
+        )
     if not (config.model.factory or config.model.pretrained):
         hf = config.model.hf_config
         for key in _SPLIT_SIZES:
