@@ -96,8 +96,9 @@ def tensor_parallel_problems(config: Any) -> list[str]:
         )
     if config.model.pretrained and config.deepspeed.zero_stage == 3 and not config.deepspeed.config_file:
         p.append(
-            f"deepspeed.zero_stage: got 3 with model.pretrained and scaling.tensor_parallel {n}; transformers "
-            "cannot load a pretrained folder under ZeRO-3 into AutoTP's slices yet; use stage 1 or 2"
+            f"deepspeed.zero_stage: got 3 with model.pretrained and scaling.tensor_parallel {n}; "
+            "transformers cannot load a pretrained folder under ZeRO-3 into AutoTP's slices yet; "
+            "use stage 1 or 2"
         )
     if not (config.model.factory or config.model.pretrained):
         hf = config.model.hf_config
