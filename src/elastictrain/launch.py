@@ -132,11 +132,12 @@ def run_training(
     from elastictrain.control.loop import Controller
 
     reporter = reporter or Reporter(config.training.max_steps)
+    degrees = None
     if local:
         group: Any = _local_group(config)
         config = local_config(config)
     else:
-        group = _ray_group(config, run_dir, address, reporter)
+        group, degrees = _ray_group(config, run_dir, address, reporter)
     tracker = make_tracker(config, run_dir, tracking)
     take_over(run_dir, reporter)
     system = SystemMetrics(config, run_dir) if tracking else None
@@ -147,7 +148,7 @@ def run_training(
         mlflow_run = "created when the tracker connects"
     where = "; one local worker in this process (no Ray)" if local else ""
     reporter.event(f"run folder {run_dir.path}; MLflow run: {mlflow_run}{where}")
-    controller = Controller(config, run_dir, tracker, reporter, group)
+    controller = Controller(config, run_dir, tracker, reporter, group, degrees=degrees)
     if controller_hook is not None:
         controller_hook(controller)
     summary = None
@@ -163,15 +164,20 @@ def run_training(
         _end_tracking(config, run_dir, tracker, system, status, reporter if summary is not None else None)
 
 
-def _ray_group(config: Config, run_dir: RunDir, address: str | None, reporter: Reporter) -> Any:
-    """Connect to Ray, check every node can run the config (PreflightError if not), the worker group."""
+def _ray_group(config: Config, run_dir: RunDir, address: str | None, reporter: Reporter) -> tuple[Any, Any]:
+    """Connect to Ray, check every node can run the config (PreflightError if not): the worker group,
+    and with `tensor_parallel: auto` what chose the degree (the control loop asks it again)."""
     from elastictrain.cluster.connect import connect_ray
     from elastictrain.cluster.worker_group import WorkerGroup, WorkerResources
-    from elastictrain.preflight import check_memory_on_nodes, check_nvme_on_nodes, choose_tensor_parallel
+    from elastictrain.preflight import check_memory_on_nodes, check_nvme_on_nodes
 
     reporter.event(connect_ray(config, address))
+    degrees = None
     if config.scaling.tensor_parallel == "auto":  # before anything reads the degree
-        reporter.event(choose_tensor_parallel(config))
+        from elastictrain.tensor_parallel_auto import choose_tensor_parallel
+
+        said, degrees = choose_tensor_parallel(config)
+        reporter.event(said)
     # Both raise PreflightError before any worker or tracker exists.
     if check_nvme_on_nodes(config):
         reporter.event(f"deepspeed.nvme_path {config.deepspeed.nvme_path} is writable on every worker node")
@@ -179,12 +185,13 @@ def _ray_group(config: Config, run_dir: RunDir, address: str | None, reporter: R
     if estimate is not None:
         reporter.event(estimate.describe())
     s = config.scaling
-    return WorkerGroup(
+    group = WorkerGroup(
         WorkerResources(
             s.use_gpu, s.cpus_per_worker, s.gpus_per_worker, s.worker_allocator, s.tensor_parallel
         ),
         name_prefix=run_dir.read_info().run_id[:6],
     )
+    return group, degrees
 
 
 def _local_group(config: Config) -> Any:

@@ -187,7 +187,7 @@ def check_nvme_on_nodes(config: Any, timeout_s: float = 60.0) -> int:
 
 
 # -- memory, once connected to Ray -----------------------------------------------------------------------
-def _memory_probe() -> tuple[str, int | None]:
+def node_memory_probe() -> tuple[str, int | None]:
     """Runs on one node: its host name and total memory (MemTotal) in bytes."""
     from elastictrain.host_memory import meminfo_bytes
 
@@ -221,16 +221,22 @@ def model_parts(config: Any) -> tuple[list[int], int, int]:
     return sizes, largest, sum(linear.values())
 
 
-def memory_estimate(config: Any, world_size: int, tensor_parallel: int | None = None) -> Any:
+def memory_estimate(
+    config: Any,
+    world_size: int,
+    tensor_parallel: int | None = None,
+    parts: tuple[list[int], int, int] | None = None,
+) -> Any:
     """core.memory's estimate for this config at `world_size` (None for LoRA: most weights are frozen),
-    at scaling.tensor_parallel unless `tensor_parallel` is given."""
+    at scaling.tensor_parallel unless `tensor_parallel` is given; `parts`: `model_parts(config)` where
+    the caller has it (each build of the empty model costs a fraction of a second)."""
     from elastictrain.config.deepspeed_config import NVME_SUB_GROUP, live_parameters
     from elastictrain.core.memory import estimate_rank_memory, largest_sub_group
 
     if config.model.lora.enabled:
         return None
     n = int(config.scaling.tensor_parallel) if tensor_parallel is None else tensor_parallel
-    sizes, largest, sliced = model_parts(config)
+    sizes, largest, sliced = parts or model_parts(config)
     params = sum(sizes)
     # What ZeRO-3 may hold gathered at once: at least the largest layer, at most its live-parameter bound.
     largest = (
@@ -267,11 +273,11 @@ def check_memory_on_nodes(config: Any, timeout_s: float = 60.0) -> Any:
     nodes = worker_nodes(config)
     if estimate is None or not nodes:
         return estimate  # no node yet: the run waits for capacity, and the workers' own memory decides
-    answers, _ = on_each_node(nodes, _memory_probe, timeout_s=timeout_s)
+    answers, _ = on_each_node(nodes, node_memory_probe, timeout_s=timeout_s)
     known = [(n, mem) for n, (_, mem) in answers if mem]
     if not known:
         return estimate
-    slots = [_slots(n.get("Resources", {}), config) for n, _ in known]
+    slots = [node_slots(n.get("Resources", {}), config) for n, _ in known]
     fit = memory_shortfall([mem for _, mem in known], slots, estimate.host_need, s.min_workers)
     if fit is not None:
         biggest = max(mem for _, mem in known)
@@ -284,35 +290,8 @@ def check_memory_on_nodes(config: Any, timeout_s: float = 60.0) -> Any:
     return estimate
 
 
-def choose_tensor_parallel(config: Any, timeout_s: float = 60.0) -> str:
-    """Resolve `scaling.tensor_parallel: auto` on the connected cluster: the smallest degree the config
-    allows whose min_workers ranks fit the worker nodes' memory (each replica on one node). Sets it in
-    `config` and returns the line saying what was chosen and why."""
-    from elastictrain.config.tensor_parallel_check import tensor_parallel_candidates
-    from elastictrain.core.memory import memory_shortfall
-    from elastictrain.core.replicas import pick_degree
-
-    s = config.scaling
-    nodes = worker_nodes(config)
-    answers, _ = on_each_node(nodes, _memory_probe, timeout_s=timeout_s) if nodes else ([], [])
-    known = [(n, mem) for n, (_, mem) in answers if mem]
-    slots = [_slots(n.get("Resources", {}), config) for n, _ in known]
-    # A replica's ranks share a node: a degree larger than any node's ranks is never placed.
-    candidates = [n for n in tensor_parallel_candidates(config) if not slots or n <= max(slots)]
-
-    def fits(n: int) -> bool | None:
-        estimate = memory_estimate(config, s.min_workers, n)
-        if estimate is None or not known:
-            return None
-        whole = [k // n * n for k in slots]
-        return memory_shortfall([mem for _, mem in known], whole, estimate.host_need, s.min_workers) is None
-
-    n, why = pick_degree(candidates or [1], fits)
-    s.tensor_parallel = n
-    return f"scaling.tensor_parallel=auto chose {why}"
-
-
-def _slots(resources: dict[str, float], config: Any) -> int:
+def node_slots(resources: dict[str, float], config: Any) -> int:
+    """The ranks a node with these Ray resources holds (CPU slots, GPUs with use_gpu, max_workers)."""
     s = config.scaling
     by_cpu = int(resources.get("CPU", 0) // s.cpus_per_worker) if s.cpus_per_worker else s.max_workers
     if s.use_gpu:

@@ -63,7 +63,7 @@ def test_a_fresh_run_says_when_its_mlflow_run_is_created(tmp_path, monkeypatch):
         pass
 
     class Controller:
-        def __init__(self, *args: Any) -> None:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
             pass
 
         def run(self) -> None:

@@ -90,3 +90,30 @@ def test_a_snapshot_goes_on_the_wire_as_the_one_buffer_its_tensors_view_and_a_re
     assert torch.equal(replica.tensors["b::fp32"], torch.tensor([5.0, 6.0, 7.0]))
     handed = replica.to_wire()  # a replaced worker hands its replicas on the same way
     assert np.shares_memory(handed["flat"], replica.flat.numpy()) and handed["layout"] == wire["layout"]
+
+
+def test_a_rank_at_another_tensor_parallel_degree_fetches_every_slice_of_what_it_holds_and_cuts_its_own():
+    from elastictrain.checkpoint.tensor_slices import TensorSlice
+
+    whole = torch.arange(24, dtype=torch.float32).view(4, 6)  # sliced along dim 1 at degree 2
+
+    def tp_rank(index: int) -> Snapshot:
+        piece = TensorSlice(1, index, 2)
+        held = piece.cut(whole, "o").contiguous().reshape(-1)
+        name = piece.qualify("o")
+        tensors = {f"{name}::fp32": held.clone(), "n::fp32": B.clone()}
+        fragments = {name: Fragment(0, 12, 12, (4, 3)), "n": Fragment(0, 3, 3, (3,))}
+        return Snapshot(SnapshotKey(1, 2, index, 7), tensors, fragments, {"optimizer_state": {}})
+
+    metas = {r: tp_rank(r).meta() for r in (0, 1)}
+    # The same degree: rank 1 fetches its own slice only.
+    same = TensorSlice(1, 1, 2).qualify("o")
+    assert keys_to_fetch(metas, [(same, 0, 12)], full_fp32=False) == {1: [f"{same}::fp32"]}
+    # Degree 1 (the whole parameter), then degree 3: every slice moves, and the reader cuts.
+    for target, expected in (("o", whole), (TensorSlice(1, 2, 3).qualify("o"), whole[:, 4:6])):
+        n = expected.numel()
+        plan = keys_to_fetch(metas, [(target, 0, n)], full_fp32=False)
+        assert sorted(plan) == [0, 1] and all(len(keys) == 1 for keys in plan.values())
+        fetched = {r: {k: tp_rank(r).tensors[k] for k in keys} for r, keys in plan.items()}
+        reader = MemoryReader(metas, fetched)
+        assert torch.equal(reader.read(target, "fp32", 0, n), expected.reshape(-1))

@@ -67,12 +67,19 @@ def test_replicas_form_on_one_node_each_and_survivors_keep_their_places():
 
 def test_a_replica_counts_once_in_the_loss_and_the_ledger():
     results = [
-        {"rank": r, "loss": 1.0 + r // 2, "loss_sum": 10.0 * (1 + r // 2), "target_tokens": 10}
+        {
+            "rank": r,
+            "tensor_parallel": 2,
+            "loss": 1.0 + r // 2,
+            "loss_sum": 10.0 * (1 + r // 2),
+            "target_tokens": 10,
+        }
         for r in range(4)
     ]
-    leads = replica_results(results, 2)
+    leads = replica_results(results)
     assert [r["rank"] for r in leads] == [0, 2]
     assert step_loss(leads) == pytest.approx(1.5)
+    assert len(replica_results([{"rank": 0}, {"rank": 1}])) == 2  # no degree said: every rank its own
 
 
 def test_the_deepspeed_config_asks_autotp_for_the_degree_and_counts_every_rank_in_the_batch():
@@ -245,3 +252,18 @@ def test_auto_is_accepted_where_some_degree_fits_the_config_and_refused_where_no
         "training.global_batch_size=8",
     )
     assert "scaling.tensor_parallel: got 'auto' but no degree fits" in text
+
+
+def test_a_restart_under_auto_takes_the_smallest_degree_that_fits_at_the_size_it_can_run():
+    from elastictrain.core.replicas import size_and_degree
+
+    rules = ScalingRules(2, 4, 12, 2, 3, 60.0)
+    usable = {1: 3, 2: 2}.get  # three warm workers: three ranks alone, or one replica of two
+
+    # Degree 1 fits only at 4 ranks and more: three do not fit, so one replica of two at degree 2.
+    n, size, why = size_and_degree(rules, [1, 2], lambda n: usable(n, 0), lambda n, w: n > 1 or w >= 4)
+    assert (n, size) == (2, 2)
+    assert why == "2, the smallest degree whose memory estimate fits at 2 ranks; 1 at 3 ranks would not fit"
+    assert size_and_degree(rules, [1, 2], lambda n: usable(n, 0), lambda n, w: None)[:2] == (1, 3)
+    assert size_and_degree(rules, [1, 2], lambda n: usable(n, 0), lambda n, w: False)[:2] == (2, 2)
+    assert size_and_degree(rules, [2], lambda n: 1, lambda n, w: True) is None  # no whole replica

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from elastictrain.checkpoint.tensor_slices import parse
 from elastictrain.checkpoint.zero_state import Fragment, FragmentReader
 from elastictrain.core.memory_snapshots import KEEP
 
@@ -143,11 +144,16 @@ def keys_to_fetch(
 
     `wanted`: (parameter, start, length) of every slice the new rank fills, each in every field;
     `full_fp32`: the layout also needs every parameter's whole fp32 weights (ZeRO-1/2 set each rank's
-    low-precision copy of every parameter from them). Whole fragments move, never more.
+    low-precision copy of every parameter from them). Whole fragments move, never more. A parameter the
+    old ranks held as tensor-parallel slices of another degree is read whole (joined, then cut): every
+    fragment of it moves.
     """
     ranges: dict[str, list[tuple[int, int]]] = {}
+    degrees: dict[str, int] = {}  # parameter -> the degree the new rank holds it at
     for name, start, length in wanted:
         ranges.setdefault(name, []).append((start, start + length))
+        base, piece = parse(name)
+        degrees[base] = piece.count if piece else 1
     out: dict[int, list[str]] = {}
     for rank, meta in metas.items():
         keys = []
@@ -157,7 +163,9 @@ def keys_to_fetch(
             if frag is None:
                 continue
             lo, hi = frag.start, frag.start + frag.length
-            needed = any(a < hi and lo < b for a, b in ranges.get(name, ()))
+            base, piece = parse(name)
+            other_layout = base in degrees and (piece.count if piece else 1) != degrees[base]
+            needed = other_layout or any(a < hi and lo < b for a, b in ranges.get(name, ()))
             if needed or (full_fp32 and fld == "fp32"):
                 keys.append(key)
         if keys:

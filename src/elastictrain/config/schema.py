@@ -197,8 +197,8 @@ class ScalingConfig:
     # Ranks per data-parallel replica, splitting every layer's matrices between them (DeepSpeed's AutoTP,
     # Megatron-style): world size / N replicas of N ranks, each replica on one node. min_workers and
     # max_workers count ranks and must be multiples of N. A DeepSpeed JSON's tensor_parallel.autotp_size
-    # sets it too. auto: the smallest N (dividing the ranks a node holds) whose memory estimate fits,
-    # chosen when the driver starts (and again at each `elastictrain resume`), the choice printed.
+    # sets it too. auto: the smallest N (no more than a node's ranks) whose memory estimate fits, chosen
+    # when the driver starts and again at each restart at a new world size, the choice printed.
     tensor_parallel: Any = 1
     # Warm actors kept beside the attempt's workers, each holding its slot (a GPU) idle: one replaces a
     # worker or node lost at once, instead of after a new actor's start and imports (seconds to tens of

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from elastictrain.cluster.calls import Group
@@ -19,7 +20,7 @@ from elastictrain.core.policy import (
     decide_start,
     repeated_warmup_error,
 )
-from elastictrain.core.replicas import usable_workers
+from elastictrain.core.replicas import size_and_degree, usable_workers
 from elastictrain.core.state import RunStatus
 
 FIRST_PLACEMENT_WAIT_S = 5.0  # at the first start, time for the reservations to be placed
@@ -48,12 +49,32 @@ class Capacity:
         recorder: RunRecorder,
         *,
         clock: Callable[[], float] = time.monotonic,
+        degrees: Any = None,
     ) -> None:
         self.cfg = config
         self.group = group
         self.recorder = recorder
         self.rules = scaling_rules(config)
         self.clock = clock
+        self.degrees = degrees  # tensor_parallel: auto's chooser (tensor_parallel_auto.py), or None
+
+    def _restart_size(self, step: int) -> int | None:
+        """The warm workers' best world size; with `tensor_parallel: auto`, at the degree that fits there."""
+        if self.degrees is None:
+            return self.rules.best_size(self.usable_warm())
+        nodes = [w.node_id for w in self.group.warm_workers]
+        choice = size_and_degree(
+            self.rules, self.degrees.candidates, lambda n: usable_workers(nodes, n), self.degrees.fits
+        )
+        if choice is None:
+            return None
+        n, size, why = choice
+        if n != self.rules.tensor_parallel:
+            self.rules = replace(self.rules, tensor_parallel=n)
+            self.recorder.event(
+                "tensor_parallel", f"scaling.tensor_parallel=auto: {why}", step=step, tensor_parallel=n
+            )
+        return size
 
     def usable_warm(self) -> int:
         """Warm workers that can take part: with tensor parallelism, whole replicas on each node."""
@@ -102,7 +123,7 @@ class Capacity:
             self.group.poll_warm()
             self._fail_on_repeated_warmup_error()
             if not initial:
-                size = self.rules.best_size(self.usable_warm())
+                size = self._restart_size(step)
                 if size is not None:
                     return size
             capacity = self.slots()  # read once: a reservation may be placed at any moment

@@ -64,7 +64,7 @@ class Evaluations:
 
     def record(self, step_done: int, results: list[dict[str, Any]]) -> dict[str, float]:
         """Report a validation of the model after `step_done` steps (from every rank's share)."""
-        summary = eval_summary(replica_results(results, self.cfg.scaling.tensor_parallel))
+        summary = eval_summary(replica_results(results))
         if step_done <= self.logged_step:  # repeated after a restart: logged the first time
             return summary
         self.logged_step = step_done

@@ -71,7 +71,10 @@ class Controller:
         *,
         clock: Callable[[], float] = time.monotonic,
         callbacks: Callbacks | None = None,
+        degrees: Any = None,
     ) -> None:
+        """`degrees`: with `tensor_parallel: auto`, what chose the degree (tensor_parallel_auto.py); a
+        restart at a new world size asks it again."""
         self.cfg = config
         self.group = group
         self.clock = clock
@@ -79,7 +82,7 @@ class Controller:
         self.store = CheckpointStore(run_dir.checkpoints_dir)
         self.recorder = RunRecorder(run_dir, tracker, reporter)
         self.resume = ResumePoints(self.store, configured_model(config), self.recorder)
-        self.capacity = Capacity(config, group, self.recorder, clock=clock)
+        self.capacity = Capacity(config, group, self.recorder, clock=clock, degrees=degrees)
         self.saves = SaveCoordinator(config, group, self.store, self.recorder, self.resume, clock=clock)
         self.pipeline = StepPipeline(
             config, group, self.recorder, self.saves, self.capacity, after_step=self._after_step, clock=clock

@@ -135,7 +135,7 @@ class StepPipeline:
         self.last_step_s = wall
         self.step = step + 1
         gbs = self.cfg.training.global_batch_size
-        replicas = replica_results(results, self.cfg.scaling.tensor_parallel)
+        replicas = replica_results(results)
         metrics = {
             "loss": step_loss(replicas),
             "lr": results[0]["lr"],

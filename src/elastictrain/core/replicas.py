@@ -8,6 +8,9 @@ floor(k / N) replicas, and the rank order lists each replica's workers together.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from elastictrain.core.policy import ScalingRules
 
 
 def usable_workers(nodes: Sequence[str], tensor_parallel: int) -> int:
@@ -60,4 +63,33 @@ def pick_degree(candidates: Sequence[int], fits: Callable[[int], bool | None]) -
     return candidates[-1], (
         f"{candidates[-1]}: no degree of {', '.join(map(str, candidates))} fits the nodes' memory; "
         "the largest holds the smallest share"
+    )
+
+
+def size_and_degree(
+    rules: ScalingRules,
+    candidates: Sequence[int],
+    usable: Callable[[int], int],
+    fits: Callable[[int, int], bool | None],
+) -> tuple[int, int, str] | None:
+    """`tensor_parallel: auto` at a restart: (degree, world size, why). The smallest candidate degree
+    whose largest workable world size (whole replicas of the `usable(n)` warm workers) fits in memory
+    there (`fits(n, size)`; None: unknown, taken as fitting); where none fits, the largest degree that
+    has a workable size. None where no degree has one."""
+    tried: list[str] = []
+    last: tuple[int, int] | None = None
+    for n in candidates:
+        size = replace(rules, tensor_parallel=n).best_size(usable(n))
+        if size is None:
+            continue
+        if fits(n, size) is not False:
+            why = f"; {', '.join(tried)} would not fit" if tried else ""
+            return n, size, f"{n}, the smallest degree whose memory estimate fits at {size} ranks{why}"
+        tried.append(f"{n} at {size} ranks")
+        last = (n, size)
+    if last is None:
+        return None
+    return (
+        *last,
+        f"{last[0]}: no degree fits the nodes' memory ({', '.join(tried)}); the largest holds the least",
     )

@@ -359,6 +359,7 @@ class TrainWorker(SnapshotPeer, ShardSaves, FaultHooks):
         return {
             "step": step,
             "rank": spec.rank,
+            "tensor_parallel": spec.plan.tensor_parallel,  # its replica's ranks report the same samples
             **loss.fields(),
             "lr": lr,
             "samples": len(samples),

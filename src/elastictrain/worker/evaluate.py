@@ -60,6 +60,7 @@ def evaluate_share(
         module.train(was_training)
     return {
         "rank": rank,
+        "tensor_parallel": plan.tensor_parallel,
         "loss_sum": loss_sum,
         "target_tokens": tokens if builtin else None,
         "samples": len(read),
