@@ -50,7 +50,7 @@ class Profile:
 
 
 # Part e (checkpoint on the GPU) rides on part c's two runs: a 1B model's set-up is the dearest thing there.
-_PARTS = ("environment", "numerics", "throughput", "offload", "cross_device")
+_PARTS = ("environment", "numerics", "throughput", "offload", "cross_device", "tensor_parallel")
 
 GPU = Profile(
     name="gpu",
@@ -87,6 +87,7 @@ GPU = Profile(
         "throughput": 160,
         "offload": 170,  # two 1B set-ups; waits for the background build of DeepSpeed's ops first
         "cross_device": 45,
+        "tensor_parallel": 30,  # two small runs where there are two GPUs; a second where there is one
     },
 )
 
@@ -114,6 +115,7 @@ DRY = Profile(
         "throughput": 150,
         "offload": 300,  # the first NVMe offload on a fresh machine builds DeepSpeed's async_io op
         "cross_device": 240,
+        "tensor_parallel": 180,
     },
 )
 

@@ -125,6 +125,26 @@ def test_a_checkpoint_loads_at_another_tensor_parallel_size_and_the_run_continue
     what = "TP 2 x DP 2, then TP 1 x DP 3 from its checkpoint, then TP 2 x DP 1 from that one's"
     assert_same_losses(logged_losses(run_dir), reference.losses[:steps], reference.loss_tol, what)
 
+    # verify and reshard read the last checkpoint (TP 2 slices) as any other: whole parameters at world 3.
+    from typer.testing import CliRunner
+
+    from elastictrain.checkpoint.zero_state import FragmentReader
+    from elastictrain.cli import app
+
+    last = run_dir.checkpoints_dir / f"step-{steps:06d}"
+    verified = CliRunner().invoke(app, ["verify", str(last)])
+    assert verified.exit_code == 0 and "every file matches its manifest" in verified.output, verified.output
+    out = tmp_path / "resharded"
+    resharded = CliRunner().invoke(app, ["reshard", str(last), "--world-size", "3", "--out", str(out)])
+    assert resharded.exit_code == 0, resharded.output
+    before, after = (
+        FragmentReader(sorted(last.glob("*.safetensors"))),
+        FragmentReader(sorted(out.glob("*.safetensors"))),
+    )
+    assert sorted(after.params) == sorted(before.params) and any("q_proj" in n for n in before.params)
+    for name in before.params:
+        assert torch.equal(after.full(name), before.full(name)), name
+
 
 def test_auto_chooses_two_for_a_model_whose_ranks_do_not_fit_the_node_at_one(ray_local, tmp_path):
     """A model sized from this machine's memory so that two whole-model ranks do not fit its node and
