@@ -278,14 +278,15 @@ def check_memory_on_nodes(config: Any, timeout_s: float = 60.0) -> Any:
     if not known:
         return estimate
     slots = [node_slots(n.get("Resources", {}), config) for n, _ in known]
-    fit = memory_shortfall([mem for _, mem in known], slots, estimate.host_need, s.min_workers)
+    n = int(s.tensor_parallel)  # resolved by now where it was `auto`
+    fit = memory_shortfall([mem for _, mem in known], slots, estimate.host_need, s.min_workers, n)
     if fit is not None:
         biggest = max(mem for _, mem in known)
         raise PreflightError(
             f"{estimate.describe()}; the worker nodes can hold {fit} such rank(s) in memory "
             f"(largest node: {biggest / GIB:.1f} GiB), fewer than scaling.min_workers={s.min_workers}. "
             "Offload the optimizer to NVMe (deepspeed.offload_optimizer=nvme, deepspeed.nvme_path=DIR), use "
-            "bf16, a smaller model, or nodes with more memory"
+            "bf16, a larger scaling.tensor_parallel (or auto), a smaller model, or nodes with more memory"
         )
     return estimate
 

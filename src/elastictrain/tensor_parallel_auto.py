@@ -36,8 +36,7 @@ class DegreeChooser:
         if self._parts is None:
             self._parts = model_parts(self.config)
         estimate = memory_estimate(self.config, world_size, n, parts=self._parts)
-        whole = [k // n * n for k in self.node_ranks]  # a replica's ranks share a node
-        return memory_shortfall(self.node_memory, whole, estimate.host_need, world_size) is None
+        return memory_shortfall(self.node_memory, self.node_ranks, estimate.host_need, world_size, n) is None
 
 
 def choose_tensor_parallel(config: Any, timeout_s: float = 60.0) -> tuple[str, DegreeChooser]:

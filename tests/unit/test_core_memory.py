@@ -137,3 +137,12 @@ def test_largest_sub_group_follows_deepspeeds_own_grouping() -> None:
             SimpleNamespace(sub_group_size=size), params
         )
         assert largest_sub_group(numels, size) == max(sum(p.partition_numel() for p in g) for g in groups)
+
+
+def test_with_tensor_parallelism_a_node_holds_whole_replicas_only() -> None:
+    # 30 GiB of 10 GiB ranks is 3 ranks, but one replica of 2 at degree 2 (its ranks share the node).
+    assert ranks_that_fit([30 * GIB], [4], 10 * GIB, tensor_parallel=2) == 2
+    assert ranks_that_fit([30 * GIB, 30 * GIB], [3, 4], 1 * GIB, tensor_parallel=2) == 6
+    # 4 ranks wanted at degree 2: memory holds 2 on each node, so 4 fit; 3 per node at degree 1 would.
+    assert memory_shortfall([25 * GIB, 25 * GIB], [4, 4], 10 * GIB, wanted=4, tensor_parallel=2) is None
+    assert memory_shortfall([25 * GIB, 15 * GIB], [4, 4], 10 * GIB, wanted=4, tensor_parallel=2) == 2

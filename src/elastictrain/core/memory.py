@@ -189,20 +189,30 @@ def largest_sub_group(partition_numels: list[int], sub_group_size: int) -> int:
     return max(largest, running)
 
 
-def ranks_that_fit(node_memory_bytes: list[int], node_slots: list[int], per_rank_bytes: int) -> int:
-    """How many ranks the nodes can host by memory, each node capped by its CPU/GPU slots."""
+def ranks_that_fit(
+    node_memory_bytes: list[int], node_slots: list[int], per_rank_bytes: int, tensor_parallel: int = 1
+) -> int:
+    """How many ranks the nodes can host by memory, each node capped by its CPU/GPU slots, in whole
+    tensor-parallel replicas (a replica's ranks share a node)."""
+    n = tensor_parallel
     if per_rank_bytes <= 0:
-        return sum(node_slots)
+        return sum(slots // n * n for slots in node_slots)
     return sum(
-        min(slots, mem // per_rank_bytes) for mem, slots in zip(node_memory_bytes, node_slots, strict=True)
+        min(slots, mem // per_rank_bytes) // n * n
+        for mem, slots in zip(node_memory_bytes, node_slots, strict=True)
     )
 
 
 def memory_shortfall(
-    node_memory_bytes: list[int], node_slots: list[int], per_rank_bytes: int, wanted: int
+    node_memory_bytes: list[int],
+    node_slots: list[int],
+    per_rank_bytes: int,
+    wanted: int,
+    tensor_parallel: int = 1,
 ) -> int | None:
     """The ranks the nodes can host when memory, not slots, keeps them under `wanted`; None otherwise.
 
     Fewer slots than `wanted` is a wait for capacity (nodes may join), not a reason to refuse the run."""
-    fit = ranks_that_fit(node_memory_bytes, node_slots, per_rank_bytes)
-    return fit if fit < min(wanted, sum(node_slots)) else None
+    n = tensor_parallel
+    fit = ranks_that_fit(node_memory_bytes, node_slots, per_rank_bytes, n)
+    return fit if fit < min(wanted, sum(slots // n * n for slots in node_slots)) else None
