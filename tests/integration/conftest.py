@@ -66,9 +66,8 @@ def _shutdown_ray_at_the_end() -> Iterator[None]:
         ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[object]:
-    """A real multi-node Ray cluster on this machine: a head with no CPUs and 3 one-CPU worker nodes.
+def _three_worker_nodes(cpus_per_node: int) -> Iterator[object]:
+    """A real multi-node Ray cluster on this machine: a head with no CPUs and 3 worker nodes.
 
     Workers can only land on the worker nodes, so removing one is a real node failure for them.
     """
@@ -79,12 +78,24 @@ def ray_cluster() -> Iterator[object]:
         ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     for _ in range(3):
-        cluster.add_node(num_cpus=1)
+        cluster.add_node(num_cpus=cpus_per_node)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[object]:
+    """3 one-CPU worker nodes (and a head with no CPUs)."""
+    yield from _three_worker_nodes(1)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster_two_cpu_nodes() -> Iterator[object]:
+    """3 worker nodes of 2 CPUs (and a head with no CPUs): each holds one tensor-parallel replica of 2."""
+    yield from _three_worker_nodes(2)
 
 
 @pytest.fixture(scope="module")

@@ -233,26 +233,8 @@ def test_under_auto_each_restart_takes_the_degree_that_fits_its_world_size_from_
 
 
 # Last in the module: its cluster of three nodes replaces the local one until the module ends.
-@pytest.fixture(scope="module")
-def two_cpu_nodes():  # noqa: ANN201
-    """A head with no CPUs and 3 worker nodes of 2 CPUs: each node holds one replica of 2 ranks."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    for _ in range(3):
-        cluster.add_node(num_cpus=2)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
-
-
 def test_a_replica_losing_a_rank_or_its_node_leaves_the_run_to_the_others_from_memory_and_a_replica_rejoins(
-    two_cpu_nodes, tmp_path
+    ray_cluster_two_cpu_nodes, tmp_path
 ):
     from collections.abc import Callable
     from typing import Any
@@ -281,7 +263,9 @@ def test_a_replica_losing_a_rank_or_its_node_leaves_the_run_to_the_others_from_m
     def remove_the_first_replicas_node(controller: Any) -> None:
         nodes_before.append([w.node_id for w in controller.active])
         node_id = controller.active[0].node_id
-        two_cpu_nodes.remove_node(next(n for n in two_cpu_nodes.worker_nodes if n.node_id == node_id))
+        ray_cluster_two_cpu_nodes.remove_node(
+            next(n for n in ray_cluster_two_cpu_nodes.worker_nodes if n.node_id == node_id)
+        )
 
     hook: Callable[[Any], None] = chain(
         ledger,
@@ -305,7 +289,7 @@ def test_a_replica_losing_a_rank_or_its_node_leaves_the_run_to_the_others_from_m
     try:
         summary, run_dir, output = run(cfg, hook=hook)
     finally:
-        two_cpu_nodes.add_node(num_cpus=2)  # leave the module's cluster as it was
+        ray_cluster_two_cpu_nodes.add_node(num_cpus=2)  # leave the module's cluster as it was
     assert summary.status.value == "FINISHED", output
     starts = [e for e in run_dir.read_events() if e["event"] == "attempt_started"]
     sizes = [(s["world_size"], s["source"]) for s in starts]

@@ -213,11 +213,11 @@ class FlatPartitionLayout:
         self.optimizer = engine.optimizer
         inner = self.optimizer.optimizer
         self._flats = [g["params"][0] for g in inner.param_groups]
-        names = saved_names(engine)
+        self._names = saved_names(engine)
         if hasattr(self.optimizer, "round_robin_bit16_groups"):
-            self._slices = self._from_flat_layout(names)
+            self._slices = self._from_flat_layout(self._names)
         else:
-            self._slices = self._from_fragment_mapping(names)
+            self._slices = self._from_fragment_mapping(self._names)
 
     def _from_flat_layout(self, names: dict[Any, str]) -> list[list[LocalSlice]]:
         """ZeRO-1/2: each parameter's offset in the flat buffer, cut at this rank's partition.
@@ -283,7 +283,7 @@ class FlatPartitionLayout:
         # Every rank holds every low-precision parameter in these stages: set each from the full fp32
         # weights (what DeepSpeed's step does with an all-gather), so no collective is needed here.
         with torch.no_grad():
-            for param, name in saved_names(self.engine).items():
+            for param, name in self._names.items():
                 if reader.has(name):
                     param.data.copy_(reader.full(name, FP32).to(param.dtype))
         # The optimizer reads state through fragment views it links lazily; make it relink them.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,9 +127,7 @@ class FragmentReader:
         shapes = [self._saved[by_index[i]].shape for i in range(slicing.count)]
         shape = list(shapes[0])
         shape[slicing.dim] = sum(s[slicing.dim] for s in shapes)
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         return Fragment(0, numel, numel, tuple(shape))
 
     def has(self, name: str) -> bool:

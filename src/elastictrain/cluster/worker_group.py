@@ -124,7 +124,8 @@ class WorkerGroup:
         want = len(refs) if n is None else max(1, min(-(-n // max(slots_per.values())), len(refs)))
         ray.wait(refs, num_returns=want, timeout=timeout_s)
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        placed = {pg.id.hex() for pg, ref in zip(groups, refs, strict=True) if ref in set(ready)}
+        done = set(ready)
+        placed = {pg.id.hex() for pg, ref in zip(groups, refs, strict=True) if ref in done}
         return [slot for slot in self.pending if slot.pg.id.hex() in placed]
 
     def ready_reservations(self, timeout_s: float = 0.0) -> int:

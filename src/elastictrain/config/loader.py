@@ -27,6 +27,7 @@ from elastictrain.config.lora_check import lora_problems
 from elastictrain.config.schema import Config, DataConfig
 from elastictrain.config.tensor_parallel_check import (
     adopt_user_json_tensor_parallel,
+    checked_degree,
     tensor_parallel_problems,
 )
 from elastictrain.core.batch import workable_world_sizes
@@ -397,13 +398,13 @@ def _writable(folder: str) -> bool:
 
 def valid_world_sizes(config: Config) -> list[int]:
     s, t = config.scaling, config.training
-    n = 1 if s.tensor_parallel == "auto" else s.tensor_parallel  # auto: a degree is chosen at start
+    n = checked_degree(config)
     return workable_world_sizes(t.global_batch_size, t.micro_batch_size, s.min_workers, s.max_workers, n)
 
 
 def _no_world_size_message(config: Config) -> str:
     s, t = config.scaling, config.training
-    n = 1 if s.tensor_parallel == "auto" else s.tensor_parallel
+    n = checked_degree(config)
     sizes = [w // n for w in range(s.min_workers, s.max_workers + 1) if w % n == 0]  # replicas
     candidates = [g for g in range(1, 2 * t.global_batch_size + 64) if all(g % w == 0 for w in sizes)]
     nearby = sorted(sorted(candidates, key=lambda g: abs(g - t.global_batch_size))[:4])

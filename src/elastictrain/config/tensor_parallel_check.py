@@ -38,6 +38,12 @@ def adopt_user_json_tensor_parallel(config: Any) -> None:
         config.scaling.tensor_parallel = found
 
 
+def checked_degree(config: Any) -> int:
+    """The degree world sizes are checked at when the config loads (auto: one is chosen at start)."""
+    n = config.scaling.tensor_parallel
+    return 1 if n == "auto" else n
+
+
 def tensor_parallel_candidates(config: Any) -> list[int]:
     """The degrees `tensor_parallel: auto` may choose from, smallest first: those the config can hold
     (whole replicas in min, max and spare workers, heads that split, a global batch that splits)."""

@@ -46,10 +46,15 @@ def tensor_slices(engine: Any, tensor_parallel: int, tp_rank: int) -> dict[Any, 
     return out
 
 
+def _engine_degree(engine: Any) -> int:
+    """The engine's AutoTP degree (0 or 1: none)."""
+    size_of = getattr(engine, "autotp_size", None)
+    return int(size_of()) if callable(size_of) else 0
+
+
 def engine_tensor_slices(engine: Any) -> dict[Any, Slicing]:
     """`tensor_slices` of an engine, at its own tensor-parallel size and this rank's place in it."""
-    size_of = getattr(engine, "autotp_size", None)
-    size = int(size_of()) if callable(size_of) else 0
+    size = _engine_degree(engine)
     if size <= 1:
         return {}
     from deepspeed.utils import groups
@@ -61,6 +66,5 @@ def data_parallel_rank(engine: Any) -> int:
     """This rank's place among the ranks that hold the same slices (DeepSpeed's (data, tensor) mesh puts
     each replica's ranks next to each other)."""
     rank = int(getattr(engine, "global_rank", 0))
-    size_of = getattr(engine, "autotp_size", None)
-    size = int(size_of()) if callable(size_of) else 0
+    size = _engine_degree(engine)
     return rank // size if size > 1 else rank
