@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -163,3 +164,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: a gloo thread still alive there aborts the process ("terminate called
+    # without an active exception") after training has finished and its results are written.
+    os._exit(0)
