@@ -52,6 +52,7 @@ def ray_local() -> Iterator[None]:
             include_dashboard=False,
             log_to_driver=False,
             _node_ip_address="127.0.0.1",
+            _system_config={"prestart_worker_first_driver": False},  # as cluster/connect.py starts one
         )
         _shared.update(gcs=ray.get_runtime_context().gcs_address, env=dict(os.environ))
     yield
@@ -76,7 +77,14 @@ def _three_worker_nodes(cpus_per_node: int) -> Iterator[object]:
 
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 0,
+            "include_dashboard": False,
+            "_system_config": {"prestart_worker_first_driver": False},  # idle workers nothing uses
+        },
+    )
     for _ in range(3):
         cluster.add_node(num_cpus=cpus_per_node)
     cluster.wait_for_nodes()

@@ -94,7 +94,14 @@ def test_chaos_run_loses_nothing(tmp_path: Path, mlflow_server_factory: Any) -> 
     mlflow_down_s = rng.uniform(10, 20)
     node_back_after_s = rng.uniform(2, 5)
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 0,
+            "include_dashboard": False,
+            "_system_config": {"prestart_worker_first_driver": False},
+        },
+    )
     for _ in range(3):
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()

@@ -93,9 +93,9 @@ def _structure_problem(built: Any) -> str | None:
     """Build the model on the meta device (no memory): what its constructor rejects is found here."""
     import torch
 
-    from elastictrain.compat.transformers.scipy_deferred import import_losses_without_scipy
+    from elastictrain.compat.transformers.preload import import_modeling_code
 
-    import_losses_without_scipy()  # before the build imports transformers' modeling code and its losses
+    import_modeling_code()
     from transformers import AutoModelForCausalLM
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 

@@ -42,17 +42,12 @@ def build_hf_config(hf_config: dict[str, Any]) -> Any:
 
 def preload_model_code(config: Any) -> None:
     """Import everything building the model will import, outside of DeepSpeed's zero.Init."""
-    from elastictrain.compat.transformers.import_structure import cache_import_structure
-    from elastictrain.compat.transformers.scipy_deferred import import_losses_without_scipy
-
-    cache_import_structure()  # before transformers.models is first imported
     import torch._dynamo  # noqa: F401
 
-    import_losses_without_scipy()  # before transformers.modeling_utils, which imports the losses
-    import transformers.modeling_utils  # noqa: F401
-    from transformers import AutoConfig
+    from elastictrain.compat.transformers.preload import import_modeling_code, resolve_model_class
 
-    from elastictrain.compat.transformers.preload import resolve_model_class
+    import_modeling_code()
+    from transformers import AutoConfig
 
     m = config.model
     if m.factory:

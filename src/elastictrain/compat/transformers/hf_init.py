@@ -32,6 +32,9 @@ TRANSFORMERS_TESTED = ">=4.45"  # pyproject's range; the checks below say whethe
 
 
 def _check_initialize_weights() -> str | None:
+    from elastictrain.compat.transformers.preload import import_modeling_code
+
+    import_modeling_code()
     from transformers.modeling_utils import PreTrainedModel
 
     return has_parameters(PreTrainedModel._initialize_weights, "self", "module", "is_custom_code")

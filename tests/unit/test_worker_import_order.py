@@ -1,0 +1,43 @@
+"""A worker's warm-up imports transformers' modeling code the cheap way (compat/transformers/preload.py
+`import_modeling_code`): its import structure from elastictrain's cache and SciPy's optimizer deferred,
+even though the warm-up's patch checks import that code before the model's own preload does."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A new process, as a Ray worker is: the warm-up a TrainWorker runs before it joins an attempt.
+SCRIPT = """
+import json, sys
+from elastictrain.config.loader import load_config
+from elastictrain.worker.actor import TrainWorker
+config = load_config(sys.argv[1], ["data.generated_chars=20000"])
+TrainWorker("w0", use_gpu=False, in_ray=False).warmup(config)
+print(json.dumps({
+    "modeling_imported": "transformers.modeling_utils" in sys.modules,
+    "scipy_optimize_imported": "scipy.optimize" in sys.modules,
+}))
+"""
+
+
+def test_a_workers_warm_up_defers_scipy_and_caches_the_import_structure(tmp_path: Path):
+    env = {**os.environ, "ELASTICTRAIN_CACHE": str(tmp_path / "cache"), "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(REPO / "conf" / "tiny-cpu.yaml")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {"modeling_imported": True, "scipy_optimize_imported": False}, seen
+    # Written only when the cache was in place before transformers.models was first imported.
+    assert list((tmp_path / "cache").glob("transformers-*-import-structure.pkl")), "structure not cached"
