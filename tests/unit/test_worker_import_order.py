@@ -1,6 +1,7 @@
-"""A worker's warm-up imports transformers' modeling code the cheap way (compat/transformers/preload.py
-`import_modeling_code`): its import structure from elastictrain's cache and SciPy's optimizer deferred,
-even though the warm-up's patch checks import that code before the model's own preload does."""
+"""A worker's warm-up, and any process that first builds a model, imports transformers' modeling code
+the cheap way (compat/transformers/preload.py `import_modeling_code`): its import structure from
+elastictrain's cache and SciPy's optimizer deferred, even though the warm-up's patch checks import that
+code before the model's own preload does."""
 
 from __future__ import annotations
 
@@ -40,4 +41,29 @@ def test_a_workers_warm_up_defers_scipy_and_caches_the_import_structure(tmp_path
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen == {"modeling_imported": True, "scipy_optimize_imported": False}, seen
     # Written only when the cache was in place before transformers.models was first imported.
+    assert list((tmp_path / "cache").glob("transformers-*-import-structure.pkl")), "structure not cached"
+
+
+# A driver or a command (export, eval, the memory estimate) that builds a model before anything else.
+BUILD_SCRIPT = """
+import json, sys
+from elastictrain.model.build import build_causal_lm
+build_causal_lm({"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+                 "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2})
+print(json.dumps({"scipy_optimize_imported": "scipy.optimize" in sys.modules}))
+"""
+
+
+def test_a_process_whose_first_transformers_use_is_a_model_build_takes_the_same_cheap_way(tmp_path: Path):
+    env = {**os.environ, "ELASTICTRAIN_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run(
+        [sys.executable, "-c", BUILD_SCRIPT],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"scipy_optimize_imported": False}
     assert list((tmp_path / "cache").glob("transformers-*-import-structure.pkl")), "structure not cached"

@@ -86,6 +86,9 @@ def preload_engine_code(config: Any) -> None:
 
 
 def build_causal_lm(hf_config: dict[str, Any], *, activation_checkpointing: bool = False) -> torch.nn.Module:
+    from elastictrain.compat.transformers.preload import import_modeling_code
+
+    import_modeling_code()  # the cheap way, in whichever process builds first (a driver, a command)
     from transformers import AutoModelForCausalLM
 
     config = build_hf_config(hf_config)
