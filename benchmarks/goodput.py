@@ -112,13 +112,24 @@ def _run(w: Workload, path: Path, steps: int, plan: list[tuple[float, str]], clu
         controller.callbacks.after_step.append(after_step)
 
     run_dir = run_elastictrain(cfg, hook)
+    events = run_dir.read_events()
     return {
         "steps": steps,
         "timeline": [(t - times[0][0], s, ws) for t, s, ws in times],
         "seconds": times[-1][0] - times[0][0],
         "failures": [{**f, "time": f["time"] - times[0][0]} for f in done],
-        "recovered": recoveries(run_dir.read_events()),
+        "recovered": recoveries(events),
+        "snapshot_changes": snapshot_changes(events),
     }
+
+
+def snapshot_changes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each move of the in-memory snapshot schedule: its step, the new interval (or off), and why."""
+    return [
+        {k: e.get(k) for k in ("step", "interval", "off", "message")}
+        for e in events
+        if e["event"] == "snapshots"
+    ]
 
 
 # What a recovery's record keeps of its `recovered` event and of the `attempt_started` before it.
@@ -292,6 +303,10 @@ def summarize(
         "steps_lost_total": sum(lost),
         "steps_lost_max": max(lost, default=0),
         "steps_lost_per_failure": lost,
+        "snapshot_interval_changes": [
+            (c["step"], "off" if c["off"] else c["interval"])
+            for c in runs[-1]["with_failures"].get("snapshot_changes", [])
+        ],
         "grow_stall_s": grow_stalls,
         "grow_stall_max_s": max(grow_stalls, default=None),
         "grow_stall_median_s": median(grow_stalls) if grow_stalls else None,
@@ -304,7 +319,8 @@ def summarize(
             1,
             "<=",
             unit="steps",
-            note=f"each failure: {lost}",
+            note=f"each failure: {lost}; the snapshot schedule's moves (step, interval): "
+            f"{metrics['snapshot_interval_changes']}",
         ),
         Target(
             "survivors stopped by a grow, the longest (elastictrain)",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.goodput import recoveries, slowest_grow_note
+from benchmarks.goodput import recoveries, slowest_grow_note, snapshot_changes
 
 
 def _event(name: str, second: float, **fields: object) -> dict[str, object]:
@@ -43,3 +43,15 @@ def test_each_restart_keeps_its_cause_its_set_up_parts_and_the_time_to_its_attem
 
 def test_results_recorded_before_the_set_up_parts_were_kept_give_no_breakdown():
     assert slowest_grow_note([{"step": 3, "stall_s": 1.0, "cause": "grow"}]) == ""
+
+
+def test_each_move_of_the_snapshot_schedule_is_kept_with_its_step_interval_and_reason():
+    events = [
+        _event("snapshots", 1.0, step=6, interval=2, off=False, message="a snapshot costs 4%"),
+        _event("recovered", 2.0, step=7, steps_lost=1, stall_s=0.3, recovered_from="memory"),
+        _event("snapshots", 3.0, step=40, interval=1, off=False, message="back to every step"),
+    ]
+    assert snapshot_changes(events) == [
+        {"step": 6, "interval": 2, "off": False, "message": "a snapshot costs 4%"},
+        {"step": 40, "interval": 1, "off": False, "message": "back to every step"},
+    ]
