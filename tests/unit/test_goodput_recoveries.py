@@ -1,8 +1,9 @@
-"""The goodput benchmark's record of each restart says where a grow's stall went (benchmarks/goodput.py)."""
+"""The goodput benchmark's record of each restart says where a grow's stall went, and of each move of
+the snapshot schedule (benchmarks/goodput_events.py)."""
 
 from __future__ import annotations
 
-from benchmarks.goodput import recoveries, slowest_grow_note, snapshot_changes
+from benchmarks.goodput_events import recoveries, slowest_grow_note, snapshot_changes
 
 
 def _event(name: str, second: float, **fields: object) -> dict[str, object]:
