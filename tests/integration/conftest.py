@@ -8,6 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from elastictrain.cluster.connect import LOCAL_SYSTEM_CONFIG
+
 # Keep every Ray server on 127.0.0.1 (as cluster/connect.py does); must be set before Ray starts.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -52,7 +54,7 @@ def ray_local() -> Iterator[None]:
             include_dashboard=False,
             log_to_driver=False,
             _node_ip_address="127.0.0.1",
-            _system_config={"prestart_worker_first_driver": False},  # as cluster/connect.py starts one
+            _system_config=LOCAL_SYSTEM_CONFIG,  # as cluster/connect.py starts one
         )
         _shared.update(gcs=ray.get_runtime_context().gcs_address, env=dict(os.environ))
     yield
@@ -82,7 +84,7 @@ def _three_worker_nodes(cpus_per_node: int) -> Iterator[object]:
         head_node_args={
             "num_cpus": 0,
             "include_dashboard": False,
-            "_system_config": {"prestart_worker_first_driver": False},  # idle workers nothing uses
+            "_system_config": LOCAL_SYSTEM_CONFIG,
         },
     )
     for _ in range(3):

@@ -24,6 +24,7 @@ import pytest
 from helpers import TINY
 
 from elastictrain.checkpoint.store import CheckpointStore, verify
+from elastictrain.cluster.connect import LOCAL_SYSTEM_CONFIG
 from elastictrain.core.batch import plan_batch
 from elastictrain.core.data_order import micro_batch_samples
 from elastictrain.rundir.run_dir import RunDir
@@ -99,7 +100,7 @@ def test_chaos_run_loses_nothing(tmp_path: Path, mlflow_server_factory: Any) -> 
         head_node_args={
             "num_cpus": 0,
             "include_dashboard": False,
-            "_system_config": {"prestart_worker_first_driver": False},
+            "_system_config": LOCAL_SYSTEM_CONFIG,
         },
     )
     for _ in range(3):

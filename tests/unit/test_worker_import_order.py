@@ -27,10 +27,11 @@ print(json.dumps({
 """
 
 
-def test_a_workers_warm_up_defers_scipy_and_caches_the_import_structure(tmp_path: Path):
+def in_new_process(tmp_path: Path, script: str, *args: str) -> dict:
+    """Run `script` in a new process with an empty elastictrain cache; what it printed last, as JSON."""
     env = {**os.environ, "ELASTICTRAIN_CACHE": str(tmp_path / "cache"), "DS_ACCELERATOR": "cpu"}
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(REPO / "conf" / "tiny-cpu.yaml")],
+        [sys.executable, "-c", script, *args],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -38,10 +39,18 @@ def test_a_workers_warm_up_defers_scipy_and_caches_the_import_structure(tmp_path
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def structure_cached(tmp_path: Path) -> bool:
+    """Written only when the cache was in place before transformers.models was first imported."""
+    return bool(list((tmp_path / "cache").glob("transformers-*-import-structure.pkl")))
+
+
+def test_a_workers_warm_up_defers_scipy_and_caches_the_import_structure(tmp_path: Path):
+    seen = in_new_process(tmp_path, SCRIPT, str(REPO / "conf" / "tiny-cpu.yaml"))
     assert seen == {"modeling_imported": True, "scipy_optimize_imported": False}, seen
-    # Written only when the cache was in place before transformers.models was first imported.
-    assert list((tmp_path / "cache").glob("transformers-*-import-structure.pkl")), "structure not cached"
+    assert structure_cached(tmp_path), "structure not cached"
 
 
 # A driver or a command (export, eval, the memory estimate) that builds a model before anything else.
@@ -55,15 +64,5 @@ print(json.dumps({"scipy_optimize_imported": "scipy.optimize" in sys.modules}))
 
 
 def test_a_process_whose_first_transformers_use_is_a_model_build_takes_the_same_cheap_way(tmp_path: Path):
-    env = {**os.environ, "ELASTICTRAIN_CACHE": str(tmp_path / "cache")}
-    done = subprocess.run(
-        [sys.executable, "-c", BUILD_SCRIPT],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"scipy_optimize_imported": False}
-    assert list((tmp_path / "cache").glob("transformers-*-import-structure.pkl")), "structure not cached"
+    assert in_new_process(tmp_path, BUILD_SCRIPT) == {"scipy_optimize_imported": False}
+    assert structure_cached(tmp_path), "structure not cached"

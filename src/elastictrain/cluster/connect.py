@@ -13,6 +13,11 @@ from elastictrain.redact import install_log_redaction
 
 log = logging.getLogger("elastictrain.launch")
 
+# The Ray settings of a cluster started here. Ray starts idle workers for the first driver's tasks; the
+# training actors carry environment variables of their own (worker_group), so they never take one:
+# 0.6 CPU s each, for nothing. The tests' clusters start with the same.
+LOCAL_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
+
 
 def connect_ray(config: Config, address: str | None) -> str:
     """Connect to the cluster at --address / ray.address / RAY_ADDRESS, or start a local one on loopback."""
@@ -41,9 +46,7 @@ def connect_ray(config: Config, address: str | None) -> str:
         include_dashboard=False,
         log_to_driver=False,
         _node_ip_address="127.0.0.1",
-        # Ray starts idle workers for this driver's tasks; the training actors carry environment
-        # variables of their own (worker_group), so they never take one: 0.6 CPU s each, for nothing.
-        _system_config={"prestart_worker_first_driver": False},
+        _system_config=LOCAL_SYSTEM_CONFIG,
     )
     install_log_redaction()  # again: a library may have replaced the record factory
     return local_capacity_note(config, float(ray.cluster_resources().get("CPU", 0)))
