@@ -47,6 +47,29 @@ def test_another_installs_cache_inherited_from_its_process_is_not_used(
     assert os.environ["TORCH_EXTENSIONS_DIR"] == str(own_extensions_dir())
 
 
+def test_an_arch_specific_cuda_target_does_not_stop_deepspeeds_op_builders(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A GPU image set TORCH_CUDA_ARCH_LIST="9.0a": DeepSpeed's async I/O builder (NVMe offload) raised
+    # "invalid literal for int() with base 10: '0a'" before compiling anything.
+    from deepspeed.ops.op_builder.async_io import AsyncIOBuilder
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a+PTX")
+    with pytest.raises(ValueError, match="0a"):
+        AsyncIOBuilder().compute_capability_args()
+    prefer_environment_tools()
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0+PTX"
+    builder = AsyncIOBuilder()
+    builder.jit_mode = True
+    builder.compute_capability_args()
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0+PTX"
+
+
+def test_plain_cuda_targets_and_separators_are_kept() -> None:
+    assert ops.arch_list_deepspeed_reads("7.5 8.6 9.0+PTX") == "7.5 8.6 9.0+PTX"
+    assert ops.arch_list_deepspeed_reads("9.0a 10.0f") == "9.0 10.0"
+
+
 def test_two_deepspeed_installs_do_not_share_an_op_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     # Two checkouts' environments compile the same op from different paths: sharing one cache, each
     # took the other's build for stale and rebuilt every op.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -42,6 +43,25 @@ def prefer_environment_tools() -> None:
     inherited = os.environ.get("TORCH_EXTENSIONS_DIR")
     if inherited is None or _another_installs_cache(Path(inherited), own):
         os.environ["TORCH_EXTENSIONS_DIR"] = str(own)
+    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if arch_list:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list_deepspeed_reads(arch_list)
+
+
+# "9.0a" (Hopper's arch-specific target) or "10.0f": DeepSpeed's builders read the minor as an int
+_ARCH_SUFFIX = re.compile(r"^(\d+)\.(\d+)[a-z]+(\+PTX)?$")
+
+
+def arch_list_deepspeed_reads(arch_list: str) -> str:
+    """TORCH_CUDA_ARCH_LIST with arch-specific targets ("9.0a") written as their plain arch ("9.0").
+
+    DeepSpeed's op builders parse each entry's minor as an integer and fail on "0a" ("invalid literal
+    for int() with base 10: '0a'"), which stopped NVMe offload (its async I/O op) on a GPU image whose
+    environment sets TORCH_CUDA_ARCH_LIST="9.0a". DeepSpeed's ops use no arch-specific instruction, so
+    the plain target runs them on the same chip. Other entries and separators are kept as they are.
+    """
+    tokens = re.split(r"([;\s]+)", arch_list)
+    return "".join(_ARCH_SUFFIX.sub(lambda m: f"{m[1]}.{m[2]}{m[3] or ''}", t) for t in tokens)
 
 
 def _another_installs_cache(path: Path, own: Path) -> bool:
