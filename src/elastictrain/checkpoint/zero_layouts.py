@@ -102,19 +102,33 @@ def scalar_state(group: OpenGroup) -> dict[str, dict[str, Any]]:
                 "value": float(value.item()),
                 "kind": "tensor",
                 "dtype": str(value.dtype),
-                "on_accelerator": value.device.type != "cpu",  # torch keeps Adam's step on the CPU
+                "on_accelerator": value.device.type != "cpu",  # a record: loading follows its optimizer
             }
         else:
             out[key] = {"value": float(value), "kind": type(value).__name__}
     return out
 
 
-def rebuild_scalar(spec: dict[str, Any], accelerator: Any) -> Any:
+def rebuild_scalar(spec: dict[str, Any], device: Any) -> Any:
+    """A scalar of the optimizer's state as saved, a tensor one on `device` (`scalar_device`)."""
     if spec["kind"] == "tensor":
         dtype = getattr(torch, spec["dtype"].removeprefix("torch."))
-        device = accelerator if spec.get("on_accelerator") else "cpu"
         return torch.tensor(spec["value"], dtype=dtype, device=device)
     return int(spec["value"]) if spec["kind"] == "int" else float(spec["value"])
+
+
+def scalar_device(optimizer: Any, existing: Any, params_device: torch.device) -> Any:
+    """Where the loading optimizer keeps a scalar tensor such as Adam's step, whatever the saver did.
+
+    torch's fused and capturable Adam read `step` on their parameters' device, the others on the CPU.
+    A checkpoint saved on the CPU and resumed on a GPU carried its CPU step into CUDA's fused AdamW,
+    which refused it ("state_steps is on cpu, different from other tensors on cuda:0").
+    """
+    if isinstance(existing, torch.Tensor):
+        return existing.device
+    groups = getattr(optimizer, "param_groups", None) or []
+    on_params = any(g.get("fused") or g.get("capturable") for g in groups)
+    return params_device if on_params else torch.device("cpu")
 
 
 def _zero_outside(tensor: torch.Tensor, slices: list[LocalSlice]) -> None:

@@ -29,6 +29,7 @@ from elastictrain.checkpoint.zero_layouts import (
     LocalSlice,
     layout_for,
     rebuild_scalar,
+    scalar_device,
 )
 
 FRAGMENTS_KEY = "elastictrain.fragments"
@@ -252,7 +253,8 @@ def load_local_state(engine: Any, reader: FragmentReader, scalars: dict[str, Any
                     f"optimizer than {_optimizer_name(engine)} (saved: {saved_fields})"
                 )
             for key, spec in saved_scalars.items():
-                opened.state[key] = rebuild_scalar(spec, opened.fp32.device)
+                device = scalar_device(engine.optimizer, opened.state.get(key), opened.fp32.device)
+                opened.state[key] = rebuild_scalar(spec, device)
             for piece in pieces:
                 for field, target in targets.items():
                     part = target.narrow(0, piece.offset, piece.length)
