@@ -1,6 +1,7 @@
 """`make gpu-check`: every part of the GPU check in order, each in its own process under its own limit.
 
     python -m benchmarks.gpu_check [--dry] [--out DIR] [--parts numerics,throughput] [--budget-s 515]
+                                [--limit throughput=240]
 
 After every part, `OUT/gpu-check.json` is rewritten with all that finished so far (figures, targets met
 or missed, each part's status, seconds and the end of its log), so a check cut off at the machine's
@@ -136,8 +137,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--budget-s", type=float, default=None, help="all parts together (default: sum of limits)"
     )
+    parser.add_argument(
+        "--limit",
+        action="append",
+        default=[],
+        metavar="PART=SECONDS",
+        help="one part's time limit instead of the profile's (repeatable)",
+    )
     args = parser.parse_args(argv)
     profile = DRY if args.dry else GPU
+    limits = dict(profile.limits)
+    for item in args.limit:
+        name, _, seconds = item.partition("=")
+        if name not in limits or not seconds.replace(".", "", 1).isdigit():
+            parser.error(f"--limit: got {item!r}; expected PART=SECONDS with PART among {','.join(PARTS)}")
+        limits[name] = int(float(seconds))
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
@@ -149,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or Path("/tmp") / f"elastictrain-gpu-check-{profile.name}-{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
     (out / "gpu-check.log").write_bytes(b"")
-    budget = args.budget_s if args.budget_s is not None else sum(profile.limits[p] for p in parts)
+    budget = args.budget_s if args.budget_s is not None else sum(limits[p] for p in parts)
     report: dict[str, Any] = {
         "check": "gpu-check",
         "profile": profile.name,
@@ -167,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for name in parts:
         left = budget - (time.perf_counter() - t_start)
-        limit = min(profile.limits[name], left)
+        limit = min(limits[name], left)
         if limit < 5:
             report["parts"][name] = {"status": "skipped", "why": f"{left:.0f}s of the budget left"}
             _write_json(out / "gpu-check.json", report)

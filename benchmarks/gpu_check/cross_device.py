@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import shutil
+import sys
 import tarfile
 import tempfile
 import time
@@ -120,7 +121,7 @@ def resume(path: Path, *overrides: str) -> dict[str, Any]:
             cfg,
             run_dir,
             tracking=False,
-            reporter=Reporter(cfg.training.max_steps, stream=io.StringIO(), live=False),
+            reporter=Reporter(cfg.training.max_steps, stream=sys.stdout, live=False),
             controller_hook=lambda c: c.callbacks.after_step.append(after_step),
         )
     if summary.status.value != "FINISHED":

@@ -16,6 +16,9 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 OP_LINE = re.compile(r"^(\w+) \.*\s*\[(\w+)\]\s*\.*\s*\[(\w+)\]")
 
 
+BUILD_ENV = ("TORCH_CUDA_ARCH_LIST", "CUDA_HOME", "TORCH_EXTENSIONS_DIR", "MAX_JOBS", "NCCL_SOCKET_IFNAME")
+
+
 def op_report(text: str) -> dict[str, dict[str, bool]]:
     """DeepSpeed's `ds_report` op table as {op: {installed, compatible}}."""
     ops: dict[str, dict[str, bool]] = {}
@@ -94,3 +97,5 @@ def run(ctx: Any) -> None:
     ctx.record("deepspeed_ops", op_report(text))
     ctx.record("deepspeed_report", text.splitlines()[-12:])
     ctx.record("cpus", os.cpu_count())
+    # What the image sets for builds: DeepSpeed's op builders read TORCH_CUDA_ARCH_LIST.
+    ctx.record("build_env", {k: os.environ.get(k) for k in BUILD_ENV})

@@ -17,7 +17,7 @@ from benchmarks.gpu_check.profile import ROOT
 
 HEADING = "## GPU check"
 NOT_VERIFIED = [
-    "several GPUs: every figure is one H100 at world size 1 (NCCL's collectives between GPUs, elastic "
+    "several GPUs: every figure is one GPU at world size 1 (NCCL's collectives between GPUs, elastic "
     "resizes and recovery across GPUs have not run on one);",
     "the NCCL abort path when a peer dies (a survivor's communicator aborted, not waited on): needs 2+ GPUs;",
     "GPU memory snapshots held by a buddy on another node, and recovery from them.",
@@ -34,6 +34,11 @@ def _fmt(value: Any) -> str:
 
 def _gib(value: Any) -> str:
     return f"{value / 2**30:.2f} GiB" if isinstance(value, (int, float)) and value else "n/a"
+
+
+def _run_of(part: dict[str, Any]) -> str:
+    """Which device call measured a part, where a result merges several."""
+    return f", {part['from_run']}" if "from_run" in part else ""
 
 
 def _figure_rows(name: str, figures: dict[str, Any]) -> list[str]:
@@ -73,7 +78,10 @@ def section(result: dict[str, Any] | None) -> list[str]:
             f"{cuda.get('nvidia_smi', 'n/a')}; CUDA {cuda.get('torch_cuda')}, NCCL {cuda.get('nccl')}",
             "- Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
             "- Parts: "
-            + ", ".join(f"{n} {p['status']} ({p.get('seconds', 0):.0f}s)" for n, p in parts.items()),
+            + ", ".join(
+                f"{n} {p['status']} ({p.get('seconds', 0):.0f}s{_run_of(p)})" for n, p in parts.items()
+            ),
+            *[f"- {run}: {how}" for run, how in (result.get("merged_from") or {}).items()],
             "",
             "| Part | Figure | Target | Measured | Status |",
             "|---|---|---|---|---|",
@@ -92,8 +100,9 @@ def section(result: dict[str, Any] | None) -> list[str]:
         if failed:
             lines += ["", "Parts that did not finish:", ""]
             for n, p in failed.items():
-                last = (p.get("log_tail") or ["(no output)"])[-1]
-                lines.append(f"- {n}: {p['status']}; last line: `{last[:200]}`")
+                error = str(p.get("figures", {}).get("error") or "").strip().splitlines()
+                last = (error or p.get("log_tail") or ["(no output)"])[-1]
+                lines.append(f"- {n}: {p['status']}; last line: `{last[:400]}`")
         lines.append("")
     lines += ["Not verified on a GPU by this check:", ""] + [f"- {n}" for n in NOT_VERIFIED] + [""]
     return lines

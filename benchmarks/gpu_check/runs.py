@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import io
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,8 +35,11 @@ def train(cfg: Any, *, local: bool = False) -> dict[str, Any]:
     from elastictrain.progress import Reporter
 
     steps: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
 
     def after_step(controller: Any, index: int, results: list[dict[str, Any]]) -> None:
+        # Into the part's log as it happens: a part cut off at its limit still shows where time went.
+        print(f"[run] step {index + 1} done at {time.perf_counter() - t0:.1f}s", flush=True)
         steps.append(
             {
                 "step": index + 1,
@@ -52,12 +55,11 @@ def train(cfg: Any, *, local: bool = False) -> dict[str, Any]:
         controller.callbacks.after_step.append(after_step)
 
     run_dir, _ = prepare_run_dir(cfg, fresh=True)
-    t0 = time.perf_counter()
     summary = run_training(
         cfg,
         run_dir,
         tracking=False,
-        reporter=Reporter(cfg.training.max_steps, stream=io.StringIO(), live=False),
+        reporter=Reporter(cfg.training.max_steps, stream=sys.stdout, live=False),
         controller_hook=hook,
         local=local,
     )
