@@ -69,6 +69,14 @@ def test_dry_gpu_check_runs_every_part_and_writes_its_results(tmp_path: Path) ->
     for system in ("deepspeed", "elastictrain"):
         assert throughput[system]["tokens_per_s"] > 0
     assert throughput["checkpoint"]["elastictrain_pause_s"] is not None
+    # A checkpoint's cost counts the step after it, which waits for its copy (not the pause alone).
+    assert throughput["checkpoint"]["elastictrain_step_after_s"] > 0
+    assert (
+        throughput["checkpoint"]["elastictrain_training_lost_s"]
+        >= throughput["checkpoint"]["elastictrain_pause_s"]
+    )
+    assert throughput["host_copy"] == {"not_measured": "no GPU"}
+    assert "TORCH_CUDA_ARCH_LIST" in parts["environment"]["figures"]["build_env"]
     assert throughput["checkpoint"]["deepspeed_save_checkpoint_s"] > 0
     for where in ("cpu", "nvme"):
         offload = parts["offload"]["figures"][where]

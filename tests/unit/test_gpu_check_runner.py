@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from benchmarks.gpu_check import report
 from benchmarks.gpu_check.__main__ import run_part
 
@@ -96,3 +98,39 @@ def test_benchmarks_section_shows_a_gpu_result_with_its_missed_targets() -> None
     assert "| throughput | ratio | >= 0.97 | 0.9 | **missed** |" in text
     assert "| throughput | deepspeed.tokens_per_s | 5.1e+04 |" in text
     assert "- throughput: timed out; last line: `step 3`" in text
+
+
+CUDA_ADAM = "state_steps is on cpu"
+
+
+def test_a_merged_result_says_which_run_measured_each_part_and_a_failure_shows_its_error() -> None:
+    result = {
+        "profile": "gpu",
+        "started": "2026-11-28T00:00:00+00:00",
+        "merged_from": {"run1": "every part", "run2": "cross_device again"},
+        "parts": {
+            "cross_device": {
+                "status": "failed",
+                "seconds": 41.0,
+                "from_run": "run2",
+                "figures": {
+                    "error": "Traceback (most recent call last):\nRuntimeError: state_steps is on cpu"
+                },
+                "targets": [],
+                "log_tail": ["[gpu] part cross_device took 38.0s"],
+            },
+        },
+    }
+    text = "\n".join(report.section(result))
+    assert "cross_device failed (41s, run2)" in text
+    assert "- run2: cross_device again" in text
+    assert f"- cross_device: failed; last line: `RuntimeError: {CUDA_ADAM}`" in text
+
+
+def test_a_checkpoints_cost_is_its_pause_plus_the_step_after_beyond_the_median() -> None:
+    from benchmarks.gpu_check.throughput import checkpoint_cost
+
+    # The first GPU run: a 0.02 s pause, then a 35 s step where the median step took 1.13 s.
+    assert checkpoint_cost(0.02, 35.0, 1.13) == pytest.approx(33.89)
+    assert checkpoint_cost(0.02, 1.0, 1.13) == 0.02  # a step after no slower than the median adds nothing
+    assert checkpoint_cost(None, 35.0, 1.13) is None
