@@ -58,6 +58,7 @@ EXPECTED: dict[str, list[str]] = {
         "copy_cpu_cost",
         "step_cost_interleaved",
         "held_bytes_per_rank",
+        "transport.socket_s",
         "transport.actor_call_s",
     ],
     "controller_scale": [

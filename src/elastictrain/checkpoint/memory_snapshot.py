@@ -22,7 +22,12 @@ from typing import Any
 import torch
 
 from elastictrain.checkpoint.tensor_slices import parse
-from elastictrain.checkpoint.zero_state import Fragment, FragmentReader
+from elastictrain.checkpoint.zero_state import (
+    Fragment,
+    FragmentReader,
+    fragments_metadata,
+    parse_fragments_metadata,
+)
 from elastictrain.core.memory_snapshots import KEEP
 
 
@@ -77,6 +82,26 @@ class Snapshot:
         for k, part in parts.items():
             layout[k], offset = (offset, part.numel()), offset + part.numel()
         return packed, layout
+
+    def to_frame(self) -> tuple[dict[str, Any], Any]:
+        """For a replica sent over a socket (worker/replica_link.py): a JSON-ready header and the one
+        buffer every tensor views, as a numpy array."""
+        flat, layout = self._flat_layout()
+        header = {
+            "key": [self.key.attempt, self.key.world_size, self.key.rank, self.key.step],
+            "layout": layout,
+            "fragments": fragments_metadata(self.fragments),
+            "scalars": self.scalars,
+        }
+        return header, flat.numpy()
+
+    @staticmethod
+    def from_frame(header: dict[str, Any], data: Any) -> Snapshot:
+        """A replica received over a socket; `data` (a float32 numpy array) is the buddy's to keep."""
+        flat = torch.from_numpy(data)
+        tensors = {k: flat.narrow(0, off, n) for k, (off, n) in header["layout"].items()}
+        fragments = parse_fragments_metadata(header["fragments"])
+        return Snapshot(SnapshotKey(*header["key"]), tensors, fragments, header["scalars"], flat=flat)
 
     @staticmethod
     def from_wire(wire: dict[str, Any]) -> Snapshot:

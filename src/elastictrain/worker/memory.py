@@ -29,7 +29,8 @@ from elastictrain.checkpoint.memory_snapshot import (
 )
 from elastictrain.core.memory_snapshots import SLICES_HELD, snapshots_unaffordable
 from elastictrain.worker.attempt import MemorySource
-from elastictrain.worker.ray_calls import call_peer, call_peers
+from elastictrain.worker.ray_calls import REPLICATE_TIMEOUT_S, call_peer, call_peers
+from elastictrain.worker.replica_link import BuddyLink, ReplicaServer
 
 
 class WorkerMemory:
@@ -61,6 +62,8 @@ class WorkerMemory:
         self.cpu_s = {"copy": 0.0, "replicate": 0.0, "hold": 0.0}
         self.error = ""
         self._update_wait_s = 0.0
+        self._link: BuddyLink | None = None  # how replicas reach the buddy (worker/replica_link.py)
+        self._server: ReplicaServer | None = None  # where the worker this one backs up sends replicas
 
     # -- in an attempt --
     def attach(
@@ -283,7 +286,14 @@ class WorkerMemory:
         t0, cpu0 = time.perf_counter(), time.thread_time()
         self.before_replica(snap.key.step)
         try:
-            call_peer(self._buddy, "hold_replica", snap.to_wire())
+            if self._link is None or self._link.buddy is not self._buddy:
+                if self._link is not None:
+                    self._link.close()
+                buddy = self._buddy
+                self._link = BuddyLink(
+                    buddy, lambda: call_peer(buddy, "replica_address"), REPLICATE_TIMEOUT_S
+                )
+            self._link.send(snap, lambda: call_peer(self._buddy, "hold_replica", snap.to_wire()))
         except Exception as e:  # noqa: BLE001 - a lost buddy: the controller sees its failure itself
             self.error = f"replica of step {snap.key.step} not held: {type(e).__name__}: {e}"
         self.last_replicate_s = time.perf_counter() - t0
@@ -294,6 +304,18 @@ class WorkerMemory:
         self.store.add_replica(Snapshot.from_wire(wire))
         self.cpu_s["hold"] = time.thread_time() - cpu0
 
+    def replica_address(self, host: str) -> dict[str, Any]:
+        """Where the worker this one backs up sends its replicas: a socket on `host` (this node's
+        address), opened at the first ask. Receiving one is this worker's `hold` cost."""
+        if self._server is None:
+
+            def keep(header: dict[str, Any], data: Any, cpu_s: float) -> None:
+                self.store.add_replica(Snapshot.from_frame(header, data))
+                self.cpu_s["hold"] = cpu_s
+
+            self._server = ReplicaServer(host, keep)
+        return self._server.address
+
     def report(self) -> dict[str, Any]:
         return {
             "copy_s": self.last_copy_s,
@@ -301,6 +323,7 @@ class WorkerMemory:
             "cpu_s": sum(self.cpu_s.values()),  # what one snapshot costs this worker's process in CPU
             "held_bytes": self.store.nbytes(),
             "off": self.off,
+            "replica_transport": self._link.transport if self._link is not None else None,
         }
 
     # -- served to peers (the replica concurrency group) --

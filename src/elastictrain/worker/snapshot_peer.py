@@ -3,7 +3,7 @@ group: holding a buddy's replica, serving pieces of what it holds) and for the c
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastictrain.checkpoint.memory_snapshot import Snapshot, SnapshotKey
 from elastictrain.worker.memory import WorkerMemory
@@ -16,9 +16,17 @@ class SnapshotPeer:
     memory: WorkerMemory
     engine: Any
 
+    if TYPE_CHECKING:  # the worker's own
+
+        def info(self) -> dict[str, Any]: ...
+
     def hold_replica(self, wire: dict[str, Any]) -> None:
         """Keep a buddy's snapshot (sent after each of its copies)."""
         self.memory.hold_replica(wire)
+
+    def replica_address(self) -> dict[str, Any]:
+        """Where the worker this one backs up sends its replicas (a socket on this node's address)."""
+        return self.memory.replica_address(self.info()["node_ip"])
 
     def snapshot_meta(self, key: SnapshotKey) -> dict[str, Any]:
         return self.memory.meta(key)
