@@ -16,12 +16,15 @@ install: system-deps $(BIN)/elastictrain
 
 # constraints.txt: the exact releases of DeepSpeed and the core packages the suite was run with
 # (pyproject.toml allows ranges; docs/reference/deepspeed-compatibility.md). TORCH overrides its line.
+# A reinstalled DeepSpeed's ops are stale (its sources are newer than their build): built with the venv,
+# not by the first test or run that loads one (minutes, while others wait on the build or fail to load).
 $(BIN)/elastictrain: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
 	grep -v '^torch==' constraints.txt > $(VENV)/constraints.txt
 	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e ".[dev]" "$(TORCH)"
+	$(IN_VENV) $(BIN)/elastictrain build-ops
 	touch $@
 
 # Installed with apt-get only when we are root; otherwise a warning says what is missing.
