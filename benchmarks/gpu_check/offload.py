@@ -46,6 +46,7 @@ def run(ctx: Any) -> None:
         extra = [
             *model,
             f"training.max_steps={steps}",
+            "training.warmup_steps=1",  # the small model's config warms up over more steps than these
             f"checkpoint.every_steps={steps + 1}",
             f"deepspeed.offload_optimizer={where}",
         ]
