@@ -110,30 +110,33 @@ class ReplicaSender:
         self._timeout_s = timeout_s
         self._conn: socket.socket | None = None
 
-    def send(self, header: dict[str, Any], data: np.ndarray) -> float:
-        """Send one replica (retried once on a new connection: the buddy may have dropped an idle one);
-        returns the seconds it took."""
-        t0 = time.perf_counter()
+    def send(self, header: dict[str, Any], data: np.ndarray) -> None:
+        """Send one replica; retried once on a new connection where the buddy dropped an idle one (not
+        after a timeout: a silent buddy is lost after one REPLICATE_TIMEOUT_S, as with the Ray call)."""
         body = json.dumps({**header, "secret": self.address["secret"]}).encode()
         payload = memoryview(np.ascontiguousarray(data, dtype=np.float32)).cast("B")
-        for attempt in (0, 1):
+        try:
+            self._send_frame(body, payload)
+        except (Unreachable, TimeoutError):
+            self.close()
+            raise
+        except OSError:
+            self.close()
             try:
-                conn = self._connected()
-                conn.sendall(FRAME.pack(len(body), len(payload)))
-                conn.sendall(body)
-                conn.sendall(payload)
-                answer = bytearray(1)
-                _read_exactly(conn, memoryview(answer))
-                if bytes(answer) != HELD:
-                    raise ConnectionError(f"the buddy answered {bytes(answer)!r}")
-                return time.perf_counter() - t0
-            except Unreachable:
-                raise
+                self._send_frame(body, payload)
             except OSError:
                 self.close()
-                if attempt:
-                    raise
-        raise AssertionError("unreachable")
+                raise
+
+    def _send_frame(self, body: bytes, payload: memoryview) -> None:
+        conn = self._connected()
+        conn.sendall(FRAME.pack(len(body), len(payload)))
+        conn.sendall(body)
+        conn.sendall(payload)
+        answer = bytearray(1)
+        _read_exactly(conn, memoryview(answer))
+        if bytes(answer) != HELD:
+            raise ConnectionError(f"the buddy answered {bytes(answer)!r}")
 
     def _connected(self) -> socket.socket:
         if self._conn is None:
