@@ -96,3 +96,57 @@ def test_a_buddy_that_stops_answering_is_an_error_not_a_fallback() -> None:
     finally:
         silent.close()
     assert by_ray == [] and link.transport == "socket" and time.monotonic() - t0 < 5
+
+
+def _holding(step: int) -> tuple[Any, dict[str, Any]]:
+    """A worker's memory holding its own snapshot of `step`, and the socket that serves it."""
+    from elastictrain.worker.memory import WorkerMemory
+
+    memory = WorkerMemory("holder")
+    memory.store.add_own(_snapshot(step))
+    return memory, memory.replica_address("127.0.0.1")
+
+
+def test_a_load_fetches_exactly_the_pieces_it_asks_for_over_the_holders_socket() -> None:
+    from elastictrain.worker.replica_link import fetch_over_sockets
+
+    memory, address = _holding(5)
+    try:
+        key = SnapshotKey(1, 2, 0, 5)
+        got = fetch_over_sockets({0: address}, {0: key}, {0: ["w::exp_avg"]}, timeout_s=10)
+        assert list(got) == [0] and list(got[0]) == ["w::exp_avg"]
+        assert np.array_equal(got[0]["w::exp_avg"], _snapshot(5).tensors["w::exp_avg"].numpy())
+        assert got[0]["w::exp_avg"].flags.writeable  # the loader's own buffer: no copy needed
+        both = fetch_over_sockets({0: address}, {0: key}, {0: ["w::fp32", "w::exp_avg"]}, timeout_s=10)
+        assert np.array_equal(both[0]["w::fp32"], np.arange(6, dtype=np.float32) + 5)
+    finally:
+        memory._server.close()
+
+
+def test_a_snapshot_the_holder_does_not_hold_is_an_error_naming_it() -> None:
+    from elastictrain.worker.replica_link import fetch_pieces
+
+    memory, address = _holding(5)
+    try:
+        with pytest.raises(
+            RuntimeError, match=r"snapshot \[1, 2, 0, 6\].*no in-memory snapshot of rank 0 at step 6"
+        ):
+            fetch_pieces(address, [1, 2, 0, 6], ["w::fp32"], timeout_s=10)
+    finally:
+        memory._server.close()
+
+
+def test_an_unreachable_holder_is_left_to_the_ray_call_and_a_wrong_secret_is_refused() -> None:
+    from elastictrain.worker.replica_link import fetch_over_sockets, fetch_pieces
+
+    memory, address = _holding(5)
+    try:
+        with socket.socket() as s:  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            closed = {**address, "port": s.getsockname()[1]}
+        key = SnapshotKey(1, 2, 0, 5)
+        assert fetch_over_sockets({0: closed}, {0: key}, {0: ["w::fp32"]}, timeout_s=10) == {}
+        with pytest.raises(OSError):  # dropped unread: the connection closes with no answer
+            fetch_pieces({**address, "secret": "not-it"}, [1, 2, 0, 5], ["w::fp32"], timeout_s=10)
+    finally:
+        memory._server.close()

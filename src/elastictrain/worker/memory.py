@@ -4,8 +4,10 @@ After each step the controller marks (the same steps on every rank: `checkpoint.
 spaced out to cost at most `checkpoint.memory_max_step_share`) the rank copies its slice of the state
 to host memory in a thread while the next step's forward and backward run; the next optimizer update waits
 for the copy (`before_update`), so the copy always sees the state of one step. The finished copy is
-then sent to the buddy (another worker, on another node when there is one) with an actor call that
-runs in the buddy's `replica` concurrency group, beside its own training. With the optimizer state on
+then sent to the buddy (another worker, on another node when there is one) over a socket into the
+buddy's process (worker/replica_link.py; by an actor call in the buddy's `replica` concurrency group
+where that socket cannot be reached), beside its own training. A new attempt loads from the snapshots
+through worker/memory_load.py. With the optimizer state on
 NVMe the copy runs inline: swapping in from a second thread would race the step's own swapping.
 The first copy of an attempt also measures the slice: where the copies a worker may hold would not fit
 in the host memory checkpointing may use, it is dropped and snapshots stay off for the attempt, said
@@ -21,16 +23,14 @@ from concurrent.futures import Future
 from typing import Any
 
 from elastictrain.checkpoint.memory_snapshot import (
-    MemoryReader,
     Snapshot,
     SnapshotKey,
     SnapshotStore,
-    keys_to_fetch,
 )
 from elastictrain.core.memory_snapshots import SLICES_HELD, snapshots_unaffordable
 from elastictrain.worker.attempt import MemorySource
-from elastictrain.worker.ray_calls import REPLICATE_TIMEOUT_S, call_peer, call_peers
-from elastictrain.worker.replica_link import BuddyLink, ReplicaServer
+from elastictrain.worker.ray_calls import REPLICATE_TIMEOUT_S, call_peer
+from elastictrain.worker.replica_link import BuddyLink, ReplicaServer, pieces_answer
 
 
 class WorkerMemory:
@@ -313,8 +313,13 @@ class WorkerMemory:
                 self.store.add_replica(Snapshot.from_frame(header, data))
                 self.cpu_s["hold"] = cpu_s
 
-            self._server = ReplicaServer(host, keep)
+            self._server = ReplicaServer(host, keep, serve_pieces=self._serve_pieces)
         return self._server.address
+
+    def _serve_pieces(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+        """A load's request over the socket: the tensors it names of a snapshot this worker holds."""
+        tensors = self.store.get(SnapshotKey(*request["key"])).tensors
+        return pieces_answer({k: tensors[k].numpy() for k in request["keys"]})
 
     def report(self) -> dict[str, Any]:
         return {
@@ -337,49 +342,9 @@ class WorkerMemory:
     # -- loading a new attempt --
     def load(self, engine: Any, source: MemorySource) -> None:
         """Fill this rank's slices from the old ranks' snapshots, wherever they are held."""
-        from elastictrain.checkpoint.zero_layouts import FlatPartitionLayout, layout_for
-        from elastictrain.checkpoint.zero_state import load_local_state
+        from elastictrain.worker.memory_load import load_from_holders
 
-        t0 = time.perf_counter()
-        keys = {r: SnapshotKey(source.attempt, source.world_size, r, source.step) for r in source.holders}
-        metas = self._ask_all(source, "snapshot_meta", lambda r: (keys[r],), self.meta)
-        layout = layout_for(engine)
-        wanted = [(p.name, p.start, p.length) for p in layout.load_slices()]
-        plan = keys_to_fetch(metas, wanted, full_fp32=isinstance(layout, FlatPartitionLayout))
-        got = self._ask_all(
-            source,
-            "snapshot_pieces",
-            lambda r: (keys[r], plan.get(r, [])),
-            self.pieces,
-            ranks=sorted(plan),
-        )
-        import torch
-
-        self.last_fetch_s = time.perf_counter() - t0  # asking the holders (this worker's own: no call)
-        tensors = {r: {k: torch.from_numpy(a.copy()) for k, a in arrays.items()} for r, arrays in got.items()}
-        scalars = metas[min(metas)]["scalars"]
-        load_local_state(engine, MemoryReader(metas, tensors), scalars)
-
-    def _ask_all(
-        self,
-        source: MemorySource,
-        method: str,
-        args: Callable[[int], tuple[Any, ...]],
-        local: Callable[..., Any],
-        ranks: list[int] | None = None,
-    ) -> dict[int, Any]:
-        """One call per old rank, to its holder (all at once), or locally when this worker holds it."""
-        out: dict[int, Any] = {}
-        remote: list[int] = []
-        for r in source.holders if ranks is None else ranks:
-            worker_id, _ = source.holders[r]
-            if worker_id == self.worker_id:
-                out[r] = local(*args(r))
-            else:
-                remote.append(r)
-        answers = call_peers((source.holders[r][1], method, args(r)) for r in remote)
-        out.update(zip(remote, answers, strict=True))
-        return out
+        self.last_fetch_s = load_from_holders(self, engine, source)
 
 
 def _copy_stream(engine: Any) -> Any:

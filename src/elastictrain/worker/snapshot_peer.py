@@ -29,7 +29,8 @@ class SnapshotPeer:
         return self.memory.replica_address(self.info()["node_ip"])
 
     def snapshot_meta(self, key: SnapshotKey) -> dict[str, Any]:
-        return self.memory.meta(key)
+        """What a loader reads first, and the socket that serves the snapshot's pieces (`address`)."""
+        return {**self.memory.meta(key), "address": self.replica_address()}
 
     def snapshot_pieces(self, key: SnapshotKey, keys: list[str]) -> dict[str, Any]:
         return self.memory.pieces(key, keys)
