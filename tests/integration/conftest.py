@@ -108,12 +108,27 @@ def ray_cluster_two_cpu_nodes() -> Iterator[object]:
     yield from _three_worker_nodes(2)
 
 
+# The probe group on the shared cluster (its GCS address -> the group): three actors' start, imports and
+# first engine build (15-40 s of a module's first test on 2 cores) paid once per cluster, not per module.
+_probe_groups: dict[str, object] = {}
+
+
 @pytest.fixture(scope="module")
 def probes(ray_local: None) -> Iterator[object]:
-    """Three warm worker actors tests can look inside (tests/integration/probe.py), for a module."""
+    """Three warm worker actors tests can look inside (tests/integration/probe.py). Kept from module to
+    module on the same cluster, as a run keeps its workers warm from attempt to attempt: each test sets
+    up attempts of its own on them (a config, a world size, a checkpoint), which is what they test."""
+    import ray
     from probe import ProbeGroup
 
-    group = ProbeGroup(3)
+    gcs = ray.get_runtime_context().gcs_address
+    group = _probe_groups.get(gcs)
+    if group is None or not group.alive():  # type: ignore[attr-defined]
+        _probe_groups.clear()
+        group = _probe_groups[gcs] = ProbeGroup(3)
     yield group
-    group.teardown()
-    group.kill()
+    try:
+        group.teardown()  # leaves the module's last attempt
+    except Exception:  # noqa: BLE001 - a group a test broke: the next module starts another
+        _probe_groups.clear()
+        group.kill()

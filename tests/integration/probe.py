@@ -146,6 +146,16 @@ class ProbeGroup:
             ray.get([a.teardown.remote() for a in self.active], timeout=120)
         self.active = []
 
+    def alive(self) -> bool:
+        """Whether every actor still answers (a test may have killed one, or its cluster is gone)."""
+        import ray
+
+        try:
+            ray.get([a.info.remote() for a in self.actors], timeout=60)
+        except Exception:  # noqa: BLE001 - any failure: a new group
+            return False
+        return True
+
     def kill(self) -> None:
         import ray
 
