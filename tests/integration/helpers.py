@@ -39,6 +39,15 @@ def tiny_config(run_dir: Path, *overrides: str):  # noqa: ANN201 - elastictrain.
     return load_config(TINY, [*base, *overrides])
 
 
+def interrupt_after(step: int):  # noqa: ANN201
+    """A controller hook that stops the driver (as Ctrl-C would) once `step` steps are done."""
+
+    def stop(controller) -> None:  # noqa: ANN001
+        raise KeyboardInterrupt
+
+    return at_step(step, stop)
+
+
 def quiet_reporter(total: int):  # noqa: ANN201
     from elastictrain.progress import Reporter
 

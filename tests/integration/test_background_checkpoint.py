@@ -15,7 +15,15 @@ from typing import Any
 import pytest
 import ray
 import torch
-from helpers import at_step, chain, offload_overrides, record_losses, run, tiny_config
+from helpers import (
+    at_step,
+    chain,
+    offload_overrides,
+    record_losses,
+    run,
+    tiny_config,
+    wait_until_replacements_are_warm,
+)
 from safetensors.torch import load_file
 
 from elastictrain.checkpoint.store import verify
@@ -170,9 +178,23 @@ def test_a_worker_lost_while_the_checkpoint_is_written_drops_it_and_restarts_fro
         assert controller.saves.pending is not None and controller.saves.pending.step == 4
         ray.kill(controller.active[-1].actor)
 
-    summary, rd, out = run(cfg, hook=chain(at_step(1, slow_disk), at_step(5, kill_last)), tracking=False)
+    # The replacement warms up in the background and joins by a grow once warm (after step 7 of the
+    # second attempt), so no cold start sits on the recovery path.
+    hook = chain(at_step(1, slow_disk), at_step(5, kill_last), at_step(7, wait_until_replacements_are_warm))
+    summary, rd, out = run(cfg, hook=hook, tracking=False)
     assert summary.status.value == "FINISHED", out
     events = rd.read_events()
+    first, second, third = [e for e in events if e["event"] == "attempt_started"]
+    # The warm survivor restarts at once (world size 1): the same actor, not a new one.
+    assert [first["world_size"], second["world_size"], third["world_size"]] == [2, 1, 2], out
+    assert second["actors"] == first["actors"][:1], out
+    assert third["actors"][0] == first["actors"][0] and third["actors"][1] not in first["actors"]
+    assert [h["reason"] for h in rd.read_info().world_size_history] == ["start", "shrink", "grow"]
+    # Each attempt says how much memory its set-up had a rank hold at most (the runtime alone is ~1 GB).
+    assert all(a["setup_peak_rss_bytes"] > 200 << 20 for a in (first, second, third)), out
+    assert out.count("GiB resident on a rank") >= 3, out
+    assert next(e for e in events if e["event"] == "failure")["kind"] == "worker_died"
+    assert not [e for e in events if e["event"] == "worker_replaced"]
     abandoned = [e for e in events if e["event"] == "checkpoint_abandoned"]
     assert len(abandoned) == 1 and abandoned[0]["step"] == 4, out
     assert abandoned[0]["written"] < abandoned[0]["ranks"] == 2

@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import REPO, quiet_reporter, run, tiny_config
-from test_resume import _interrupt_after
+from helpers import REPO, interrupt_after, quiet_reporter, run, tiny_config
 from test_train_end_to_end import _losses
 from typer.testing import CliRunner
 
@@ -45,7 +44,7 @@ def test_lora_under_zero3_at_2_workers_resumes_at_3_and_continues_the_uninterrup
     assert reference.status.value == "FINISHED", out
 
     with pytest.raises(KeyboardInterrupt):
-        run(tiny_config(tmp_path / "stopped", *common), hook=_interrupt_after(6))  # checkpoint at 4
+        run(tiny_config(tmp_path / "stopped", *common), hook=interrupt_after(6))  # checkpoint at 4
     sizes = ["scaling.min_workers=3", "scaling.max_workers=3"]
     result = CliRunner().invoke(app, ["resume", str(tmp_path / "stopped"), *sizes])
     assert result.exit_code == 0, result.output
@@ -57,7 +56,7 @@ def test_lora_under_zero3_at_2_workers_resumes_at_3_and_continues_the_uninterrup
 
     # Steps 5-8 ran at 3 workers (2 accumulated micro-batches of 2 per rank) instead of 2 (3 of 2): the
     # same samples, the same fp32 state from the checkpoint; only the order of fp32 sums differs, at
-    # most a ~1e-7 relative effect per step that 4 Adam steps keep far below 1e-5 (as test_resume.py
+    # most a ~1e-7 relative effect per step that 4 Adam steps keep far below 1e-5 (as test_train_end_to_end.py
     # allows at the same world size). Training moves the loss by far more than that.
     ref, resumed = _losses(ref_dir), _losses(stopped)
     assert sorted(resumed) == list(range(1, 9))
