@@ -124,19 +124,22 @@ WHY = {
     "the sender's buffer over shared memory on one node), or idle cores (on a GPU machine the copy is a "
     "device-to-host transfer and the replica uses the network).",
     "30m: per-step cost of a snapshot": "each rank's slice is 190 MB (31.7M parameters: fp32 weights and "
-    "two Adam moments, over 2 ranks); a copy takes about 0.1 s and its replica's call 0.18-0.2 s of a "
+    "two Adam moments, over 2 ranks); a copy takes 0.06-0.1 s and sending its replica 0.18-0.2 s of a "
     "2.3-2.5 s step, on threads that share the 2 cores and their memory bandwidth with the 2 training "
-    "ranks. The figure scatters between runs: 9.5%, 10.0%, 12.0% and 5.8% in four. The default schedule "
-    "kept a snapshot every step in the 130-step kill run: the copies' CPU time was 3.3% of a step (under "
+    "ranks. The figure scatters between runs: 9.5%, 10.0%, 12.0% and 5.8% in four with the replica as a "
+    "Ray call, 9.4% with it over a socket (2026-11-28): the socket spares the raylets' CPU, which was "
+    "the cost on the tiny preset's 11 MB replicas, not the moving of 190 MB on the shared cores. The "
+    "default schedule kept a snapshot every step in the 130-step kill run: the copies' CPU time was 3.3% and "
+    "3.5% of a step in the last two runs (under "
     "its 4.5% margin), and its wall measure (each probe step, whose copy waits for its update, against "
     "the steps beside a copy around it) had 9 comparisons by step 110, whose lower 95% bound was 0: "
     "step times scatter too much here for 9 to resolve a 6-12% cost; a longer run gathers more (one per "
-    "10 marked steps). Closing it: cheaper copies (one copy fewer in the replica's path) or idle cores "
-    "(on a GPU machine the copy is a device-to-host transfer and the replica uses the network).",
+    "10 marked steps). Closing it: idle cores (on a GPU machine the copy is a device-to-host transfer "
+    "and the replica uses the network), or a replica sent in pieces at a lower priority than training.",
     "125m at default settings: steps lost": "in-memory snapshots were off: a worker may hold 8 copies of "
     "its rank's slice (its last two and the one being copied, two replicas of its buddy's and the one "
     "arriving, the object store's transfer buffer, a checkpoint's own copy), 8 x 767 MiB at world size 2, "
-    "over the 4.6 GB that checkpointing may use on this 23 GB machine (half the available memory split "
+    "over the 4510-4697 MiB checkpointing may use on this 23 GB machine (half the available memory split "
     "between the node's ranks), so the kill recovered from the disk checkpoint, losing the 2 steps since "
     "it. Closing it: checkpoint.max_host_memory_mb where the host has the room (GPU nodes hold hundreds "
     "of GB), or fewer copies held at once.",
