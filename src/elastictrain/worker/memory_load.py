@@ -9,18 +9,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from elastictrain.checkpoint.memory_snapshot import MemoryReader, SnapshotKey, keys_to_fetch
 from elastictrain.worker.attempt import MemorySource
 from elastictrain.worker.ray_calls import REPLICATE_TIMEOUT_S, call_peers
 from elastictrain.worker.replica_link import fetch_over_sockets
 
-if TYPE_CHECKING:
-    from elastictrain.worker.memory import WorkerMemory
+
+class SnapshotHolder(Protocol):
+    """What a loading worker holds itself (worker/memory.WorkerMemory): asked without a call."""
+
+    worker_id: str
+
+    def meta(self, key: SnapshotKey) -> dict[str, Any]: ...
+
+    def pieces(self, key: SnapshotKey, keys: list[str]) -> dict[str, Any]: ...
 
 
-def load_from_holders(memory: WorkerMemory, engine: Any, source: MemorySource) -> float:
+def load_from_holders(memory: SnapshotHolder, engine: Any, source: MemorySource) -> float:
     """Fill `engine`'s slices from the snapshots of `source`; the seconds spent asking their holders."""
     import torch
 
@@ -48,7 +55,7 @@ def load_from_holders(memory: WorkerMemory, engine: Any, source: MemorySource) -
 
 
 def _ask_all(
-    memory: WorkerMemory,
+    memory: SnapshotHolder,
     source: MemorySource,
     method: str,
     args: Callable[[int], tuple[Any, ...]],
