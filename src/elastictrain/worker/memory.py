@@ -318,8 +318,7 @@ class WorkerMemory:
 
     def _serve_pieces(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
         """A load's request over the socket: the tensors it names of a snapshot this worker holds."""
-        tensors = self.store.get(SnapshotKey(*request["key"])).tensors
-        return pieces_answer({k: tensors[k].numpy() for k in request["keys"]})
+        return pieces_answer(self.pieces(SnapshotKey(*request["key"]), request["keys"]))
 
     def report(self) -> dict[str, Any]:
         return {

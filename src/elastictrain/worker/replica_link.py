@@ -52,6 +52,19 @@ def _read_exactly(conn: socket.socket, view: memoryview) -> None:
         got += n
 
 
+def _read_json(conn: socket.socket, nbytes: int) -> Any:
+    raw = bytearray(nbytes)
+    _read_exactly(conn, memoryview(raw))
+    return json.loads(raw)
+
+
+def _read_floats(conn: socket.socket, nbytes: int) -> np.ndarray:
+    """A frame's data, read straight into a new float32 array that is the reader's to keep."""
+    data = np.empty(nbytes // 4, dtype=np.float32)
+    _read_exactly(conn, memoryview(data).cast("B"))
+    return data
+
+
 class ReplicaServer:
     """Listens for replicas; `on_replica(header, data, cpu_s)` keeps each one (data: a float32 numpy
     array; cpu_s: the CPU seconds its receiving took). `serve_pieces(header)` answers a load's request."""
@@ -95,16 +108,13 @@ class ReplicaServer:
         header_bytes, data_bytes = FRAME.unpack(sizes)
         if header_bytes > MAX_HEADER or data_bytes % 4:
             raise ValueError(f"not a replica frame ({header_bytes} header bytes, {data_bytes} data bytes)")
-        raw = bytearray(header_bytes)
-        _read_exactly(conn, memoryview(raw))
-        header = json.loads(raw)
+        header = _read_json(conn, header_bytes)
         if not hmac.compare_digest(str(header.get("secret", "")), self.secret):
             raise ValueError("a replica frame without this worker's secret")
         if header.get("op") == "pieces":
             self._answer_pieces(conn, header, data_bytes)
             return True
-        data = np.empty(data_bytes // 4, dtype=np.float32)  # the replica's own buffer: kept as received
-        _read_exactly(conn, memoryview(data).cast("B"))
+        data = _read_floats(conn, data_bytes)  # the replica's own buffer: kept as received
         self._on_replica(header, data, time.thread_time() - cpu0)
         conn.sendall(HELD)
         return True
@@ -116,12 +126,9 @@ class ReplicaServer:
             answer, arrays = self._serve_pieces(header)
         except Exception as e:  # noqa: BLE001 - said to the loader, which fails with it
             answer, arrays = {"error": f"{type(e).__name__}: {e}"}, []
+        # Each piece from where the snapshot holds it: no packed copy.
         views = [memoryview(np.ascontiguousarray(a, dtype=np.float32)).cast("B") for a in arrays]
-        body = json.dumps(answer).encode()
-        conn.sendall(FRAME.pack(len(body), sum(len(v) for v in views)))
-        conn.sendall(body)
-        for view in views:  # each piece from where the snapshot holds it: no packed copy
-            conn.sendall(view)
+        _send_frame(conn, json.dumps(answer).encode(), *views)
 
     def close(self) -> None:
         self._sock.close()
@@ -131,10 +138,12 @@ class Unreachable(OSError):
     """A worker's socket cannot be connected to (not a timeout): a Ray call can still carry the bytes."""
 
 
-def _send_frame(conn: socket.socket, body: bytes, payload: memoryview) -> None:
-    conn.sendall(FRAME.pack(len(body), len(payload)))
+def _send_frame(conn: socket.socket, body: bytes, *payloads: memoryview) -> None:
+    """One frame: its sizes, the JSON header `body`, then the data, sent as it lies in `payloads`."""
+    conn.sendall(FRAME.pack(len(body), sum(len(p) for p in payloads)))
     conn.sendall(body)
-    conn.sendall(payload)
+    for payload in payloads:
+        conn.sendall(payload)
 
 
 def _connect(address: dict[str, Any], timeout_s: float) -> socket.socket:
@@ -159,15 +168,12 @@ def fetch_pieces(
     does not hold that snapshot) otherwise."""
     body = json.dumps({"secret": address["secret"], "op": "pieces", "key": key, "keys": keys}).encode()
     with _connect(address, timeout_s) as conn:
-        _send_frame(conn, body, memoryview(b""))
+        _send_frame(conn, body)
         sizes = bytearray(FRAME.size)
         _read_exactly(conn, memoryview(sizes))
         header_bytes, data_bytes = FRAME.unpack(sizes)
-        raw = bytearray(header_bytes)
-        _read_exactly(conn, memoryview(raw))
-        answer = json.loads(raw)
-        data = np.empty(data_bytes // 4, dtype=np.float32)
-        _read_exactly(conn, memoryview(data).cast("B"))
+        answer = _read_json(conn, header_bytes)
+        data = _read_floats(conn, data_bytes)
     if "error" in answer:
         raise RuntimeError(f"the holder did not serve snapshot {key}: {answer['error']}")
     return {k: data[off : off + n] for k, (off, n) in answer["layout"].items()}
