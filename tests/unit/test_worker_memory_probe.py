@@ -26,10 +26,12 @@ def copies(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """Each copy the worker takes: the engine's value then, and the thread it ran on."""
     taken: list[dict[str, Any]] = []
 
-    def take_snapshot(engine: Any, max_bytes: float, found: Any) -> RankSnapshot:
+    def take_snapshot(engine: Any, max_bytes: float, found: Any, into: Any = None) -> RankSnapshot:
         found.plan = Plan(4)
-        buffer = torch.full((4,), engine["value"])
-        taken.append({"value": engine["value"], "thread": threading.current_thread().name})
+        buffer = (into if into is not None else torch.empty(4)).fill_(engine["value"])
+        taken.append(
+            {"value": engine["value"], "thread": threading.current_thread().name, "reused": into is not None}
+        )
         return RankSnapshot(found.plan, buffer, {})  # type: ignore[arg-type]
 
     monkeypatch.setattr(rank_snapshot, "take_snapshot", take_snapshot)

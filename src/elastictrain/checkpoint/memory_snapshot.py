@@ -8,7 +8,9 @@ its slices from them through `MemoryReader`, the in-memory twin of `FragmentRead
 
 A worker keeps the last two complete snapshots of its own rank and the last two replicas it holds for
 its buddy: a snapshot is added only once its copy is complete, so a copy in progress never replaces
-the last complete one, and the one before stays for a peer whose newer copy never completed.
+the last complete one, and the one before stays for a peer whose newer copy never completed. The one
+each addition pushes out is kept as a spare: the next copy (or replica) of the same attempt is written
+into its buffer instead of a new one, whose first touch of every page cost 5-7 times the copy itself.
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ class Snapshot:
     copy_s: float = 0.0
     raw: Any = None  # checkpoint/rank_snapshot.Snapshot the tensors view (own copies: a checkpoint writes it)
     flat: torch.Tensor | None = None  # a replica's one buffer, which its tensors view
+
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        """The one buffer the tensors view (None for a snapshot made by hand)."""
+        return self.raw.buffer if self.raw is not None else self.flat
 
     @property
     def nbytes(self) -> int:
@@ -104,9 +111,11 @@ class Snapshot:
         return Snapshot(SnapshotKey(*header["key"]), tensors, fragments, header["scalars"], flat=flat)
 
     @staticmethod
-    def from_wire(wire: dict[str, Any]) -> Snapshot:
-        # Copied out of the (read-only, shared) object-store buffer: the replica is ours to keep.
-        flat = torch.from_numpy(wire["flat"].copy())
+    def from_wire(wire: dict[str, Any], into: torch.Tensor | None = None) -> Snapshot:
+        # Copied out of the (read-only, shared) object-store buffer, into `into` where it is given (a
+        # spare of the right size): the replica is ours to keep.
+        src = torch.from_numpy(wire["flat"])
+        flat = into.copy_(src) if into is not None and into.numel() == src.numel() else src.clone()
         tensors = {k: flat.narrow(0, off, n) for k, (off, n) in wire["layout"].items()}
         return Snapshot(wire["key"], tensors, wire["fragments"], wire["scalars"], flat=flat)
 
@@ -118,17 +127,38 @@ class SnapshotStore:
     own: deque[Snapshot] = field(default_factory=lambda: deque(maxlen=KEEP))
     replicas: deque[Snapshot] = field(default_factory=lambda: deque(maxlen=KEEP))
     handed: list[Snapshot] = field(default_factory=list)  # from a peer replaced while it held them
+    # The last snapshot pushed out of `own` and of `replicas`: no longer held, its buffer kept for reuse.
+    spares: dict[bool, Snapshot] = field(default_factory=dict)  # own? -> snapshot
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add_own(self, snapshot: Snapshot) -> None:
         with self._lock:
-            self.own.append(snapshot)
+            self._push(self.own, snapshot, own=True)
             # Handed-over snapshots serve the restart after the failure they were saved from, no later.
             self.handed = [s for s in self.handed if s.key.attempt >= snapshot.key.attempt]
 
     def add_replica(self, snapshot: Snapshot) -> None:
         with self._lock:
-            self.replicas.append(snapshot)
+            self._push(self.replicas, snapshot, own=False)
+
+    def _push(self, kept: deque[Snapshot], snapshot: Snapshot, *, own: bool) -> None:
+        if len(kept) == kept.maxlen and kept[0].buffer is not None:
+            self.spares[own] = kept[0]
+        kept.append(snapshot)
+
+    def take_spare(self, *, own: bool, attempt: int, numel: int | None = None) -> Snapshot | None:
+        """The spare pushed out of `own` (or `replicas`) for a new copy of `numel` elements to be written
+        into, or None. Only a spare of the same attempt: an earlier attempt's snapshots may be what a
+        load of this one is reading (it planned from them before they were pushed out)."""
+        with self._lock:
+            spare = self.spares.get(own)
+            if spare is None:
+                return None
+            del self.spares[own]  # reused, or (another attempt's or size) let go
+            buffer = spare.buffer
+            if spare.key.attempt != attempt or buffer is None or numel not in (None, buffer.numel()):
+                return None
+            return spare
 
     def add_handed(self, snapshot: Snapshot) -> None:
         with self._lock:
@@ -159,7 +189,10 @@ class SnapshotStore:
         return found
 
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.all())
+        """The bytes of every snapshot held and of the spare buffers kept for the next ones."""
+        with self._lock:
+            spares = sum(s.nbytes for s in self.spares.values())
+        return sum(s.nbytes for s in self.all()) + spares
 
 
 def keys_to_fetch(

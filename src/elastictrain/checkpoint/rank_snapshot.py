@@ -178,10 +178,14 @@ def snapshot_bytes(engine: Any) -> int:
 
 @torch.no_grad()
 def take_snapshot(
-    engine: Any, max_bytes: float = float("inf"), found: Walked | None = None
+    engine: Any,
+    max_bytes: float = float("inf"),
+    found: Walked | None = None,
+    into: torch.Tensor | None = None,
 ) -> Snapshot | None:
-    """Copy the rank's state into one host buffer; None when it would exceed `max_bytes`, decided from
-    the plan before anything is allocated (`found.plan` then says how large it would have been)."""
+    """Copy the rank's state into one host buffer (`into` where it has the plan's size, else a new one);
+    None when it would exceed `max_bytes`, decided from the plan before anything is allocated
+    (`found.plan` then says how large it would have been)."""
     found = found if found is not None else Walked()
     buffer: torch.Tensor | None = None
     for group, opened in _walk(engine, found):
@@ -190,8 +194,11 @@ def take_snapshot(
         if buffer is None:
             if plan.data_bytes > max_bytes:
                 return None
-            pin = opened.fp32.is_cuda  # pinned host memory lets a GPU copy run at full speed
-            buffer = torch.empty(plan.numel, dtype=torch.float32, pin_memory=pin)
+            if into is not None and into.numel() == plan.numel:
+                buffer = into
+            else:
+                pin = opened.fp32.is_cuda  # pinned host memory lets a GPU copy run at full speed
+                buffer = torch.empty(plan.numel, dtype=torch.float32, pin_memory=pin)
         sources = opened.fields()
         for run in plan.runs[group]:
             src = sources[run.field].narrow(0, run.source_offset, run.length)

@@ -14,10 +14,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 KEEP = 2  # complete snapshots a worker keeps of its own rank, and of the rank whose buddy it is
-# Copies of one rank's slice a worker may hold at once: KEEP own and the one being copied, KEEP
-# replicas and the one arriving (plus its transfer buffer in the node's object store), and the
-# disk checkpoint's own snapshot while its file is written in the background.
-SLICES_HELD = 2 * KEEP + 4
+# Buffers of one rank's slice a worker holds: KEEP own and the one being copied, KEEP replicas and the
+# one arriving. Each new copy or replica is written into the buffer of the oldest one it replaces, so
+# these are all (a fresh 190 MB buffer cost 5-7 times the copy into it, in page faults, on 2 cores). A
+# disk checkpoint writes the own copy of its step, never another; a checkpoint at a step without one
+# copies only into what this count leaves of the budget (else it streams from the live state).
+OWN_SLICES = KEEP + 1
+SLICES_HELD = 2 * OWN_SLICES
 MAX_INTERVAL = 1000  # steps: snapshots this rare are not worth their memory; the cost rule stops here
 
 
@@ -173,16 +176,22 @@ def next_interval(
     return None
 
 
-def snapshots_unaffordable(slice_bytes: int, budget_bytes: float) -> str | None:
+def slices_held(has_buddy: bool) -> int:
+    """The buffers of its slice a worker holds: its own, and the replicas where it backs up a buddy."""
+    return SLICES_HELD if has_buddy else OWN_SLICES
+
+
+def snapshots_unaffordable(slice_bytes: int, budget_bytes: float, *, has_buddy: bool = True) -> str | None:
     """Why a worker must not keep in-memory snapshots of a slice this large, or None when it may.
 
-    A worker holds up to SLICES_HELD copies of a slice (see above); together they must fit in the host
+    A worker holds `slices_held` buffers of a slice (see above); together they must fit in the host
     memory checkpointing may use on its node (`checkpoint.max_host_memory_mb`, or its automatic share)."""
-    need = SLICES_HELD * slice_bytes
+    held = slices_held(has_buddy)
+    need = held * slice_bytes
     if need <= budget_bytes:
         return None
     return (
-        f"in-memory snapshots need {need / 2**20:.0f} MiB per rank ({SLICES_HELD} copies of a "
+        f"in-memory snapshots need {need / 2**20:.0f} MiB per rank ({held} copies of a "
         f"{slice_bytes / 2**20:.0f} MiB slice), over the {budget_bytes / 2**20:.0f} MiB checkpointing may "
         "use (checkpoint.max_host_memory_mb; unset: half the available memory split between the node's ranks)"
     )

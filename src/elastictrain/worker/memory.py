@@ -27,8 +27,9 @@ from elastictrain.checkpoint.memory_snapshot import (
     SnapshotKey,
     SnapshotStore,
 )
-from elastictrain.core.memory_snapshots import SLICES_HELD, snapshots_unaffordable
+from elastictrain.core.memory_snapshots import slices_held, snapshots_unaffordable
 from elastictrain.worker.attempt import MemorySource
+from elastictrain.worker.copy_stream import copy_stream, on_stream
 from elastictrain.worker.ray_calls import REPLICATE_TIMEOUT_S, call_peer
 from elastictrain.worker.replica_link import BuddyLink, ReplicaServer, pieces_answer
 
@@ -51,6 +52,8 @@ class WorkerMemory:
         self._copying: SnapshotKey | None = None  # the last copy started (maybe complete)
         self._deferred: tuple[Any, SnapshotKey] | None = None  # a probe's copy, started by the next update
         self._for_disk: dict[SnapshotKey, Future[Any]] = {}  # copies a checkpoint write waits for
+        # The own snapshot a disk checkpoint writes, and a wait for that write: its buffer is reused after.
+        self._lent: tuple[SnapshotKey, Callable[[], Any] | None] | None = None
         self._lock = threading.Lock()
         self.delay_s = 0.0  # tests: a slow copy, to fail in the middle of one
         self.before_replica: Callable[[int], None] = lambda step: None  # tests: a fault before it is sent
@@ -117,7 +120,7 @@ class WorkerMemory:
         if self._inline:
             self._take(engine, key, None)
             return
-        stream = _copy_stream(engine)  # on a GPU: the copy's own CUDA stream, after this step's kernels
+        stream = copy_stream(engine)  # on a GPU: the copy's own CUDA stream, after this step's kernels
         self._thread = threading.Thread(
             target=self._take, args=(engine, key, stream), name="memory-snapshot", daemon=True
         )
@@ -129,10 +132,11 @@ class WorkerMemory:
         backward run, and the next update waits for it (`before_update`), so the checkpoint pauses
         training only as long as the copy outlasts them. For `checkpoint/rank_save.py` (`held`): a
         function that waits for the copy (None if it failed). None where copies run inline (state on
-        NVMe) or the copy would exceed `max_bytes`: the checkpoint then copies or streams as it is."""
+        NVMe) or the copy would exceed what `max_bytes` leaves beside the in-memory snapshots' buffers:
+        the checkpoint then copies or streams as it is."""
         from elastictrain.checkpoint.rank_snapshot import snapshot_bytes, take_snapshot
 
-        if self._inline or snapshot_bytes(engine) > max_bytes:
+        if self._inline or snapshot_bytes(engine) > max_bytes - self.reserved_bytes():
             return None
         future: Future[Any] = Future()
 
@@ -149,6 +153,12 @@ class WorkerMemory:
         self.hold_updates_for(engine, take, "checkpoint-copy")
         return future.result, None
 
+    def reserved_bytes(self) -> int:
+        """The host memory the in-memory snapshots' buffers take at most (those held, and the spares an
+        arriving replica or a copy in progress is written into) at the slice size last copied."""
+        newest = self.store.own[-1].nbytes if self.store.own else 0
+        return max(self.store.nbytes(), slices_held(self._buddy is not None) * newest)
+
     @property
     def copies_inline(self) -> bool:
         """Whether copies of the state must run in the calling thread (optimizer state on NVMe)."""
@@ -160,12 +170,12 @@ class WorkerMemory:
         next update waits for it (`before_update`). With state on NVMe (`copies_inline`) `run` must read
         the swap files itself (checkpoint/swap_stream.py): DeepSpeed's swapper is the step's."""
         self.copy_finished()  # one reader of the live state at a time
-        stream = _copy_stream(engine)
+        stream = copy_stream(engine)
         self._copied.clear()
 
         def go() -> None:
             try:
-                with _on_stream(stream):
+                with on_stream(stream):
                     run()
             finally:
                 self._copied.set()
@@ -226,6 +236,7 @@ class WorkerMemory:
             return None
         with self._lock:
             done = self.store.find(key)
+            self._lent = (key, None)  # the write says when it ends (`lent_until`)
             future: Future[Any] = Future()
             if done is not None or self._copied.is_set():
                 future.set_result(done.raw if done is not None else None)
@@ -257,13 +268,15 @@ class WorkerMemory:
             # The attempt's first copy is refused before its buffer is allocated where the copies a worker
             # holds would not fit: at 1B parameters one copy alone is gigabytes a loaded host may not have.
             found = Walked()
-            limit = float("inf") if budget is None else budget / SLICES_HELD
-            with _on_stream(stream):  # device-to-host into pinned memory beside the next step's kernels
-                raw = take_snapshot(engine, limit, found)
+            has_buddy = self._buddy is not None
+            limit = float("inf") if budget is None else budget / slices_held(has_buddy)
+            into = self._spare_buffer(key)
+            with on_stream(stream):  # device-to-host into pinned memory beside the next step's kernels
+                raw = take_snapshot(engine, limit, found, into=into)
             if budget is not None:
                 self._checked = True
                 assert found.plan is not None
-                self.off = snapshots_unaffordable(found.plan.data_bytes, budget) or ""
+                self.off = snapshots_unaffordable(found.plan.data_bytes, budget, has_buddy=has_buddy) or ""
                 if self.off or raw is None:
                     return  # nothing is copied, kept or replicated in this attempt
             assert raw is not None
@@ -281,6 +294,26 @@ class WorkerMemory:
             self._copy_ended(key, snap)  # a checkpoint write waiting for this copy gets it (or None)
         if self._buddy is not None:
             self._replicate(snap)
+
+    def _spare_buffer(self, key: SnapshotKey) -> Any:
+        """The buffer of the own snapshot last pushed out, for this copy to be written into (None: a new
+        one). Where a disk checkpoint still writes that snapshot, the copy waits for the write: beside
+        the step, so training waits only where the write outlasts the two steps since."""
+        spare = self.store.take_spare(own=True, attempt=key.attempt)
+        if spare is None:
+            return None
+        lent = self._lent
+        if lent is not None and lent[0] == spare.key:
+            self._lent = None
+            if lent[1] is None:  # handed out, its write not known to have started: never overwritten
+                return None
+            lent[1]()
+        return spare.buffer
+
+    def lent_until(self, wait: Callable[[], Any]) -> None:
+        """The disk write of the snapshot `for_disk` last handed out has started; `wait()` ends with it."""
+        if self._lent is not None and self._lent[1] is None:
+            self._lent = (self._lent[0], wait)
 
     def _replicate(self, snap: Snapshot) -> None:
         t0, cpu0 = time.perf_counter(), time.thread_time()
@@ -301,7 +334,9 @@ class WorkerMemory:
 
     def hold_replica(self, wire: dict[str, Any]) -> None:
         cpu0 = time.thread_time()
-        self.store.add_replica(Snapshot.from_wire(wire))
+        key = wire["key"]
+        spare = self.store.take_spare(own=False, attempt=key.attempt, numel=wire["flat"].size)
+        self.store.add_replica(Snapshot.from_wire(wire, into=spare.buffer if spare is not None else None))
         self.cpu_s["hold"] = time.thread_time() - cpu0
 
     def replica_address(self, host: str) -> dict[str, Any]:
@@ -313,8 +348,15 @@ class WorkerMemory:
                 self.store.add_replica(Snapshot.from_frame(header, data))
                 self.cpu_s["hold"] = cpu_s
 
-            self._server = ReplicaServer(host, keep, serve_pieces=self._serve_pieces)
+            self._server = ReplicaServer(
+                host, keep, serve_pieces=self._serve_pieces, receive_into=self._replica_buffer
+            )
         return self._server.address
+
+    def _replica_buffer(self, header: dict[str, Any], numel: int) -> Any:
+        """Where an arriving replica is received: the spare replica's buffer (None: a new one)."""
+        spare = self.store.take_spare(own=False, attempt=int(header["key"][0]), numel=numel)
+        return spare.buffer.numpy() if spare is not None and spare.buffer is not None else None
 
     def _serve_pieces(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
         """A load's request over the socket: the tensors it names of a snapshot this worker holds."""
@@ -344,25 +386,3 @@ class WorkerMemory:
         from elastictrain.worker.memory_load import load_from_holders
 
         self.last_fetch_s = load_from_holders(self, engine, source)
-
-
-def _copy_stream(engine: Any) -> Any:
-    """On a GPU, a CUDA stream for the copy that starts after the kernels queued so far (this step's
-    update): the copy then overlaps the next step's kernels instead of queueing behind them. None on CPU."""
-    import torch
-
-    if not torch.cuda.is_available() or getattr(engine, "device", None) is None:
-        return None
-    if torch.device(engine.device).type != "cuda":
-        return None
-    stream = torch.cuda.Stream(device=engine.device)
-    stream.wait_stream(torch.cuda.current_stream(engine.device))
-    return stream
-
-
-def _on_stream(stream: Any) -> Any:
-    import contextlib
-
-    import torch
-
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

@@ -58,25 +58,30 @@ def _read_json(conn: socket.socket, nbytes: int) -> Any:
     return json.loads(raw)
 
 
-def _read_floats(conn: socket.socket, nbytes: int) -> np.ndarray:
-    """A frame's data, read straight into a new float32 array that is the reader's to keep."""
-    data = np.empty(nbytes // 4, dtype=np.float32)
+def _read_floats(conn: socket.socket, nbytes: int, into: np.ndarray | None = None) -> np.ndarray:
+    """A frame's data, read straight into `into` (where it is a float32 array of that size) or a new
+    float32 array, that is the reader's to keep."""
+    fits = into is not None and into.dtype == np.float32 and into.nbytes == nbytes and into.flags.c_contiguous
+    data = into if fits else np.empty(nbytes // 4, dtype=np.float32)
     _read_exactly(conn, memoryview(data).cast("B"))
     return data
 
 
 class ReplicaServer:
     """Listens for replicas; `on_replica(header, data, cpu_s)` keeps each one (data: a float32 numpy
-    array; cpu_s: the CPU seconds its receiving took). `serve_pieces(header)` answers a load's request."""
+    array; cpu_s: the CPU seconds its receiving took). `serve_pieces(header)` answers a load's request.
+    `receive_into(header, numel)` may give the array a replica is received into (None: a new one)."""
 
     def __init__(
         self,
         host: str,
         on_replica: Callable[[dict[str, Any], np.ndarray, float], None],
         serve_pieces: Callable[[dict[str, Any]], tuple[dict[str, Any], list[np.ndarray]]] | None = None,
+        receive_into: Callable[[dict[str, Any], int], np.ndarray | None] | None = None,
     ) -> None:
         self.secret = secrets.token_hex(16)
         self._on_replica = on_replica
+        self._receive_into = receive_into or (lambda header, numel: None)
         self._serve_pieces = serve_pieces  # (the request's header) -> (the answer's header, its arrays)
         self._sock = socket.create_server((host, 0))
         self.address = {"host": host, "port": self._sock.getsockname()[1], "secret": self.secret}
@@ -114,7 +119,8 @@ class ReplicaServer:
         if header.get("op") == "pieces":
             self._answer_pieces(conn, header, data_bytes)
             return True
-        data = _read_floats(conn, data_bytes)  # the replica's own buffer: kept as received
+        into = self._receive_into(header, data_bytes // 4)
+        data = _read_floats(conn, data_bytes, into)  # the replica's own buffer: kept as received
         self._on_replica(header, data, time.thread_time() - cpu0)
         conn.sendall(HELD)
         return True

@@ -76,6 +76,8 @@ class ShardSaves:
         elif mode == "snapshot" and background:
             self._writer = write
             write.start()
+            if out.get("memory"):  # it writes an in-memory snapshot: whose buffer waits for it
+                self.memory.lent_until(write.wait)
         else:
             out["file"] = write.file
         self._set_mark("saved", spec.start_step)
