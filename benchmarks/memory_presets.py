@@ -49,6 +49,12 @@ def measure(size: str, tmp: Path, smoke: bool) -> dict[str, Any]:
     return {"size": size, "killed": killed, "interleaved": paired}
 
 
+def _kill_runs_off(runs: list[dict[str, Any]]) -> str:
+    """Why the kill runs' snapshots went off, if they did ("" otherwise)."""
+    off = [why for r in runs for _, _, why in r["killed"]["snapshot_intervals"] if "off until" in why]
+    return off[-1] if off else ""
+
+
 def _last_window(windows: list[dict[str, Any]]) -> str:
     """What the schedule measured in its last window, for a target's note ("" when it measured none)."""
     if not windows:
@@ -71,14 +77,16 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
     for size in sizes:
         mine = [r for r in runs if r["size"] == size]
         intervals = [i for r in mine for _, i, _ in r["killed"]["snapshot_intervals"]]
-        off = [why for r in mine for _, _, why in r["killed"]["snapshot_intervals"] if "off until" in why]
         copied = [r for r in mine if math.isfinite(r["interleaved"]["copy_s"])]  # else no copy was made
+        # Why the paired run made no copy (older results did not record it: the kill run's reason).
+        paired_off = [r["interleaved"]["off"] for r in mine if r["interleaved"].get("off")]
+        paired_off = paired_off or [_kill_runs_off(mine) or "why was not recorded in this result"]
         m = {
             "steps_lost": median([r["killed"]["steps_lost"] for r in mine]),
             "recovered_from": [r["killed"]["recovered_from"] for r in mine],
             "interval_moves": [r["killed"]["snapshot_intervals"] for r in mine],
             "interval_at_the_end": intervals[-1] if intervals else 1,
-            "snapshots_off": off[-1] if off else "",
+            "snapshots_off": _kill_runs_off(mine),
             "step_cost_interleaved": median([r["interleaved"]["cost"] for r in copied]) if copied else None,
             "step_s_without": median([r["interleaved"]["step_s_without"] for r in mine]),
             "copy_s": median([r["interleaved"]["copy_s"] for r in mine]),
@@ -107,7 +115,7 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
                 unit="fraction",
                 note=f"2 ranks, a snapshot every other step, {mine[-1]['interleaved']['steps']} steps; "
                 f"a step without {m['step_s_without']:.2f} s"
-                + (f"; not measured: no copy was made ({m['snapshots_off']})" if not copied else ""),
+                + (f"; not measured: no copy was made ({paired_off[-1]})" if not copied else ""),
             ),
         ]
     notes = [

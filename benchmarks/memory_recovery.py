@@ -90,6 +90,7 @@ def _fault_free(
         "copy_s": median([h["copy_s"] for h in held if h["copy_s"]]),
         "replicate_s": median([h["replicate_s"] for h in held if h["replicate_s"]]),
         "interval": interval[-1] if interval else None,  # steps between snapshots at the end
+        "off": next((h["off"] for h in held if h.get("off")), ""),  # why snapshots were off, if they were
     }
 
 
@@ -112,6 +113,7 @@ def interleaved_cost(w: Workload, tmp: Path, steps_n: int = INTERLEAVED_STEPS) -
         "steps": len(beside) + len(without),
         "copy_s": run["copy_s"],
         "replicate_s": run["replicate_s"],
+        "off": run["off"],
     }
 
 
@@ -419,7 +421,8 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
     ]
     notes = [
         "steps_lost: steps completed before the failure that were trained again after it.",
-        "held_bytes_per_rank: two own snapshots and two replicas of the buddy's (4x one rank's slice).",
+        "held_bytes_per_rank: the buffers a rank holds after a step: its last two snapshots, two replicas "
+        "of its buddy's, and one of each kept for (or being filled by) the next (6x one rank's slice).",
         "transport: a replica sent over the buddy's socket into the array it keeps (what the product "
         "does), against the actor call into the buddy's `replica` concurrency group it falls back to where "
         "that socket cannot be reached, and pickled torch tensors; each one round trip, the replica in the "

@@ -111,51 +111,53 @@ WHY = {
     "Closing it: idle cores (on GPU machines the copy is a device-to-host transfer), or "
     "checkpoint.memory_every_steps=2 or more.",
     "memory recovery: per-step cost of a snapshot, beside": "measured within one run (a snapshot every "
-    "other step), so the machine's drift between runs cancels: a step beside a snapshot took 4% longer "
-    "(4.2%, then 4.0% once the replica went to the buddy as one array instead of one per tensor, which "
-    "cut Ray's serialization from 8-12 CPU ms to about 1: within the noise of this figure). The copy's "
-    "own CPU cost (the figure below) is within the noise of a step's CPU time (-0.2% and 3.0% in two "
-    "runs). What remains is moving the bytes: each rank's 16.5 MB slice is copied three times a step (into "
-    "the snapshot's buffer, into the object store, into the buddy's heap; the replica's actor call takes "
-    "31-40 ms of a 0.4 s step) on threads that share the 2 cores and their memory bandwidth with the 2 "
-    "training ranks (the memory_presets benchmark measures the same at 30M and 125M). The schedule keeps "
-    "every step here: its measured cost is under its 1.5x margin over the 3% share. Closing it: one copy "
-    "fewer (the buddy keeping the object-store buffer, or reading "
-    "the sender's buffer over shared memory on one node), or idle cores (on a GPU machine the copy is a "
-    "device-to-host transfer and the replica uses the network).",
+    "other step), so the machine's drift between runs cancels, but not the scatter of single steps on 2 "
+    "shared cores, which is larger than the figure: 4.2% and 4.0% with the replica as a Ray call, 2.2% "
+    "over a socket, 5.6% with the buffers reused (2026-11-28), where the copy took 8 ms and the replica "
+    "23 ms of a 0.51 s step. What a snapshot costs is moving the bytes: each rank's 24.8 MB slice is "
+    "copied three times a step (into the buffer of the snapshot it replaces, into the kernel's socket "
+    "buffer, into the buddy's buffer) on threads that share the 2 cores and their memory bandwidth with "
+    "the 2 training ranks (the memory_presets benchmark measures the same at 30M and 125M). The schedule "
+    "keeps every step here: its measured cost is under its 1.5x margin over the 3% share. Closing it: "
+    "repetitions (--reps), or idle cores (on a GPU machine the copy is a device-to-host transfer and the "
+    "replica uses the network).",
     "30m: per-step cost of a snapshot": "each rank's slice is 190 MB (31.7M parameters: fp32 weights and "
-    "two Adam moments, over 2 ranks); a copy takes 0.06-0.1 s and sending its replica 0.18-0.2 s of a "
-    "2.3-2.5 s step, on threads that share the 2 cores and their memory bandwidth with the 2 training "
+    "two Adam moments, over 2 ranks); a copy takes 0.06-0.1 s and sending its replica 0.2-0.23 s of a "
+    "2.5-2.7 s step, on threads that share the 2 cores and their memory bandwidth with the 2 training "
     "ranks. The figure scatters between runs: 9.5%, 10.0%, 12.0% and 5.8% in four with the replica as a "
-    "Ray call, 9.4% with it over a socket (2026-11-28): the socket spares the raylets' CPU, which was "
-    "the cost on the tiny preset's 11 MB replicas, not the moving of 190 MB on the shared cores. The "
-    "default schedule kept a snapshot every step in the 130-step kill run: the copies' CPU time was 3.3% and "
-    "3.5% of a step in the last two runs (under "
-    "its 4.5% margin), and its wall measure (each probe step, whose copy waits for its update, against "
-    "the steps beside a copy around it) had 9 comparisons by step 110, whose lower 95% bound was 0: "
-    "step times scatter too much here for 9 to resolve a 6-12% cost; a longer run gathers more (one per "
-    "10 marked steps). Closing it: idle cores (on a GPU machine the copy is a device-to-host transfer "
-    "and the replica uses the network), or a replica sent in pieces at a lower priority than training.",
-    "125m at default settings: steps lost": "in-memory snapshots were off: a worker may hold 8 copies of "
-    "its rank's slice (its last two and the one being copied, two replicas of its buddy's and the one "
-    "arriving, the object store's transfer buffer, a checkpoint's own copy), 8 x 767 MiB at world size 2, "
-    "over the 4510-4697 MiB checkpointing may use on this 23 GB machine (half the available memory split "
-    "between the node's ranks), so the kill recovered from the disk checkpoint, losing the 2 steps since "
-    "it. Closing it: checkpoint.max_host_memory_mb where the host has the room (GPU nodes hold hundreds "
-    "of GB), or fewer copies held at once.",
-    "125m: per-step cost of a snapshot": "not measured: the memory check turned in-memory snapshots off at "
-    "this size on this machine (the row above says why), so no copy ran beside any step.",
+    "Ray call, 9.4% over a socket, 8.3% with the buffers reused (2026-11-28). Each step moves each rank's "
+    "190 MB three times (the copy, into the kernel's socket buffer, out of it into the buddy's buffer): "
+    "about 0.3 CPU s a step for both ranks, against 5.4 CPU s of training on the 2 cores, which have no "
+    "idle time to absorb it; 3% is below what moving these bytes over loopback TCP costs here. The "
+    "default schedule kept a snapshot every step in the 130-step kill run: the copies' CPU time was "
+    "3.3-3.9% of a step (under its 4.5% margin), and its wall measure (each probe step, whose copy "
+    "waits for its update, against the steps beside a copy around it) had 9 comparisons by step 110, "
+    "too few to resolve a 6-12% cost among steps that scatter this much; a longer run gathers more (one "
+    "per 10 marked steps). Closing it: idle cores (on a GPU machine the copy is a device-to-host "
+    "transfer and the replica uses the network), or a replica sent in pieces at a lower priority than "
+    "training.",
+    "125m at default settings: steps lost": "in-memory snapshots were off: the buffers a worker holds "
+    "(6 x 767 MiB at world size 2: its last two snapshots and the one being copied, two replicas of its "
+    "buddy's and the one arriving) did not fit the memory checkpointing may use on this 23 GB machine "
+    "(half the available memory split between the node's ranks, 4510-4697 MiB in earlier runs), so the "
+    "kill recovered from the disk checkpoint. Closing it: checkpoint.max_host_memory_mb where the host "
+    "has the room (GPU nodes hold hundreds of GB).",
+    "125m: per-step cost of a snapshot": "not measured: the memory check turned in-memory snapshots off "
+    "in the paired run (a result from before 2026-11-28 did not record why). Its 6 buffers of 767 MiB (4602 MiB) are at the edge of the "
+    "4510-4697 MiB that half this 23 GB machine's available memory gives a rank, so whether they fit "
+    "depends on the moment of the first copy: in the kill run of 2026-11-28 they did (1 step lost, from "
+    "memory), in the paired run after it they did not.",
     "memory recovery: per-step cost with the default schedule": "this short run keeps a snapshot every "
     "step (the schedule moves only after a window of 20 snapshots, and only once they cost 1.5 times the "
     "allowed share), so the figure is the every-step cost, measured on single runs whose step times "
     "move by more than the 3% to be resolved (two runs at the same settings here differ by 7 points). "
     "The copy's CPU time, which does not move with load, is the figure below. Closing it: repetitions "
     "(--reps) on an idle machine.",
-    "memory recovery: per-step CPU cost": "the copy is one memcpy per flat group and field into a new "
-    "buffer (checkpoint/rank_snapshot.py). Measured in a process with the workers' malloc (jemalloc "
-    "keeping freed pages) it is within the noise of a step's CPU time; in a process with glibc's malloc "
-    "the new buffer's fresh pages cost about 3 times the copy (20 ms against 7 ms per 50 MB), 5% of a "
-    "step on this workload. Closing a miss: reuse the buffers of evicted snapshots.",
+    "memory recovery: per-step CPU cost": "the copy is one memcpy per flat group and field, from the "
+    "third copy of an attempt on into the buffer of the snapshot it replaces (worker/memory.py): 7 ms of "
+    "a step's 1.03 CPU s (0.7%) in the run of 2026-11-28. The figure compares the median CPU time of "
+    "5-step blocks with copies against blocks without (a new engine each block) and scatters by more than "
+    "the copy costs: -0.2%, 3.0%, 2.9% and 7.9% in four runs. Closing it: more blocks (--reps).",
     "goodput": "after a worker or node is lost the run goes on at the smaller world size until a "
     "replacement is warm (a cold start of the actor: tens of seconds on 2 cores), then grows at the "
     "next step from memory; a node added back costs the same wait. Closing it: keep spare warm actors.",
@@ -270,6 +272,10 @@ def write_markdown(results: list[dict[str, Any]], out: Path, plots: dict[str, st
     if missed:
         lines += ["", "Missed targets, why, and what would close them:", ""]
         lines += [f"- {t['name']} ({_status(t)}): {_why(t['name'])}" for t in missed]
+    unmeasured = [t for r in results for t in r["targets"] if _verdict(t).met is None and _why(t["name"])]
+    if unmeasured:
+        lines += ["", "Not measured, and why:", ""]
+        lines += [f"- {t['name']}: {_why(t['name'])}" for t in unmeasured]
     lines.append("")
     for r in results:
         lines += [f"## {r['benchmark']}", ""]

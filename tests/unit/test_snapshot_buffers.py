@@ -34,7 +34,10 @@ def test_the_replica_pushed_out_lends_its_buffer_to_the_next_one_of_the_same_att
     assert store.nbytes() == 3 * 32  # ...but its buffer is kept, and counted
     spare = store.take_spare(own=False, attempt=1, numel=8)
     assert spare is first and spare.buffer is first.flat
+    assert store.nbytes() == 3 * 32  # being written into: still counted
     assert store.take_spare(own=False, attempt=1, numel=8) is None  # handed out once
+    store.add_replica(_replica(1, 4))
+    assert store.nbytes() == 3 * 32
 
 
 def test_a_spare_of_another_attempt_or_size_is_let_go_not_reused() -> None:

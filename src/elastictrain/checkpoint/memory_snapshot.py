@@ -10,7 +10,8 @@ A worker keeps the last two complete snapshots of its own rank and the last two 
 its buddy: a snapshot is added only once its copy is complete, so a copy in progress never replaces
 the last complete one, and the one before stays for a peer whose newer copy never completed. The one
 each addition pushes out is kept as a spare: the next copy (or replica) of the same attempt is written
-into its buffer instead of a new one, whose first touch of every page cost 5-7 times the copy itself.
+into its buffer instead of a new one: what a worker holds stays these buffers whatever its malloc keeps
+of freed memory (and with glibc's malloc a new buffer's first touch of every page cost 5-7 times the copy).
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ class SnapshotStore:
     handed: list[Snapshot] = field(default_factory=list)  # from a peer replaced while it held them
     # The last snapshot pushed out of `own` and of `replicas`: no longer held, its buffer kept for reuse.
     spares: dict[bool, Snapshot] = field(default_factory=dict)  # own? -> snapshot
+    filling: dict[bool, Snapshot] = field(default_factory=dict)  # spares being written into, until added
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add_own(self, snapshot: Snapshot) -> None:
@@ -142,6 +144,7 @@ class SnapshotStore:
             self._push(self.replicas, snapshot, own=False)
 
     def _push(self, kept: deque[Snapshot], snapshot: Snapshot, *, own: bool) -> None:
+        self.filling.pop(own, None)
         if len(kept) == kept.maxlen and kept[0].buffer is not None:
             self.spares[own] = kept[0]
         kept.append(snapshot)
@@ -158,6 +161,7 @@ class SnapshotStore:
             buffer = spare.buffer
             if spare.key.attempt != attempt or buffer is None or numel not in (None, buffer.numel()):
                 return None
+            self.filling[own] = spare
             return spare
 
     def add_handed(self, snapshot: Snapshot) -> None:
@@ -189,9 +193,9 @@ class SnapshotStore:
         return found
 
     def nbytes(self) -> int:
-        """The bytes of every snapshot held and of the spare buffers kept for the next ones."""
+        """The bytes of every snapshot held and of the spare buffers kept for (or filled by) the next ones."""
         with self._lock:
-            spares = sum(s.nbytes for s in self.spares.values())
+            spares = sum(s.nbytes for s in [*self.spares.values(), *self.filling.values()])
         return sum(s.nbytes for s in self.all()) + spares
 
 
