@@ -143,7 +143,8 @@ WHY = {
     "kill recovered from the disk checkpoint. Closing it: checkpoint.max_host_memory_mb where the host "
     "has the room (GPU nodes hold hundreds of GB).",
     "125m: per-step cost of a snapshot": "not measured: the memory check turned in-memory snapshots off "
-    "in the paired run (a result from before 2026-11-28 did not record why). Its 6 buffers of 767 MiB (4602 MiB) are at the edge of the "
+    "in the paired run (a result from before 2026-11-28 did not record why). Its 6 buffers of 767 MiB "
+    "(4602 MiB) are at the edge of the "
     "4510-4697 MiB that half this 23 GB machine's available memory gives a rank, so whether they fit "
     "depends on the moment of the first copy: in the kill run of 2026-11-28 they did (1 step lost, from "
     "memory), in the paired run after it they did not.",
