@@ -8,12 +8,10 @@ import threading
 from typing import Any
 
 import numpy as np
-import pytest
 import torch
 
 from elastictrain.checkpoint import rank_snapshot
 from elastictrain.checkpoint.memory_snapshot import Snapshot, SnapshotKey, SnapshotStore
-from elastictrain.checkpoint.rank_snapshot import Snapshot as RankSnapshot
 from elastictrain.core.memory_snapshots import KEEP, SLICES_HELD, slices_held, snapshots_unaffordable
 from elastictrain.worker.memory import WorkerMemory
 from elastictrain.worker.replica_link import ReplicaSender, ReplicaServer
@@ -75,28 +73,8 @@ def test_an_arriving_replica_is_received_into_the_buffer_the_buddy_offers() -> N
         server.close()
 
 
-class _Plan:
-    def __init__(self, numel: int) -> None:
-        self.numel, self.data_bytes = numel, numel * 4
-        self.keys = {"w::fp32": (0, numel)}
-        self.pieces: list[Any] = []
-
-
-@pytest.fixture
-def buffers(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
-    """The buffer each copy was written into, in order (a fake engine: {"value": v})."""
-    used: list[torch.Tensor] = []
-
-    def take_snapshot(engine: Any, max_bytes: float, found: Any, into: Any = None) -> RankSnapshot:
-        found.plan = _Plan(4)
-        buffer = into if into is not None else torch.empty(4)
-        engine.get("before_copy", lambda: None)()
-        buffer.fill_(engine["value"])
-        used.append(buffer)
-        return RankSnapshot(found.plan, buffer, {})  # type: ignore[arg-type]
-
-    monkeypatch.setattr(rank_snapshot, "take_snapshot", take_snapshot)
-    return used
+def _buffer(copies: list[dict[str, Any]], i: int) -> torch.Tensor:
+    return copies[i]["buffer"]
 
 
 def _step(memory: WorkerMemory, engine: dict[str, Any], step: int) -> None:
@@ -105,22 +83,22 @@ def _step(memory: WorkerMemory, engine: dict[str, Any], step: int) -> None:
     memory.wait()
 
 
-def test_a_worker_copies_into_three_buffers_in_turn(buffers):
+def test_a_worker_copies_into_three_buffers_in_turn(copies):
     memory = WorkerMemory("w")
     memory.attach(1, 2, 0, every=1, buddy=None, inline=False)
     engine: dict[str, Any] = {}
     for step in (1, 2, 3, 4, 5):
         _step(memory, engine, step)
     # Two complete and the one being copied: the fourth copy goes where the first was.
-    assert len({id(b) for b in buffers}) == KEEP + 1
-    assert buffers[3] is buffers[0] and buffers[4] is buffers[1]
+    assert len({id(c["buffer"]) for c in copies}) == KEEP + 1
+    assert _buffer(copies, 3) is _buffer(copies, 0) and _buffer(copies, 4) is _buffer(copies, 1)
     assert [float(s.tensors["w::fp32"][0]) for s in memory.store.own] == [4.0, 5.0]
     memory.attach(2, 2, 0, every=1, buddy=None, inline=False)  # a new attempt: loads read attempt 1's
     _step(memory, engine, 6)
-    assert all(buffers[5] is not b for b in buffers[:5])
+    assert all(_buffer(copies, 5) is not c["buffer"] for c in copies[:5])
 
 
-def test_a_copy_waits_for_the_disk_write_of_the_snapshot_it_would_overwrite(buffers):
+def test_a_copy_waits_for_the_disk_write_of_the_snapshot_it_would_overwrite(copies):
     memory = WorkerMemory("w")
     memory.attach(1, 2, 0, every=1, buddy=None, inline=False)
     engine: dict[str, Any] = {}
@@ -135,10 +113,10 @@ def test_a_copy_waits_for_the_disk_write_of_the_snapshot_it_would_overwrite(buff
     engine["before_copy"] = lambda: waited.append(written.is_set())
     threading.Timer(0.2, written.set).start()
     _step(memory, engine, 4)  # would reuse step 1's buffer: only once the write has ended
-    assert waited == [True] and buffers[3] is buffers[0]
+    assert waited == [True] and _buffer(copies, 3) is _buffer(copies, 0)
 
 
-def test_a_snapshot_handed_to_a_write_not_known_to_have_started_is_never_overwritten(buffers):
+def test_a_snapshot_handed_to_a_write_not_known_to_have_started_is_never_overwritten(copies):
     memory = WorkerMemory("w")
     memory.attach(1, 2, 0, every=1, buddy=None, inline=False)
     engine: dict[str, Any] = {}
@@ -146,10 +124,10 @@ def test_a_snapshot_handed_to_a_write_not_known_to_have_started_is_never_overwri
     assert memory.for_disk() is not None  # handed out; its write never reported as started
     for step in (2, 3, 4):
         _step(memory, engine, step)
-    assert buffers[3] is not buffers[0] and float(buffers[0][0]) == 1.0
+    assert _buffer(copies, 3) is not _buffer(copies, 0) and float(_buffer(copies, 0)[0]) == 1.0
 
 
-def test_a_checkpoints_own_copy_fits_only_beside_the_snapshots_buffers(buffers, monkeypatch):
+def test_a_checkpoints_own_copy_fits_only_beside_the_snapshots_buffers(copies, monkeypatch):
     monkeypatch.setattr(rank_snapshot, "snapshot_bytes", lambda engine: 16)
     memory = WorkerMemory("w")
     memory.attach(1, 2, 0, every=1, buddy="peer", inline=False)

@@ -3,39 +3,7 @@ backward, which then run with no copy beside them."""
 
 from __future__ import annotations
 
-import threading
-from typing import Any
-
-import pytest
-import torch
-
-from elastictrain.checkpoint import rank_snapshot
-from elastictrain.checkpoint.rank_snapshot import Snapshot as RankSnapshot
 from elastictrain.worker.memory import WorkerMemory
-
-
-class Plan:
-    def __init__(self, numel: int) -> None:
-        self.numel, self.data_bytes = numel, numel * 4
-        self.keys = {"w::fp32": (0, numel)}
-        self.pieces: list[Any] = []
-
-
-@pytest.fixture
-def copies(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
-    """Each copy the worker takes: the engine's value then, and the thread it ran on."""
-    taken: list[dict[str, Any]] = []
-
-    def take_snapshot(engine: Any, max_bytes: float, found: Any, into: Any = None) -> RankSnapshot:
-        found.plan = Plan(4)
-        buffer = (into if into is not None else torch.empty(4)).fill_(engine["value"])
-        taken.append(
-            {"value": engine["value"], "thread": threading.current_thread().name, "reused": into is not None}
-        )
-        return RankSnapshot(found.plan, buffer, {})  # type: ignore[arg-type]
-
-    monkeypatch.setattr(rank_snapshot, "take_snapshot", take_snapshot)
-    return taken
 
 
 def test_a_probes_copy_waits_for_the_next_update_and_takes_the_state_before_it(copies):
