@@ -146,3 +146,14 @@ def test_the_buffers_counted_are_the_ones_held_with_a_buddy_or_without():
     assert snapshots_unaffordable(100, 3 * 100, has_buddy=False) is None
     why = snapshots_unaffordable(100, 3 * 100)
     assert why is not None and f"{SLICES_HELD} copies of a 0 MiB slice" in why
+
+
+def test_a_replica_carried_by_the_ray_call_is_copied_into_the_spare_too():
+    memory = WorkerMemory("w")
+    memory.hold_replica(_replica(1, 1).to_wire())
+    first = memory.store.replicas[0].flat  # kept here too: a new buffer could not land at its address
+    for step in (2, 3, 4):
+        memory.hold_replica(_replica(1, step).to_wire())
+    assert [s.key.step for s in memory.store.replicas] == [3, 4]
+    fourth = memory.store.replicas[-1]
+    assert fourth.flat is first and float(fourth.tensors["w::fp32"][0]) == 4.0

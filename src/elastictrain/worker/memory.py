@@ -302,9 +302,10 @@ class WorkerMemory:
         spare = self.store.take_spare(own=True, attempt=key.attempt)
         if spare is None:
             return None
+        # Read once, never cleared here: the next checkpoint may hand out another snapshot meanwhile, and
+        # waiting on a write that has ended returns at once.
         lent = self._lent
         if lent is not None and lent[0] == spare.key:
-            self._lent = None
             if lent[1] is None:  # handed out, its write not known to have started: never overwritten
                 return None
             lent[1]()
@@ -334,9 +335,8 @@ class WorkerMemory:
 
     def hold_replica(self, wire: dict[str, Any]) -> None:
         cpu0 = time.thread_time()
-        key = wire["key"]
-        spare = self.store.take_spare(own=False, attempt=key.attempt, numel=wire["flat"].size)
-        self.store.add_replica(Snapshot.from_wire(wire, into=spare.buffer if spare is not None else None))
+        into = self._replica_spare(wire["key"].attempt, wire["flat"].size)
+        self.store.add_replica(Snapshot.from_wire(wire, into=into))
         self.cpu_s["hold"] = time.thread_time() - cpu0
 
     def replica_address(self, host: str) -> dict[str, Any]:
@@ -353,10 +353,15 @@ class WorkerMemory:
             )
         return self._server.address
 
+    def _replica_spare(self, attempt: int, numel: int) -> Any:
+        """Where an arriving replica (by socket or Ray call) is written: the spare replica's buffer, or
+        None (a new one)."""
+        spare = self.store.take_spare(own=False, attempt=attempt, numel=numel)
+        return spare.buffer if spare is not None else None
+
     def _replica_buffer(self, header: dict[str, Any], numel: int) -> Any:
-        """Where an arriving replica is received: the spare replica's buffer (None: a new one)."""
-        spare = self.store.take_spare(own=False, attempt=int(header["key"][0]), numel=numel)
-        return spare.buffer.numpy() if spare is not None and spare.buffer is not None else None
+        into = self._replica_spare(int(header["key"][0]), numel)  # the socket reads into a numpy array
+        return into.numpy() if into is not None else None
 
     def _serve_pieces(self, request: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
         """A load's request over the socket: the tensors it names of a snapshot this worker holds."""
