@@ -249,13 +249,20 @@ class ShellSession:
     def stop(self) -> list[int]:
         """End every process this session started (and only those), however deep it went."""
         found = list(_processes_carrying("ELASTICTRAIN_DOCS_SESSION", self.marker))
-        # As at a timeout: SIGINT lets an op build release its lock; Ray's daemons stop on SIGTERM.
+        # Ray's daemons (a `ray start` cluster a page left up) ignore SIGINT and its GCS outlives a SIGTERM
+        # by 15 s: they go as `ray stop --force` ends them, at once. The rest as at a timeout: SIGINT
+        # lets an op build release its lock.
+        daemons = [pid for pid in found if _is_ray_daemon(pid)]
+        for pid in daemons:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        rest = [pid for pid in found if pid not in daemons]
         for sig, grace in ((signal.SIGINT, 10), (signal.SIGTERM, 15), (signal.SIGKILL, 0)):
-            for pid in found:
+            for pid in rest:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, sig)
             deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and any(_alive(pid) for pid in found):
+            while time.monotonic() < deadline and any(_alive(pid) for pid in rest):
                 time.sleep(0.3)
         return found
 
@@ -270,6 +277,17 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def _is_ray_daemon(pid: int) -> bool:
+    """A process of Ray's own (GCS, raylet, dashboard, agents, log monitor, client server), not a user's."""
+    try:
+        argv = (Path(f"/proc/{pid}") / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return argv[0].startswith(b"ray::") or any(
+        b"/site-packages/ray/" in a or a.startswith(b"ray.") for a in argv[:3]
+    )
 
 
 def _alive(pid: int) -> bool:
