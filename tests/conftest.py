@@ -203,28 +203,57 @@ def s3_bucket(s3_server: dict[str, str], request: pytest.FixtureRequest) -> str:
 # longest first (the times are from a run on 2 cores, docs/contributing.md lists them), so that no
 # worker is left finishing a long file while the other has nothing to do. Order only: every test
 # passes in any order, alone or in a different one.
-LONGEST_FIRST = (
-    "test_readme_commands.py",  # 188 s
-    "test_background_checkpoint.py",  # 136 s
-    "test_memory_recovery.py",  # 105 s
-    "test_elastic.py",  # 94 s
-    "test_job_submit.py",  # 71 s
-    "test_driver_loss.py",  # 60 s
-    "test_architectures.py",  # 58 s
-    "test_zero_stages.py",  # 54 s
-    "test_chaos.py",  # 53 s
-    "test_lora_options.py",  # 47 s
-    "test_object_storage_run.py",  # 44 s
-    "test_plain_pytorch_equivalence.py",  # 42 s
-    "test_mlflow_outage.py",  # 37 s
-    "test_tracker_mlflow.py",  # 36 s
-    "test_train_end_to_end.py",  # 34 s
-    "test_user_code.py",  # 32 s
-    "test_gpu_checkpoint_on_cpu.py",  # 32 s
-    "test_scale_preset.py",  # 31 s
+LONGEST_FIRST = (  # seconds of test time in a run of the whole suite on 2 cores (2026-11-28)
+    "test_readme_commands.py",  # 557 s
+    "test_tensor_parallel.py",  # 275 s
+    "test_background_checkpoint.py",  # 248 s
+    "test_memory_recovery.py",  # 213 s
+    "test_chaos.py",  # 190 s
+    "test_driver_loss.py",  # 144 s
+    "test_job_submit.py",  # 127 s
+    "test_train_end_to_end.py",  # 109 s
+    "test_architectures.py",  # 105 s
+    "test_elastic.py",  # 105 s
+    "test_object_storage_run.py",  # 102 s
+    "test_zero_stages.py",  # 98 s
+    "test_plain_pytorch_equivalence.py",  # 96 s
+    "test_lora_options.py",  # 95 s
+    "test_engine_build_collectives.py",  # 85 s
+    "test_user_code.py",  # 78 s
+    "test_scale_preset.py",  # 63 s
+    "test_gpu_checkpoint_on_cpu.py",  # 53 s
+    "test_mlflow_outage.py",  # 51 s
 )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+# ------------------------------------------------------------- DeepSpeed ops compiled by the tests ----
+
+# `make install` builds the ops elastictrain loads (compat/deepspeed/ops.py: OPS). An op a test makes
+# DeepSpeed JIT-compile (FusedAdam did, from a config without torch_adam) costs a minute of both cores
+# on every fresh machine, CI included: the summary names any op whose library the session built.
+_OPS_AT_START: dict[str, float] = {}
+
+
+def _built_ops() -> dict[str, float]:
+    from elastictrain.compat.deepspeed.ops import own_extensions_dir
+
+    return {p.parent.name: p.stat().st_mtime for p in own_extensions_dir().glob("*/*.so")}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # the controller only: workers share the folder
+        _OPS_AT_START.update(_built_ops())
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if hasattr(terminalreporter.config, "workerinput"):
+        return
+    built = sorted(op for op, t in _built_ops().items() if _OPS_AT_START.get(op) != t)
+    if built:
+        names = ", ".join(built)
+        terminalreporter.write_line(f"DeepSpeed ops the tests compiled, not `make install`: {names}")

@@ -32,7 +32,7 @@ from elastictrain.rundir.run_dir import RunDir
 pytestmark = pytest.mark.integration
 
 SEED = 6
-STEPS, GLOBAL_BATCH, MICRO = 40, 12, 2
+STEPS, GLOBAL_BATCH, MICRO = 32, 12, 2  # the driver is killed at step 26 at the latest: 6 steps after it
 WORKERS = 2  # on 3 one-CPU nodes: a spare node for replacements; 2 ranks, so a survivor never waits on
 # another survivor inside a gloo collective (see the README's note on gloo)
 NUM_SAMPLES = 120000 // 64  # data.generated_chars // data.seq_len

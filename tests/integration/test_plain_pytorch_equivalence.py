@@ -2,8 +2,9 @@
 
 The reference (tests/integration/reference.py) is a single-process loop: transformers' `from_config`
 with the run's seed, `torch.optim.AdamW`, `clip_grad_norm_`, the same LR schedule and the same global
-batches. A 2-worker run under ZeRO-1, 2 or 3 and a `--local` run must report the same loss at every
-step.
+batches. A 2-worker run under ZeRO-2 or 3 and a `--local` run must report the same loss at every
+step. ZeRO-1 shares ZeRO-2's optimizer class and checkpoint layout; its losses are held to the same
+tolerance by test_tensor_parallel's resume test (TP 1 x DP 3 under ZeRO-1 from step 5 to 10).
 
 The tolerance is derived, not guessed: the reference is run twice, once with each global batch in one
 piece and once as 6 accumulated micro-batches. Both compute the same mathematical quantity and differ
@@ -83,7 +84,7 @@ def assert_same_losses(got: list[float], want: list[float], tol: float, what: st
 
 
 @pytest.mark.parametrize(
-    ("stage", "tied"), [(3, True), (3, False), (2, True), (1, False)], ids=["z3-tied", "z3", "z2-tied", "z1"]
+    ("stage", "tied"), [(3, True), (3, False), (2, True)], ids=["z3-tied", "z3", "z2-tied"]
 )
 def test_two_worker_run_reports_the_plain_pytorch_loss_at_every_step(ray_local, tmp_path, stage, tied):
     cfg = config(tmp_path / "run", tied, f"deepspeed.zero_stage={stage}")

@@ -75,10 +75,14 @@ def substitutions(readme: Path, ray_temp: Path) -> list[Substitution]:
             ),
             Substitution(
                 "make test ",
-                f"{make} test PYTEST_ARGS=tests/unit/test_core_policy.py ",
-                "the whole suite is what runs this test: one file of it",
+                f"{make} test TEST_WORKERS=0 PYTEST_ARGS=tests/unit/test_core_policy.py ",
+                "the whole suite is what runs this test: one file of it, in one process",
             ),
-            Substitution("training.max_steps=60", "training.max_steps=4", "2 steps more than `make run`'s"),
+            Substitution(
+                "training.max_steps=60",
+                "training.max_steps=2",
+                "no steps to add, so no second cold start (extending is tested in test_resume.py)",
+            ),
         ]
     return []
 

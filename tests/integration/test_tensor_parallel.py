@@ -1,10 +1,11 @@
 """Tensor parallelism (issue 40): replicas of AutoTP ranks compute what plain PyTorch computes.
 
-TP 2 x DP 2 (four workers) under ZeRO-0, 1 and 3 and TP 2 x DP 1 under ZeRO-2 report the single-process
-reference loop's loss at every step, within the tolerance derived in test_plain_pytorch_equivalence
-(10x the difference between two reference runs that differ only in summation order). The checkpoint
-holds each projection as named slices, and `export` joins them into a model whose logits are the
-reference model's.
+TP 2 x DP 2 (four workers) under ZeRO-0 and 3 and TP 2 x DP 1 under ZeRO-2 report the single-process
+reference loop's loss at every step (ZeRO-1 at TP 2 x DP 2 in the resume test's first six steps: it
+shares ZeRO-2's optimizer and flat checkpoint layout, whose export the ZeRO-2 case checks), within the
+tolerance derived in test_plain_pytorch_equivalence (10x the difference between two reference runs that
+differ only in summation order). The checkpoint holds each projection as named slices, and `export`
+joins them into a model whose logits are the reference model's.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def reference_for(cfg: object) -> Reference:
 
 @pytest.mark.parametrize(
     ("stage", "workers"),
-    [(1, 4), (2, 2), (0, 4), (3, 4)],
-    ids=["tp2xdp2-z1", "tp2xdp1-z2", "tp2xdp2-z0", "tp2xdp2-z3"],
+    [(2, 2), (0, 4), (3, 4)],
+    ids=["tp2xdp1-z2", "tp2xdp2-z0", "tp2xdp2-z3"],
 )
 def test_tensor_parallel_replicas_report_the_plain_pytorch_loss_and_export_the_reference_model(
     ray_local, tmp_path, stage, workers

@@ -1,5 +1,7 @@
 """End to end: 2 Ray actors hosting DeepSpeed ZeRO-3 engines train a real HF causal LM; the run, stopped
-and resumed with `elastictrain resume`, matches the uninterrupted one; offloaded runs train too."""
+and resumed with `elastictrain resume` past a corrupted checkpoint, matches the uninterrupted one;
+offloaded runs train too. The commands that read a finished run (status, runs, verify, reshard, export,
+training again) read this module's, so the command line's tests start no run of their own."""
 
 from __future__ import annotations
 
@@ -7,11 +9,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import REPO, at_step, chain, interrupt_after, offload_overrides, record_losses, run, tiny_config
 from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
 from elastictrain.checkpoint.store import verify_checkpoint
+from elastictrain.checkpoint.zero_state import FragmentReader
 from elastictrain.cli import app
 from elastictrain.rundir.run_dir import RunDir
 from elastictrain.tracking.tracker import resolve_tracking_uri
@@ -102,25 +106,48 @@ def test_metrics_params_and_config_reach_a_real_mlflow_server(finished_run, mlfl
     assert client.get_experiment(mlrun.info.experiment_id).name == "e2e"
 
 
-def test_resume_continues_the_same_run_and_matches_an_uninterrupted_one(finished_run, tmp_path):
+def test_resume_past_a_corrupted_checkpoint_falls_back_says_so_everywhere_and_matches_an_uninterrupted_run(
+    finished_run, tmp_path
+):
+    """Stopped after step 10, its newest checkpoint (step 8) corrupted by one flipped byte: `resume`
+    rejects it, says so in its output, the events and MLflow, loads step 4, and from there trains what
+    the uninterrupted run trained, into the same MLflow run, each step logged once."""
     ref_dir = finished_run  # the same config but its tracking server: the uninterrupted run
     cfg = tiny_config(tmp_path / "stopped")
     with pytest.raises(KeyboardInterrupt):
-        run(cfg, hook=interrupt_after(10))  # last checkpoint at 8: steps 9 and 10 are redone
+        run(cfg, hook=interrupt_after(10))
     stopped = RunDir.open(tmp_path / "stopped")
     assert stopped.read_info().status == "STOPPED"
     mlflow_run = stopped.read_info().mlflow_run_id
+    victim = stopped.checkpoints_dir / "step-000008" / "rank-00000-of-00002.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, different content
+    victim.write_bytes(bytes(data))
 
     result = CliRunner().invoke(app, ["resume", str(tmp_path / "stopped")])
     assert result.exit_code == 0, result.output
+    assert "step-000008 does not verify" in result.output and str(victim) in result.output, result.output
     info = stopped.read_info()
     assert info.status == "FINISHED" and info.last_step == 12
     assert info.mlflow_run_id == mlflow_run  # the same MLflow run across the restart
-    resume_events = [e for e in stopped.read_events() if e["event"] == "resume"]
-    assert resume_events and resume_events[0]["tag"] == "step-000008"
+    events = stopped.read_events()
+    rejected = [e for e in events if e["event"] == "checkpoint_rejected"]
+    assert len(rejected) == 1 and str(victim) in rejected[0]["problems"][0]
+    resumes = [e["tag"] for e in events if e["event"] == "resume"]
+    assert resumes[0] == "step-000008" and resumes[-1] == "step-000004", resumes  # the newest, then back
+    attempt = [e for e in events if e["event"] == "attempt_started"][-1]
+    assert attempt["checkpoint"] == "step-000004"
+    assert attempt["verify_s"] >= 0 and attempt["load_s"] > 0  # verification timed beside the load
+    client = MlflowClient(resolve_tracking_uri(info.mlflow_tracking_uri, stopped.path))
+    local = client.download_artifacts(info.mlflow_run_id, "events.jsonl", str(tmp_path / "dl"))
+    assert any(
+        json.loads(line)["event"] == "checkpoint_rejected" for line in Path(local).read_text().splitlines()
+    )
+    # Steps 5-10 were trained twice; MLflow holds each step once.
+    assert sorted(m.step for m in client.get_metric_history(info.mlflow_run_id, "loss")) == list(range(1, 13))
 
     # Same world size, same data order, exact fp32 state in the checkpoint: the trajectory after the
-    # resume is the uninterrupted one. Only summation order inside CPU kernels could differ, hence a
+    # fallback is the uninterrupted one. Only summation order inside CPU kernels could differ, hence a
     # tolerance of 1e-5 relative instead of bitwise equality.
     ref, resumed = _losses(ref_dir), _losses(stopped)
     assert sorted(resumed) == list(range(1, 13))
@@ -154,3 +181,73 @@ def test_zero3_with_optimizer_and_parameters_offloaded(ray_local, tmp_path, offl
     if offload == "nvme":
         # While training, DeepSpeed kept the parameters and optimizer state in swap files under nvme_path.
         assert any(f.endswith(".swp") for f in swap_files), swap_files
+
+
+# -- the command line on the finished run: read-only, but the last test, which trains it again --
+def test_status_and_runs_show_the_run(finished_run):
+    finished_run = finished_run.path
+    status = CliRunner().invoke(app, ["status", str(finished_run)])
+    assert status.exit_code == 0, status.output
+    assert "FINISHED" in status.output and "step-000012" in status.output and "2 from step 0" in status.output
+    runs = CliRunner().invoke(app, ["runs", str(finished_run.parent)])
+    assert "FINISHED" in runs.output and str(finished_run) in runs.output
+
+
+def test_verify_names_a_corrupted_file(finished_run, tmp_path):
+    finished_run = finished_run.path
+    import shutil
+
+    ok = CliRunner().invoke(app, ["verify", str(finished_run)])
+    assert ok.exit_code == 0 and "every file matches" in ok.output
+    copy = tmp_path / "ck"
+    shutil.copytree(finished_run / "checkpoints" / "step-000012", copy)
+    victim = copy / "rank-00001-of-00002.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    bad = CliRunner().invoke(app, ["verify", str(copy)])
+    assert bad.exit_code == 1 and "rank-00001-of-00002.safetensors: sha256 differs" in bad.output
+
+
+def test_reshard_writes_an_equivalent_checkpoint_for_another_world_size(finished_run, tmp_path):
+    finished_run = finished_run.path
+    result = CliRunner().invoke(
+        app, ["reshard", str(finished_run), "--world-size", "3", "--out", str(tmp_path / "ws3")]
+    )
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((tmp_path / "ws3" / "manifest.json").read_text())
+    assert manifest["world_size"] == 3 and len(manifest["files"]) == 3
+    original = FragmentReader(sorted((finished_run / "checkpoints" / "step-000012").glob("*.safetensors")))
+    resharded = FragmentReader(sorted((tmp_path / "ws3").glob("*.safetensors")))
+    for name in original.params:
+        assert original.fields(name) == resharded.fields(name) == ["fp32", "exp_avg", "exp_avg_sq"]
+        for field in original.fields(name):
+            assert torch.equal(original.full(name, field), resharded.full(name, field))
+    assert CliRunner().invoke(app, ["verify", str(tmp_path / "ws3")]).exit_code == 0
+
+
+def test_export_loads_with_from_pretrained_and_holds_the_trained_weights(finished_run, tmp_path):
+    finished_run = finished_run.path
+    from transformers import AutoModelForCausalLM
+
+    result = CliRunner().invoke(app, ["export", str(finished_run), "--out", str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.output
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    reader = FragmentReader(sorted((finished_run / "checkpoints" / "step-000012").glob("*.safetensors")))
+    params = dict(model.named_parameters())
+    assert set(params) == set(reader.params)
+    for name, p in params.items():
+        assert torch.equal(p.detach(), reader.full(name)), name
+    tokens = torch.tensor([list(b"The fox sees")])
+    assert torch.isfinite(model(input_ids=tokens).logits).all()
+
+
+def test_training_again_in_the_same_folder_continues_it_and_another_config_is_refused(finished_run):
+    finished_run = finished_run.path
+    # The run's config.yaml is its resolved config: training with it again targets the same folder.
+    same_config = str(finished_run / "config.yaml")
+    same = CliRunner().invoke(app, ["train", "-c", same_config])
+    assert same.exit_code == 0, same.output
+    assert "already holds this run: continuing it" in same.output
+    other = CliRunner().invoke(app, ["train", "-c", same_config, "training.lr=0.01"])
+    assert other.exit_code == 2 and "--fresh" in other.output and "another config" in other.output

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 # In a new process (transformers.models not imported yet): install the cache, count transformers' reads
 # of model sources, import what a worker imports, and compare the answer for the models folder with the
@@ -41,19 +44,34 @@ def fresh_process(cache: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_a_second_process_reads_no_model_source_and_gets_the_structure_transformers_computes(tmp_path: Path):
-    first = fresh_process(tmp_path)
-    stored = list(tmp_path.glob("transformers-*-import-structure.pkl"))
-    assert len(stored) == 1 and first["reads"] > 1000 and first["same"], first
-    second = fresh_process(tmp_path)
+@pytest.fixture(scope="module")
+def first(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """A first process, which computes the structure and stores it: each test reads a copy of its cache."""
+    cache = tmp_path_factory.mktemp("cache")
+    return cache, fresh_process(cache)
+
+
+def copied(cache: Path, to: Path) -> Path:
+    shutil.copytree(cache, to / "cache")
+    return to / "cache"
+
+
+def test_a_second_process_reads_no_model_source_and_gets_the_structure_transformers_computes(
+    first: tuple[Path, dict], tmp_path: Path
+):
+    cache, made = first
+    stored = list(cache.glob("transformers-*-import-structure.pkl"))
+    assert len(stored) == 1 and made["reads"] > 1000 and made["same"], made
+    second = fresh_process(copied(cache, tmp_path))
     assert second == {"reads": 0, "same": True, "llama": "LlamaForCausalLM"}, second
 
 
-def test_a_cache_made_for_another_install_is_not_used(tmp_path: Path):
-    first = fresh_process(tmp_path)
-    store = next(tmp_path.glob("transformers-*-import-structure.pkl"))
+def test_a_cache_made_for_another_install_is_not_used(first: tuple[Path, dict], tmp_path: Path):
+    cache, made = first
+    cache = copied(cache, tmp_path)
+    store = next(cache.glob("transformers-*-import-structure.pkl"))
     kept = pickle.loads(store.read_bytes())
     wrong = {path: {frozenset(): {"nowhere": {"Nothing"}}} for path in kept["structures"]}
     store.write_bytes(pickle.dumps({"stamp": (kept["stamp"][0], kept["stamp"][1] + 1), "structures": wrong}))
-    again = fresh_process(tmp_path)  # the model folders changed since (another mtime): computed anew
-    assert again == first and json.dumps(again)
+    again = fresh_process(cache)  # the model folders changed since (another mtime): computed anew
+    assert again == made and json.dumps(again)
