@@ -1,4 +1,5 @@
-"""The driver is lost: `elastictrain train` is SIGKILLed mid-run, then the run is inspected and resumed.
+"""The driver is lost or stopped: `elastictrain train` is SIGKILLed mid-run, then the run is inspected and
+resumed; a driver is SIGTERMed mid-run and stops cleanly; while one runs, another on its folder is refused.
 
 The driver is a real process that starts its own local Ray cluster (as `elastictrain train` without an
 address does), so killing its session takes the cluster down with it, as losing a head pod would.
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.integration
 cli = CliRunner()
 
 BIN = Path(sys.executable).parent
-MAX_STEPS = 16
+MAX_STEPS = 10  # the kill, right after the step-2 checkpoint's commit, comes well before the end
 RUN_TIMEOUT_S = 300
 
 
@@ -129,7 +130,12 @@ def _cli(*args: str, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProc
     )
 
 
-def test_a_killed_driver_loses_nothing_and_the_run_resumes_into_the_same_mlflow_run(tmp_path, sessions):
+def test_a_killed_driver_loses_nothing_a_sigtermed_one_stops_cleanly_and_a_running_one_is_exclusive(
+    tmp_path, sessions
+):
+    """A SIGKILLed driver's run resumes into the same MLflow run; then a `--fresh` driver on the folder
+    is SIGTERMed (issue 12 points 1, 2 and 4: `ray job stop` or a pod's deletion), refusing a second
+    driver and another `--fresh` while it runs. One folder: the --fresh driver is the SIGTERMed one."""
     run = tmp_path / "runs" / "tiny"
     log = tmp_path / "driver.log"
     driver = _start(["train", *_train_args(run)], log, sessions)
@@ -197,37 +203,31 @@ def test_a_killed_driver_loses_nothing_and_the_run_resumes_into_the_same_mlflow_
     assert rd.read_info().run_id == info.run_id
 
     # Starting over in a used folder takes --fresh, which moves the old run aside.
-    fresh_log = tmp_path / "fresh.log"
-    fresh = _start(["train", "--fresh", *_train_args(run)], fresh_log, sessions)
+    log = tmp_path / "fresh.log"
+    args = [*_train_args(run), "training.max_steps=1000"]  # still running when the signal comes
+    driver = _start(["train", "--fresh", "--no-tracking", *args], log, sessions)
 
     def new_run_started() -> bool:
         with contextlib.suppress(Exception):
             return RunDir.open(run).read_info().run_id != info.run_id
         return False
 
-    _wait_for(new_run_started, fresh, fresh_log, "new run in run.dir")
-    _sigkill(fresh)
+    _wait_for(new_run_started, driver, log, "new run in run.dir")
     aside = [p for p in run.parent.iterdir() if p.name.startswith("tiny.old-")]
     assert len(aside) == 1
     old = RunDir.open(aside[0]).read_info()
     assert old.run_id == info.run_id and old.status == "FINISHED"
 
-
-def test_sigterm_stops_a_real_driver_cleanly_and_a_second_driver_is_refused_while_it_runs(tmp_path, sessions):
-    """Issue 12 points 1, 2 and 4: `ray job stop` or a pod's deletion SIGTERMs the driver."""
-    run = tmp_path / "runs" / "tiny"
-    log = tmp_path / "driver.log"
-    args = [*_train_args(run), "training.max_steps=1000"]  # still running when the signal comes
-    driver = _start(["train", "--no-tracking", *args], log, sessions)
-    latest = run / "checkpoints" / "latest"
-    _wait_for(latest.is_file, driver, log, "committed checkpoint")
-
-    for extra in ([], ["--fresh"]):  # a second driver on the folder, and --fresh: both refused
+    # While it runs, a second driver and --fresh are both refused (it holds the folder from its start).
+    for extra in ([], ["--fresh"]):
         second = _cli("train", "--no-tracking", *extra, *args, timeout=120)
         assert second.returncode == 2, second.stdout + second.stderr
         assert f"is being driven by {os.uname().nodename}:{driver.pid} since" in second.stderr
-    assert sorted(p.name for p in run.parent.iterdir() if not p.name.startswith(".")) == ["tiny"]
+    folders = sorted(p.name for p in run.parent.iterdir() if not p.name.startswith("."))
+    assert folders == ["tiny", aside[0].name]  # the refused --fresh moved nothing aside
 
+    latest = run / "checkpoints" / "latest"  # the new run's
+    _wait_for(latest.is_file, driver, log, "committed checkpoint")
     t0 = time.monotonic()
     os.kill(driver.pid, signal.SIGTERM)  # the driver only, as Kubernetes signals a pod's main process
     assert driver.wait(timeout=30) == 130, log.read_text()[-4000:]
