@@ -1,19 +1,16 @@
 """Issue 15: recover from the workers' memory, losing at most the step in flight (real Ray, real DeepSpeed).
 
-Two elastic runs on a 3-node Ray cluster and one fault-free reference run, shared by the assertions:
-  A: a worker is killed at a step that is not a checkpoint step (shrink 3 -> 2 from memory), its
-     replacement joins by a grow (from memory), then a whole node is removed (its rank's slice comes
-     from that rank's buddy on another node);
-  B: a rank and its buddy are killed together (nothing holds that rank's slice: disk), the replacements
-     join, then a rank is killed while its in-memory copy is in progress (the previous complete one
-     is used).
-Both end with the parameters of the fault-free run, and their sample ledgers are exact. Two more runs with
-a snapshot every step stop a step at a given moment (inside the backward pass, before the update, before the
-snapshot's replica is sent) by a crash of the worker's process, then by the removal of its node: each
-failure costs at most one step. Those two keep a snapshot every step (the default interval) whatever a
-snapshot costs: on a loaded machine the default 3% rule may space snapshots out, and a step without one
-has no replica to stop before. A last run keeps the 3% rule on and crashes a worker in the step whose
-copy is the schedule's first probe (taken at that step's update, not beside it): one step lost too.
+One fault-free reference run gives the parameters every other run must end with; every run's sample ledger
+is exact. Two runs with a snapshot every step stop a step at a given moment (inside the backward pass,
+before the update, before the snapshot's replica is sent) by a crash of the worker's process, then by the
+removal of its node: each failure costs at most one step, from memory, and the run grows back. After
+that, the crash run loses a rank and its buddy together (nothing holds that rank's slice: the run says so,
+loads the disk checkpoint, and MLflow records where each recovery came from), and the node run loses
+another node between two steps (its rank's slice comes from its buddy on another node). Those two keep a
+snapshot every step (the default interval) whatever a snapshot costs: on a loaded machine the default 3%
+rule may space snapshots out, and a step without one has no replica to stop before. A last run keeps the
+3% rule on and crashes a worker in the step whose copy is the schedule's first probe (taken at that step's
+update, not beside it): one step lost too.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ from typing import Any
 
 import pytest
 import ray
-from helpers import after_attempt_start, at_step, chain, run, tiny_config, wait_until_replacements_are_warm
+from helpers import after_attempt_start, chain, run, tiny_config, wait_until_replacements_are_warm
 
 from elastictrain.checkpoint.zero_state import FragmentReader
 from elastictrain.core.batch import plan_batch
@@ -120,125 +117,67 @@ def events(run_dir: Any, name: str) -> list[dict[str, Any]]:
     return [e for e in run_dir.read_events() if e["event"] == name]
 
 
-def survivors_replaced(run_dir: Any, failure: dict[str, Any]) -> int:
-    """How many survivors of this failure were replaced for not leaving its attempt in time."""
-    after = [
-        e for e in run_dir.read_events() if e["event"] == "worker_replaced" and e["time"] >= failure["time"]
-    ]
-    decision = next(e for e in events(run_dir, "decision") if e["time"] >= failure["time"])
-    return len([e for e in after if e["time"] <= decision["time"]])
-
-
-def survivors_all_replaced(run_dir: Any, failure: dict[str, Any], survivors: int) -> bool:
-    return survivors_replaced(run_dir, failure) >= survivors
-
-
-def test_killed_worker_and_lost_node_recover_from_memory_losing_at_most_one_step(
+def test_a_crash_at_any_moment_of_a_step_costs_at_most_one_step_and_one_with_its_buddy_falls_back_to_disk(
     ray_cluster, reference, tmp_path
 ):
+    """A snapshot every step (the default interval, held whatever it costs): a worker's process exits
+    inside the first micro-batch's backward pass, right before the optimizer update, and before the
+    replica of the snapshot beside its step reaches the buddy; after each the run goes on from memory at
+    world size 2, grows back to 3 once the replacement is warm, and the next crash comes. Last, a rank and
+    its buddy exit together at a step's start: the survivor holds no copy of that rank's slice, so the run
+    says why not from memory and goes on from the disk checkpoint at world size 1."""
     records: list[tuple[int, int, list[int]]] = []
-    lost_node: list[str] = []
+    phases = ["backward", "update", "replica"]
+    armed: list[tuple[str, int]] = []
+    pair: list[int] = []  # the rank and its buddy that crash together, last
 
-    def kill_a_worker(controller: Any) -> None:
-        ray.kill(controller.active[2].actor)
+    def arm_or_wait(controller: Any) -> None:
+        if pair:
+            return  # the run ends at the size it has
+        if controller.world_size < 3:
+            wait_until_replacements_are_warm(controller)  # so that the run grows back before the next
+        elif phases:
+            at = fault_step(controller.step + 1)
+            ray.get(controller.active[2].actor.inject_fault.remote("crash", at, phases[0]))
+            armed.append((phases.pop(0), at))
+        else:
+            # The newcomer must be the survivor: the other two also hold the last world's snapshots of
+            # this step, and would recover it from memory. At this attempt's first step: one always runs.
+            starts = events(controller.recorder.run_dir, "attempt_started")
+            before, buddies = set(starts[-2]["workers"]), starts[-1]["buddies"]
+            old = [r for r, w in enumerate(starts[-1]["workers"]) if w in before]
+            pair.extend(next((r, buddies[r]) for r in old if buddies[r] in old))
+            for r in pair:
+                ray.get(controller.active[r].actor.inject_fault.remote("crash", controller.step, "start"))
 
-    def remove_a_node(controller: Any) -> None:
-        node_id = controller.active[1].node_id
-        lost_node.append(controller.active[1].worker_id)
-        ray_cluster.remove_node(next(n for n in ray_cluster.worker_nodes if n.node_id == node_id))
-
-    hook = chain(
-        ledger(records),
-        at_step(5, kill_a_worker),  # checkpoints are at 4, 8, 12: step 5 is not one
-        at_step(6, wait_until_replacements_are_warm),  # so the replacement joins by a grow at step 7 or 8
-        at_step(10, remove_a_node),
+    summary, run_dir, out = run(
+        # A snapshot every step: the replica phase needs one at the armed step. Four failures: one past
+        # the default budget.
+        config(tmp_path / "run", "failure.max_failures=4"),
+        hook=chain(ledger(records), after_attempt_start(arm_or_wait)),
     )
-    try:
-        summary, run_dir, out = run(config(tmp_path / "run"), hook=hook)
-    finally:
-        ray_cluster.add_node(num_cpus=1)  # leave the module's cluster as it was
     assert summary.status.value == "FINISHED", out
-    starts = events(run_dir, "attempt_started")
-    shrink, grow = [(s["world_size"], s["source"], s["step"]) for s in starts][1:3]
-    # Killed right after step 5 was reported: its copy of step 5 may still have been on its way to
-    # the buddy, and then step 4 (complete everywhere) is loaded; at most the step in flight is lost.
-    assert shrink in ((2, "memory", 5), (2, "memory", 4)), out
-    # Grown from memory once the replacement is warm (after step 7): at step 7 or 8, whether step 8's
-    # checkpoint was already queued ("just checkpointed") or not (every rank's copy of the step).
-    assert grow[:2] == (3, "memory") and grow[2] in (7, 8), out
-    assert starts[0]["buddies_off_node"] is True
-    recovered = events(run_dir, "recovered")
-    assert recovered[0]["recovered_from"] == "memory" and recovered[0]["steps_lost"] == 5 - shrink[2]
-    assert (recovered[1]["recovered_from"], recovered[1]["steps_lost"]) == ("memory", 0), recovered
+    assert [p for p, _ in armed] == ["backward", "update", "replica"], armed
+    assert len(pair) == 2, pair
     failures = events(run_dir, "failure")
-    assert failures[1]["kind"] in ("node_lost", "worker_died")  # a raylet's death can be seen either way
-    node_decision = events(run_dir, "decision")[1]
-    replaced = survivors_replaced(run_dir, failures[1])
-    if replaced >= 2:
-        # The gloo limit (README): both survivors stayed blocked past the teardown timeout and were
-        # replaced, taking their snapshots along; said, and the disk checkpoint is used.
-        assert node_decision["recovered_from"] == "disk" and "no survivor holds" in node_decision["memory"]
-    else:
-        # The node went right after step 10 was reported: its rank's copy of step 10 may still have been
-        # on its way to the buddy, and then step 9 (complete everywhere) is loaded; one step lost at most.
-        # A survivor replaced for being stuck (one of two) first handed its snapshots to the other, whose
-        # slot is then the only one ready: the run goes on at world size 1, still from memory.
-        assert (starts[3]["world_size"], starts[3]["source"]) == (2 - replaced, "memory"), starts[3]
-        assert starts[3]["step"] in (9, 10)
-        assert recovered[2]["recovered_from"] == "memory" and recovered[2]["steps_lost"] <= 1
-        # The lost node's rank had its slice served by its buddy, another worker on another node.
-        assert node_decision["recovered_from"] == "memory"
-        assert lost_node[0] not in node_decision["memory"]
-    assert_exact_ledger(records, seed=42)
-    assert_same_parameters(run_dir, reference)
-
-
-def test_rank_and_buddy_lost_falls_back_to_disk_and_a_copy_in_flight_uses_the_previous_one(
-    ray_cluster, reference, tmp_path
-):
-    records: list[tuple[int, int, list[int]]] = []
-
-    def kill_rank_1_and_its_buddy(controller: Any) -> None:
-        buddy = events(controller.recorder.run_dir, "attempt_started")[-1]["buddies"][1]
-        ray.kill(controller.active[1].actor)
-        ray.kill(controller.active[buddy].actor)
-
-    def slow_copies_on_rank_1(controller: Any) -> None:
-        if controller.attempt == 3:  # every copy of rank 1 now takes 2 s more
-            ray.get(controller.active[1].actor.inject_snapshot_delay.remote(2.0))
-
-    def kill_rank_1_mid_copy(controller: Any) -> None:
-        ray.kill(controller.active[1].actor)  # its copy of step 10 has just started
-
-    hook = chain(
-        ledger(records),
-        at_step(6, kill_rank_1_and_its_buddy),
-        at_step(7, wait_until_replacements_are_warm),
-        after_attempt_start(slow_copies_on_rank_1),
-        at_step(10, kill_rank_1_mid_copy),
-    )
-    summary, run_dir, out = run(config(tmp_path / "run"), hook=hook, tracking=True)
-    assert summary.status.value == "FINISHED", out
-    decisions = events(run_dir, "decision")
-    assert decisions[0]["recovered_from"] == "disk"
-    assert "rank(s) [1]" in decisions[0]["memory"] and "not from memory" in decisions[0]["message"]
-    assert "not from memory" in out  # said in the terminal too
-    starts = events(run_dir, "attempt_started")
-    assert (starts[1]["source"], starts[1]["checkpoint"], starts[1]["world_size"]) == (
-        "disk",
-        "step-000004",
-        1,
-    )
+    assert len(failures) == 4 and all(f["kind"] == "worker_died" for f in failures), failures
     recovered = events(run_dir, "recovered")
-    assert (recovered[0]["recovered_from"], recovered[0]["steps_lost"]) == ("disk", 2)
-    mid_copy = events(run_dir, "failure")[-1]
-    memory_used = not survivors_all_replaced(run_dir, mid_copy, survivors=2)
-    if memory_used:
-        # Rank 1's copy of step 10 was in progress: step 9, complete everywhere, is what the restart loads.
-        assert (starts[-1]["source"], starts[-1]["step"]) == ("memory", 9), out
-        assert (recovered[-1]["recovered_from"], recovered[-1]["steps_lost"]) == ("memory", 1)
-    else:  # the gloo limit (README): both survivors replaced with what they held; said, disk is used
-        assert events(run_dir, "decision")[-1]["recovered_from"] == "disk"
+    from_memory = [r for r in recovered if r["time"] < failures[3]["time"]]
+    # Each crash's shrink and the grows after the first two (the pair crashes in the third's first step).
+    assert len(from_memory) == 5, recovered
+    assert all(r["recovered_from"] == "memory" for r in from_memory), recovered
+    assert all(r["steps_lost"] <= 1 for r in from_memory), recovered
+    # Nothing holds the first rank's slice of the pair: why is said in the event and on the terminal.
+    decision = events(run_dir, "decision")[-1]
+    assert decision["recovered_from"] == "disk", decision
+    assert f"not from memory: {decision['memory']}" in decision["message"], decision
+    assert "not from memory" in out
+    restart = next(e for e in events(run_dir, "attempt_started") if e["time"] > failures[-1]["time"])
+    assert (restart["source"], restart["world_size"]) == ("disk", 1), restart
+    assert restart["checkpoint"] == f"step-{restart['step']:06d}", restart
+    from_disk = next(r for r in recovered if r["time"] > failures[-1]["time"])
+    assert from_disk["recovered_from"] == "disk", recovered
+    assert from_disk["steps_lost"] == failures[-1]["step"] - restart["step"], (failures, recovered)
     assert_exact_ledger(records, seed=42)
     assert_same_parameters(run_dir, reference)
     # MLflow has where each recovery came from.
@@ -249,42 +188,9 @@ def test_rank_and_buddy_lost_falls_back_to_disk_and_a_copy_in_flight_uses_the_pr
     info = run_dir.read_info()
     client = MlflowClient(resolve_tracking_uri(info.mlflow_tracking_uri, run_dir.path))
     history = client.get_metric_history(info.mlflow_run_id, "recovered_from_memory")
-    assert sorted(m.value for m in history) == [0.0, 1.0, 1.0 if memory_used else 0.0]
-
-
-def test_a_worker_crashing_at_any_moment_of_a_step_costs_at_most_one_step_with_a_snapshot_every_step(
-    ray_cluster, reference, tmp_path
-):
-    """A snapshot every step (the default interval, held whatever it costs): a worker's process exits
-    inside the first micro-batch's backward pass, right before the optimizer update, and before the
-    replica of the snapshot beside its step reaches the buddy; after each the run goes on from memory at
-    world size 2, grows back to 3 once the replacement is warm, and the next crash comes."""
-    records: list[tuple[int, int, list[int]]] = []
-    phases = ["backward", "update", "replica"]
-    armed: list[tuple[str, int]] = []
-
-    def arm_or_wait(controller: Any) -> None:
-        if controller.world_size < 3:
-            wait_until_replacements_are_warm(controller)  # so that the run grows back before the next
-        elif phases:
-            at = fault_step(controller.step + 1)
-            ray.get(controller.active[2].actor.inject_fault.remote("crash", at, phases[0]))
-            armed.append((phases.pop(0), at))
-
-    summary, run_dir, out = run(
-        config(tmp_path / "run"),  # a snapshot every step: the replica phase needs one at the armed step
-        hook=chain(ledger(records), after_attempt_start(arm_or_wait)),
+    assert sorted(m.value for m in history) == sorted(
+        float(r["recovered_from"] == "memory") for r in recovered
     )
-    assert summary.status.value == "FINISHED", out
-    assert [p for p, _ in armed] == ["backward", "update", "replica"], armed
-    failures = events(run_dir, "failure")
-    assert len(failures) == 3 and all(f["kind"] == "worker_died" for f in failures), failures
-    recovered = events(run_dir, "recovered")
-    assert len(recovered) >= 3, recovered  # each crash's shrink (and the grows after them)
-    assert all(r["recovered_from"] == "memory" for r in recovered), recovered
-    assert all(r["steps_lost"] <= 1 for r in recovered), recovered
-    assert_exact_ledger(records, seed=42)
-    assert_same_parameters(run_dir, reference)
 
 
 def test_a_node_removed_at_any_moment_of_a_step_costs_at_most_one_step_with_a_snapshot_every_step(
@@ -294,7 +200,8 @@ def test_a_node_removed_at_any_moment_of_a_step_costs_at_most_one_step_with_a_sn
     micro-batch's backward pass, right before the optimizer update, and before the replica of the snapshot
     beside its step is sent; its node is removed from the cluster while it is stopped there (a node lost at
     that moment). After each the run goes on from memory at world size 2, the node is added back, the run
-    grows back to 3, and the next comes."""
+    grows back to 3, and the next comes. Last, at world size 2, a node goes between two steps: the run goes
+    on from memory at world size 1, its lost rank's slice served by its buddy on the other node."""
     import threading
     import time
 
@@ -303,6 +210,8 @@ def test_a_node_removed_at_any_moment_of_a_step_costs_at_most_one_step_with_a_sn
     armed: list[tuple[str, int]] = []
     removed: list[str] = []
     problems: list[BaseException] = []
+    between: list[int] = []  # the step after which the last node goes
+    lost: list[str] = []  # that node's worker
 
     def remove_its_node_once_stopped(actor: Any, node_id: str) -> None:
         try:
@@ -318,7 +227,7 @@ def test_a_node_removed_at_any_moment_of_a_step_costs_at_most_one_step_with_a_sn
             problems.append(e)
 
     def arm_or_grow(controller: Any) -> None:
-        if controller.world_size < 3:
+        if phases and controller.world_size < 3:
             if len(ray_cluster.worker_nodes) < 3:
                 ray_cluster.add_node(num_cpus=1)
             wait_until_replacements_are_warm(controller)  # so that the run grows back before the next
@@ -330,26 +239,60 @@ def test_a_node_removed_at_any_moment_of_a_step_costs_at_most_one_step_with_a_sn
             threading.Thread(
                 target=remove_its_node_once_stopped, args=(victim.actor, victim.node_id), daemon=True
             ).start()
+        elif not between:  # two steps in: the attempt's first snapshot is then complete everywhere
+            between.append(controller.step + 2)
 
-    summary, run_dir, out = run(
-        config(tmp_path / "run"),  # a snapshot every step: the replica phase needs one at the armed step
-        hook=chain(ledger(records), after_attempt_start(arm_or_grow)),
-    )
+    def remove_a_node_between_steps(controller: Any, _index: int, _results: Any) -> None:
+        if between and controller.step == between[0] and not lost:
+            victim = controller.active[1]
+            lost.append(victim.worker_id)
+            ray_cluster.remove_node(next(n for n in ray_cluster.worker_nodes if n.node_id == victim.node_id))
+
+    def between_steps(controller: Any) -> None:
+        controller.callbacks.after_step.append(remove_a_node_between_steps)
+
+    try:
+        summary, run_dir, out = run(
+            # A snapshot every step: the replica phase needs one at the armed step. Four failures: one
+            # past the default budget.
+            config(tmp_path / "run", "failure.max_failures=4"),
+            hook=chain(ledger(records), after_attempt_start(arm_or_grow), between_steps),
+        )
+    finally:
+        while len(ray_cluster.worker_nodes) < 3:  # leave the module's cluster as it was
+            ray_cluster.add_node(num_cpus=1)
     assert not problems, problems
     assert summary.status.value == "FINISHED", out
     assert [p for p, _ in armed] == ["backward", "update", "replica"], armed
-    assert len(removed) == 3, removed
+    assert len(removed) == 3 and len(lost) == 1, (removed, lost)
+    starts = events(run_dir, "attempt_started")
+    assert starts[0]["buddies_off_node"] is True, starts[0]
     history = run_dir.read_info().world_size_history
-    # Each removal shrinks to 2; each node added back grows to 3 (the last may come after the last step).
+    # Each removal in a step shrinks to 2, each node added back grows to 3; the one between steps to 1.
     sizes = [(h["world_size"], h["reason"]) for h in history]
-    want = [(3, "start"), (2, "shrink"), (3, "grow"), (2, "shrink"), (3, "grow"), (2, "shrink")]
-    assert sizes[:6] == want, history
+    want = [
+        (3, "start"),
+        (2, "shrink"),
+        (3, "grow"),
+        (2, "shrink"),
+        (3, "grow"),
+        (2, "shrink"),
+        (1, "shrink"),
+    ]
+    assert sizes == want, history
     failures = events(run_dir, "failure")
-    assert len(failures) == 3 and all(f["kind"] in ("node_lost", "worker_died") for f in failures), failures
+    assert len(failures) == 4 and all(f["kind"] in ("node_lost", "worker_died") for f in failures), failures
     recovered = events(run_dir, "recovered")
-    assert len(recovered) >= 3, recovered
+    assert len(recovered) == 6, recovered  # 4 shrinks, 2 grows
     assert all(r["recovered_from"] == "memory" for r in recovered), recovered
     assert all(r["steps_lost"] <= 1 for r in recovered), recovered
+    # Between steps: the step just reported, or the one before where its copy was still on its way.
+    assert (starts[-1]["world_size"], starts[-1]["source"]) == (1, "memory"), starts[-1]
+    assert starts[-1]["step"] in (between[0] - 1, between[0]), (between, starts[-1])
+    assert recovered[-1]["steps_lost"] == between[0] - starts[-1]["step"], recovered
+    # The lost rank's slice came from its buddy, the survivor on the other node.
+    decision = events(run_dir, "decision")[-1]
+    assert decision["recovered_from"] == "memory" and lost[0] not in decision["memory"], decision
     assert_exact_ledger(records, seed=42)
     assert_same_parameters(run_dir, reference)
 
