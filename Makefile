@@ -73,8 +73,7 @@ DEEPSPEED ?=
 COMPAT_DIR = .compat/deepspeed-$(DEEPSPEED)
 COMPAT_TESTS := tests/unit/test_compat_registry.py tests/unit/test_compat_private_names.py \
 	tests/unit/test_zero3_memory.py tests/unit/test_gloo_gather.py tests/unit/test_restore_build.py \
-	tests/integration/test_engine_build_collectives.py tests/integration/test_zero_stages.py \
-	tests/integration/test_nvme_optimizer_build.py tests/integration/test_nvme_restoring_build.py \
+	tests/integration/test_zero3_build_patches.py tests/integration/test_zero_stages.py \
 	tests/integration/test_offloaded_gradients.py tests/integration/test_engine_release.py \
 	tests/integration/test_collective_release.py tests/integration/test_reshard.py \
 	tests/integration/test_gloo_gather_pieces.py tests/integration/test_compat_workers.py

@@ -82,25 +82,6 @@ def offload_overrides(offload: str, nvme_path: Path) -> list[str]:
     return out + list(NVME_MODEL) if offload == "nvme" else out
 
 
-# Source of `config(name)` for the two-rank NVMe scripts (test_nvme_optimizer_build.py,
-# test_nvme_restoring_build.py): ZeRO-3 with the optimizer on NVMe under `folder`, in 300k-element
-# sub-groups (DeepSpeed swaps only sub-groups of at least 1 MiB), accumulation and clipping.
-NVME_DS_CONFIG = r"""
-def config(name):
-    return {
-        "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-        "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
-        "zero_optimization": {
-            "stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 300_000,
-            "offload_optimizer": {"device": "nvme", "nvme_path": f"{folder}/{name}-{rank}",
-                                  "pin_memory": False},
-        },
-        "aio": {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True},
-    }
-"""
-
-
 def script_on_two_ranks(script: str, *args: str, timeout_s: float = 300) -> list[dict]:
     """Run a `python -c` script as ranks 0 and 1 of a gloo world on loopback; each rank's last stdout
     line, parsed as JSON. The script gets its port, its rank, then `args` in sys.argv."""
