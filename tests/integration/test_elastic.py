@@ -3,64 +3,17 @@
 A node removed and added back three times, with an exact sample ledger and the fault-free run's
 parameters at the end: tests/integration/test_memory_recovery.py. A killed worker whose survivor
 restarts at once from disk and grows back once the replacement is warm: test_background_checkpoint.py
-(the worker lost while a checkpoint is written)."""
+(the worker lost while a checkpoint is written). A hung worker detected by the hang timeout and replaced
+by the warm spare: test_background_checkpoint.py (the checkpoint whose writes end in a hung step)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-import ray
-from helpers import after_attempt_start, at_step, run, tiny_config
+from helpers import at_step, run, tiny_config
 
 pytestmark = pytest.mark.integration
-
-
-def ledger(records: list[tuple[int, int, list[int]]]) -> Callable[[Any], None]:
-    def hook(controller: Any) -> None:
-        controller.ledger = lambda step, rank, ids: records.append((step, rank, list(ids)))
-
-    return hook
-
-
-def attempts(run_dir) -> list[dict[str, Any]]:  # noqa: ANN001
-    return [e for e in run_dir.read_events() if e["event"] == "attempt_started"]
-
-
-NUM_SAMPLES = 120000 // 64
-
-
-def inject(kind: str, worker_index: int, at: int, attempt: int = 1) -> Callable[[Any], None]:
-    """A hook that arms a fault in one worker of an attempt, before the attempt's first step."""
-
-    def arm(controller: Any) -> None:
-        if controller.attempt == attempt:
-            ray.get(controller.active[worker_index].actor.inject_fault.remote(kind, at))
-
-    return after_attempt_start(arm)
-
-
-def test_hung_worker_is_detected_within_the_timeout_and_replaced_by_the_warm_spare(ray_local, tmp_path):
-    # At min_workers (2 of 2) the run cannot shrink: the spare, warm since the start, takes the hung
-    # worker's place at once.
-    cfg = tiny_config(tmp_path / "run", "failure.hang_timeout_s=5", "scaling.spare_workers=1")
-    summary, run_dir, out = run(cfg, hook=inject("hang", 1, 6), tracking=False)
-    assert summary.status.value == "FINISHED", out
-    first = attempts(run_dir)[0]
-    failure = next(e for e in run_dir.read_events() if e["event"] == "failure")
-    assert failure["kind"] == "hang"
-    # Only the hung worker is blamed: its peer was waiting inside a collective.
-    assert len(failure["workers"]) == 1
-    assert "_maybe_fault" in failure["message"]  # where it was stuck, from its live stack
-    second = attempts(run_dir)[1]
-    assert second["actors"][0] == first["actors"][0] and second["actors"][1] != first["actors"][1]
-    starting = [e for e in run_dir.read_events() if e["event"] == "workers_starting"]
-    # Three actors from the start: the two warm first are the ranks, the third the spare.
-    (spare,) = set(starting[0]["workers"]) - set(first["workers"])
-    assert len(starting[0]["workers"]) == 3 and second["world_size"] == 2, out
-    assert not [e for e in run_dir.read_events() if e["event"] == "waiting_for_capacity"], out
-    assert second["workers"][1] == spare, out
 
 
 def test_below_the_minimum_the_run_waits_then_fails_clearly_and_stays_resumable(ray_cluster, tmp_path):

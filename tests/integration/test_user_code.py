@@ -2,7 +2,7 @@
 
 The elastic test runs the plain nn.Module example (named by import paths in its config, with a loss
 closure handed to elastictrain.fit by value) on a 3-node Ray cluster through a node loss (shrink to 2)
-and the node's return (grow to 3), and checks the sample ledger as tests/integration/test_elastic.py
+and the node's return (grow to 3), and checks the sample ledger as tests/integration/test_memory_recovery.py
 does for the built-in model.
 """
 
