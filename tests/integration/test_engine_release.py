@@ -26,7 +26,7 @@ from elastictrain.control.specs import single_rank_spec
 from elastictrain.worker.actor import TrainWorker
 
 cfg = load_config(sys.argv[1], ["run.dir=" + sys.argv[2]])
-worker = TrainWorker("w0", False)
+worker = TrainWorker("w0", False, in_ray=False)  # as --local hosts it: no Ray cluster to start here
 worker.warmup(cfg)
 after = []
 for attempt in range(3):

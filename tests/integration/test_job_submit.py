@@ -232,9 +232,9 @@ def test_submitted_training_streams_progress_and_succeeds_then_a_resubmission_co
     assert [e["event"] for e in RunDir.open(run).read_events()].count("start") == 1
 
 
-def test_failing_jobs_end_failed_with_the_reason_in_the_job_logs(cluster, tmp_path):
-    bad_config = cluster.submit(*TRAIN, f"run.dir={tmp_path / 'a'}", "training.max_stepz=3", sid="bad-config")
-    # Valid config, but the run needs 3 workers and the cluster has 2 CPUs: it fails at runtime.
+def test_a_job_whose_run_fails_ends_failed_with_the_reason_in_the_job_logs(cluster, tmp_path):
+    # Valid config, but the run needs 3 workers and the cluster has 2 CPUs: it fails at runtime. A bad
+    # config leaves through the same error exit (cli/output.py's fail); test_cli.py checks its message.
     too_big = [
         f"run.dir={tmp_path / 'b'}",
         "scaling.min_workers=3",
@@ -242,15 +242,8 @@ def test_failing_jobs_end_failed_with_the_reason_in_the_job_logs(cluster, tmp_pa
         "training.global_batch_size=6",
         "failure.wait_for_capacity_s=2",
     ]
-    no_capacity = cluster.submit(*TRAIN, *too_big, sid="no-capacity")
-    (code_a, out_a), (code_b, out_b) = _communicate(bad_config), _communicate(no_capacity)
-
-    assert code_a != 0 and cluster.status("bad-config") == "failed", out_a[-3000:]
-    logs = cluster.logs("bad-config")
-    assert "unknown key 'training.max_stepz'; did you mean 'training.max_steps'?" in logs, logs[-3000:]
-    assert not (tmp_path / "a").exists()
-
-    assert code_b != 0 and cluster.status("no-capacity") == "failed", out_b[-3000:]
+    code, out = _communicate(cluster.submit(*TRAIN, *too_big, sid="no-capacity"))
+    assert code != 0 and cluster.status("no-capacity") == "failed", out[-3000:]
     logs = cluster.logs("no-capacity")
     assert "run ended FAILED" in logs and "failure.wait_for_capacity_s" in logs, logs[-3000:]
     assert "scaling.min_workers=3" in logs

@@ -3,9 +3,9 @@
 Real DeepSpeed ZeRO-3 engines in warm probe actors (tests/integration/probe.py), trained 3 steps from
 the same initialization at each world size, on records padded to each micro-batch's longest (data.packing
 false) or packed into bins of seq_len (data.packing true, data/sft/packing.py). A global batch of 12
-splits as 6 micro-batches of 2 on one rank, 3 on each of 2, 2 on each of 3. Two sources: synthetic
-records of 3 to 32 tokens (a third of each a prompt, labels -100) handed over as data.factory, and
-`data.source: sft` (80 ShareGPT records of 28 to 128 tokens, ChatML, tests/sft_fixtures.py).
+splits as 6 micro-batches of 2 on one rank, 3 on each of 2, 2 on each of 3. The records are
+`data.source: sft`'s (80 ShareGPT records of 28 to 128 tokens, ChatML, tests/sft_fixtures.py); records
+handed over by value as data.factory reach the workers as any user object does (test_user_code_errors.py).
 
 The reference is plain PyTorch in this process: every record run alone (no padding, no packing, no
 mask), its summed token losses divided by the global batch's target tokens, AdamW and clipping as the
@@ -33,25 +33,11 @@ from elastictrain.core.schedule import step_learning_rate
 from elastictrain.data.sft.packing import PackedRecords
 from elastictrain.data.sources import dataset_from_config, default_collate
 from elastictrain.model.loss import IGNORE_INDEX
-from elastictrain.user_code import attach
 
 pytestmark = pytest.mark.integration
 
 STEPS = 3
-SEQ_LEN = 32
 FP32_EPS = float(torch.finfo(torch.float32).eps)
-
-
-def synthetic_records(n: int = 90, seed: int = 0) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        length = int(torch.randint(3, SEQ_LEN + 1, (1,), generator=g))
-        ids = torch.randint(1, 256, (length,), generator=g)
-        labels = ids.clone()
-        labels[: length // 3] = IGNORE_INDEX
-        out.append({"input_ids": ids, "labels": labels})
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -63,17 +49,15 @@ def sharegpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return make_chatml_tokenizer(root / "tokenizer"), write_records(root, "sharegpt", 80)
 
 
-def sft_config(tmp_path: Path, source: str, packing: bool, sharegpt: tuple[Path, Path]) -> tuple[Any, Any]:
-    """(config, its dataset): synthetic records given by value as data.factory, or data.source sft."""
-    if source == "sft":
-        tokenizer, path = sharegpt
-        data = ["data.source=sft", f"data.path={path}", f"data.tokenizer={tokenizer}", "data.seq_len=128"]
-    else:
-        data = ["data.source=factory", f"data.factory=<{'packed' if packing else 'padded'} records>"]
-        data.append(f"data.seq_len={SEQ_LEN}")
+def sft_config(tmp_path: Path, packing: bool, sharegpt: tuple[Path, Path]) -> tuple[Any, Any]:
+    """(config, its dataset as every worker builds it)."""
+    tokenizer, path = sharegpt
     cfg = tiny_config(
         tmp_path / "run",
-        *data,
+        "data.source=sft",
+        f"data.path={path}",
+        f"data.tokenizer={tokenizer}",
+        "data.seq_len=128",
         f"data.packing={str(packing).lower()}",
         "training.global_batch_size=12",
         "training.micro_batch_size=2",
@@ -81,12 +65,7 @@ def sft_config(tmp_path: Path, source: str, packing: bool, sharegpt: tuple[Path,
         "training.warmup_steps=1",
         "failure.collective_timeout_s=300",  # a cold actor on a busy machine joins late
     )
-    if source == "sft":
-        return cfg, dataset_from_config(cfg)  # what every worker builds
-    records = synthetic_records()
-    dataset = PackedRecords(records, SEQ_LEN) if packing else records
-    attach(cfg, {"data.factory": dataset})
-    return cfg, dataset
+    return cfg, dataset_from_config(cfg)
 
 
 def records_of(dataset: Any, index: int) -> list[dict[str, torch.Tensor]]:
@@ -153,12 +132,11 @@ def run_losses(probes: Any, cfg: Any, world_size: int) -> list[float]:
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
-@pytest.mark.parametrize("source", ["synthetic", "sft"])
-def test_sft_losses_are_the_same_at_world_sizes_1_2_and_3(probes, tmp_path, sharegpt, source, packing):
-    cfg, dataset = sft_config(tmp_path, source, packing, sharegpt)
-    if source == "sft":  # the real thing: records of several tokens each, bins of several records
-        assert isinstance(dataset, PackedRecords) == packing
-        assert not packing or len(dataset) < len(dataset.records) * 0.6
+def test_sft_losses_are_the_same_at_world_sizes_1_2_and_3(probes, tmp_path, sharegpt, packing):
+    cfg, dataset = sft_config(tmp_path, packing, sharegpt)
+    # Records of several tokens each, packed into bins of several records.
+    assert isinstance(dataset, PackedRecords) == packing
+    assert not packing or len(dataset) < len(dataset.records) * 0.6
     want = reference_losses(cfg, dataset, "alone")
     noise = max(abs(a - b) for a, b in zip(want, reference_losses(cfg, dataset, "padded"), strict=True))
     tol = 10 * max(noise, FP32_EPS * max(want))
@@ -172,7 +150,7 @@ def test_sft_losses_are_the_same_at_world_sizes_1_2_and_3(probes, tmp_path, shar
         assert worst <= tol, (
             f"{w} workers differ from the reference by {worst} > {tol}:\n{report}\n  want {want}"
         )
-    kind = f"{source} {'packed' if packing else 'padded'}"
+    kind = "packed" if packing else "padded"
     print(f"\n{kind}: tolerance {tol:.2e} (noise {noise:.2e}), wrong {wrong:.2e}")
     for w, got in found.items():
         print(f"  {w} workers: worst {max(abs(a - b) for a, b in zip(got, want, strict=True)):.2e}")
