@@ -64,6 +64,19 @@ class Reference:
         return logits, 10 * max(noise, FP32_EPS * logits.abs().max().item())
 
 
+_REFERENCES: dict[tuple[bool, int], Reference] = {}
+
+
+def reference_for(cfg: Any) -> Reference:
+    """The reference of this module's configs (and test_tensor_parallel's): they differ only in layout
+    (ZeRO stage, degree, workers, --local: nothing the single-process loop reads) but for the tie and
+    the run's length, so one per pair serves every test (two plain runs each: about 4 s)."""
+    key = (bool(cfg.model.hf_config["tie_word_embeddings"]), int(cfg.training.max_steps))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = Reference(cfg)
+    return _REFERENCES[key]
+
+
 def config(run_dir: Path, tied: bool, *extra: str) -> Any:
     return tiny_config(
         run_dir,
@@ -91,7 +104,7 @@ def test_two_worker_run_reports_the_plain_pytorch_loss_at_every_step(ray_local, 
     summary, run_dir, output = run(cfg)
     assert summary.status.value == "FINISHED", output
 
-    reference = Reference(cfg)
+    reference = reference_for(cfg)
     got = logged_losses(run_dir)
     what = f"2 workers, ZeRO-{stage}, tie_word_embeddings={tied}"
     assert_same_losses(got, reference.losses, reference.loss_tol, what)
@@ -134,5 +147,5 @@ def test_local_run_with_tied_embeddings_reports_the_plain_pytorch_loss(tmp_path)
     run_dir, _ = prepare_run_dir(cfg, fresh=False)
     summary = run_training(cfg, run_dir, reporter=quiet_reporter(STEPS), local=True)
     assert summary.status.value == "FINISHED"
-    reference = Reference(cfg)
+    reference = reference_for(cfg)
     assert_same_losses(logged_losses(run_dir), reference.losses, reference.loss_tol, "--local, tied")

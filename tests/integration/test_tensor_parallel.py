@@ -16,23 +16,12 @@ import pytest
 import torch
 from helpers import run
 from reference import global_batch
-from test_plain_pytorch_equivalence import STEPS, Reference, assert_same_losses, config, logged_losses
+from test_plain_pytorch_equivalence import STEPS, assert_same_losses, config, logged_losses, reference_for
 
 from elastictrain.checkpoint.tensor_slices import parse
 from elastictrain.data.sources import dataset_from_config
 
 pytestmark = pytest.mark.integration
-
-_REFERENCES: dict[int, Reference] = {}
-
-
-def reference_for(cfg: object) -> Reference:
-    """The plain PyTorch loop of this module's configs, which differ only in layout (ZeRO stage, degree,
-    workers: nothing the single-process loop reads), so one per run length serves every test."""
-    steps = cfg.training.max_steps  # type: ignore[attr-defined]
-    if steps not in _REFERENCES:
-        _REFERENCES[steps] = Reference(cfg)
-    return _REFERENCES[steps]
 
 
 @pytest.mark.parametrize(
