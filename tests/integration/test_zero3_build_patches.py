@@ -82,6 +82,15 @@ def train_steps(engine, batches, steps, vocab):
     return losses
 
 
+def ours_against_deepspeeds(train):
+    # A section's build with the patches, then DeepSpeed's own: what each did, and where they differ.
+    ours, losses, weights = train(ours=True)
+    theirs, losses_ref, weights_ref = train(ours=False)
+    differing = [k for k in weights if not torch.equal(weights[k], weights_ref[k])]
+    return {"ours": ours, "theirs": theirs, "losses": losses, "losses_ref": losses_ref,
+            "differing": differing, "names": len(weights)}
+
+
 def gathered_weights(engine):
     params = dict(engine.module.named_parameters())
     with deepspeed.zero.GatheredParameters(list(params.values())):
@@ -149,11 +158,7 @@ def engine_build(patches, folder):
         losses = train_steps(engine, torch.Generator().manual_seed(1 + rank), steps=3, vocab=64)
         return built, losses, gathered_weights(engine)
 
-    ours, losses, weights = train(ours=True)
-    theirs, losses_ref, weights_ref = train(ours=False)
-    differing = [k for k in weights if not torch.equal(weights[k], weights_ref[k])]
-    return {"ours": ours, "theirs": theirs, "losses": losses, "losses_ref": losses_ref,
-            "differing": differing, "names": len(weights)}
+    return ours_against_deepspeeds(train)
 
 
 def nvme_optimizer_build(patches, folder):
@@ -222,11 +227,7 @@ def nvme_optimizer_build(patches, folder):
         losses = train_steps(engine, torch.Generator().manual_seed(1 + rank), steps=3, vocab=4096)
         return before, losses, gathered_weights(engine)
 
-    ours, losses, weights = train(ours=True)
-    theirs, losses_ref, weights_ref = train(ours=False)
-    differing = [k for k in weights if not torch.equal(weights[k], weights_ref[k])]
-    return {"ours": ours, "theirs": theirs, "losses": losses, "losses_ref": losses_ref,
-            "differing": differing, "names": len(weights)}
+    return ours_against_deepspeeds(train)
 
 
 def nvme_restoring_build(patches, folder):
