@@ -77,9 +77,10 @@ def assert_same_tensors(got: FragmentReader, want: FragmentReader) -> None:
     assert set(got.params) == set(want.params)
     worst = 0.0
     for name in want.params:
-        x, y = got.full(name), want.full(name)
-        worst = max(worst, float((x - y).norm() / y.norm()))
-        assert float((x - y).norm() / y.norm()) < TENSOR_TOL, name
+        y = want.full(name)
+        difference = float((got.full(name) - y).norm() / y.norm())
+        worst = max(worst, difference)
+        assert difference < TENSOR_TOL, name
     print(f"largest relative difference of a trained tensor: {worst:.2e}")
 
 
