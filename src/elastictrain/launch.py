@@ -170,6 +170,7 @@ def _ray_group(config: Config, run_dir: RunDir, address: str | None, reporter: R
     from elastictrain.cluster.connect import connect_ray
     from elastictrain.cluster.worker_group import WorkerGroup, WorkerResources
     from elastictrain.preflight import check_memory_on_nodes, check_nvme_on_nodes
+    from elastictrain.user_code import imports_user_modules
 
     reporter.event(connect_ray(config, address))
     degrees = None
@@ -185,11 +186,17 @@ def _ray_group(config: Config, run_dir: RunDir, address: str | None, reporter: R
     if estimate is not None:
         reporter.event(estimate.describe())
     s = config.scaling
+    # A warm process keeps the modules it imported, edited since or not.
+    fresh = imports_user_modules(config)
+    if fresh and s.keep_warm_s > 0:
+        reporter.event("scaling.keep_warm_s: this run imports modules of yours, so its workers start new")
     group = WorkerGroup(
         WorkerResources(
             s.use_gpu, s.cpus_per_worker, s.gpus_per_worker, s.worker_allocator, s.tensor_parallel
         ),
         name_prefix=run_dir.read_info().run_id[:6],
+        keep_warm_s=0.0 if fresh else s.keep_warm_s,
+        reuse_warm=not fresh,
     )
     return group, degrees
 

@@ -180,6 +180,19 @@ def user_callable(config: Any, field: str) -> Callable[..., Any] | None:
     return fn
 
 
+def imports_user_modules(config: Any) -> bool:
+    """Whether workers import a module of the user's for this run: a field naming an import path, or an
+    object given to fit() from a module (pickled by reference). Only objects of `__main__` travel whole."""
+    for field in FIELDS:
+        value = _field_value(config, field)
+        if value is not None and field not in attached(config) and not value.startswith("<"):
+            return True
+    return any(
+        (getattr(o, "__module__", None) or type(o).__module__) != "__main__"
+        for o in attached(config).values()
+    )
+
+
 def share_module_roots(config: Any) -> list[str]:
     """Put the folders holding the user modules on PYTHONPATH, for workers started from this process.
 

@@ -24,6 +24,8 @@ _shared: dict[str, object] = {}
 def _reusable_shared_cluster() -> bool:
     import ray
 
+    from elastictrain.cluster import warm_pool
+
     if not ray.is_initialized() or _shared.get("gcs") != ray.get_runtime_context().gcs_address:
         return False
     if _shared.get("env") != dict(os.environ):
@@ -31,7 +33,9 @@ def _reusable_shared_cluster() -> bool:
     deadline = time.monotonic() + 10  # actors killed at a test's end release their CPUs in a moment
     while time.monotonic() < deadline:
         try:
-            if ray.available_resources().get("CPU", 0) >= ray.cluster_resources().get("CPU", 0) > 0:
+            # Parked warm workers (scaling.keep_warm_s) hold CPUs the next run here takes back.
+            free = ray.available_resources().get("CPU", 0) + warm_pool.reserved()["CPU"]
+            if free >= ray.cluster_resources().get("CPU", 0) > 0:
                 return True
         except Exception:  # noqa: BLE001 - a cluster a test broke: start another
             return False

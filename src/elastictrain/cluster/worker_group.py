@@ -24,6 +24,7 @@ from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError, Ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from elastictrain.cluster import warm_pool
 from elastictrain.cluster.allocator import allocator_env, jemalloc_library
 from elastictrain.cluster.calls import DIED, NODE_LOST, OUT_OF_MEMORY, RAISED, TIMED_OUT, Calls, Reply
 from elastictrain.worker.actor import TrainWorker
@@ -31,6 +32,9 @@ from elastictrain.worker.actor import TrainWorker
 # How often gather runs its `tick` while it waits: a checkpoint whose write ended is committed within
 # this (a look costs one non-blocking ray.wait).
 TICK_S = 0.2
+# How long a run's end waits for its workers to leave the run before parking them (scaling.keep_warm_s);
+# one that has not left by then (a hung step) ends instead.
+LEAVE_RUN_TIMEOUT_S = 30.0
 
 log = logging.getLogger("elastictrain.workers")
 
@@ -92,8 +96,23 @@ class WorkerResources:
 
 
 class WorkerGroup:
-    def __init__(self, resources: WorkerResources, name_prefix: str = "et") -> None:
+    def __init__(
+        self,
+        resources: WorkerResources,
+        name_prefix: str = "et",
+        *,
+        keep_warm_s: float = 0.0,
+        reuse_warm: bool = True,
+    ) -> None:
+        """Workers start from those an earlier run of this driver left warm, started alike, unless
+        `reuse_warm` is False (cluster/warm_pool.py); `keep_warm_s` > 0: they are left warm at the end
+        for that long."""
         self.resources = resources
+        self.keep_warm_s = keep_warm_s
+        self.reuse_warm = reuse_warm
+        # Who may take parked workers: what decides a worker process's start (resources, environment).
+        self._pool_key = warm_pool.pool_key(resources, tuple(sorted(resources.env_vars().items())))
+        self._parked: dict[tuple[str, int], Any] = {}  # (placement group, bundle) -> a parked actor
         self.workers: list[WorkerHandle] = []
         self.pending: list[Slot] = []
         self._ready_refs: dict[str, Any] = {}  # placement group id -> its one `ready()` ref
@@ -109,7 +128,16 @@ class WorkerGroup:
         """Ask for n more worker slots (whole replicas of them); they stay pending until the cluster
         can place them."""
         size = self.resources.ranks_per_reservation
-        for _ in range(-(-n // size)):
+        wanted = -(-n // size)
+        if not self.reuse_warm:
+            warm_pool.release_all()  # their slots may be what this group needs
+        else:
+            for parked in warm_pool.take(self._pool_key, wanted):
+                self.pending.extend(Slot(parked.pg, i) for i in range(size))
+                self._ready_refs[parked.pg.id.hex()] = parked.ready_ref
+                self._parked.update({(parked.pg.id.hex(), b): a for b, a in parked.actors.items()})
+                wanted -= 1
+        for _ in range(wanted):
             pg = placement_group([self.resources.bundle()] * size, strategy="STRICT_PACK")
             self.pending.extend(Slot(pg, i) for i in range(size))
             self._ready_refs[pg.id.hex()] = pg.ready()
@@ -146,6 +174,8 @@ class WorkerGroup:
         if any(w.pg is pg for w in self.workers) or any(s.pg is pg for s in self.pending):
             return
         self._ready_refs.pop(pg.id.hex(), None)
+        for key in [k for k in self._parked if k[0] == pg.id.hex()]:  # parked there, never started
+            warm_pool.kill_actor(self._parked.pop(key))
         try:
             remove_placement_group(pg)
         except Exception as e:  # noqa: BLE001 - already gone with its node
@@ -158,19 +188,26 @@ class WorkerGroup:
         for slot in self._ready(0.0)[:limit]:
             self.pending.remove(slot)
             worker_id = f"{self._prefix}-w{next(self._ids)}"
-            strategy = PlacementGroupSchedulingStrategy(slot.pg, placement_group_bundle_index=slot.bundle)
-            actor = self._actor_cls.options(
-                num_cpus=self.resources.cpus_per_worker,
-                num_gpus=self.resources.gpus_per_worker if self.resources.use_gpu else 0,
-                scheduling_strategy=strategy,
-                runtime_env={"env_vars": self.resources.env_vars()},
-                max_restarts=0,
-            ).remote(worker_id, self.resources.use_gpu)
-            warm_ref = actor.warmup.remote(config)
+            actor = self._parked.pop((slot.pg.id.hex(), slot.bundle), None)
+            if actor is not None:  # a finished run's warm worker: its process and imports are ready
+                warm_ref = actor.warmup.remote(config, worker_id)
+            else:
+                actor = self._new_actor(slot, worker_id)
+                warm_ref = actor.warmup.remote(config)
             handle = WorkerHandle(worker_id, actor, slot.pg, warm_ref=warm_ref, bundle=slot.bundle)
             new.append(handle)
         self.workers.extend(new)
         return new
+
+    def _new_actor(self, slot: Slot, worker_id: str) -> Any:
+        strategy = PlacementGroupSchedulingStrategy(slot.pg, placement_group_bundle_index=slot.bundle)
+        return self._actor_cls.options(
+            num_cpus=self.resources.cpus_per_worker,
+            num_gpus=self.resources.gpus_per_worker if self.resources.use_gpu else 0,
+            scheduling_strategy=strategy,
+            runtime_env={"env_vars": self.resources.env_vars()},
+            max_restarts=0,
+        ).remote(worker_id, self.resources.use_gpu)
 
     @property
     def warm_workers(self) -> list[WorkerHandle]:
@@ -322,9 +359,39 @@ class WorkerGroup:
         return {str(n.get("NodeID")) for n in ray.nodes() if n.get("Alive")}
 
     def shutdown(self) -> None:
+        if self.keep_warm_s > 0:
+            self._park_warm_workers()
         for w in list(self.workers):
             self.remove(w)
         self.release_pending()
+
+    def _park_warm_workers(self) -> None:
+        """Leave the warm workers' reservations to this driver's next run (cluster/warm_pool.py): each
+        whole placement group whose every worker left the run in time, with no slot of it pending."""
+        warm = self.warm_workers
+        left = self.gather(self.call(warm, "leave_run"), LEAVE_RUN_TIMEOUT_S)
+        by_pg: dict[str, list[WorkerHandle]] = {}
+        for w in self.workers:
+            by_pg.setdefault(w.pg.id.hex(), []).append(w)
+        parked: list[warm_pool.ParkedReservation] = []
+        size = self.resources.ranks_per_reservation
+        for pg_id, workers in by_pg.items():
+            if len(workers) != size or not all(w.warm and left[w.worker_id].ok for w in workers):
+                continue
+            if any(s.pg.id.hex() == pg_id for s in self.pending):
+                continue
+            for w in workers:
+                self.workers.remove(w)
+            parked.append(
+                warm_pool.ParkedReservation(
+                    workers[0].pg,
+                    self._ready_refs.pop(pg_id),
+                    {w.bundle: w.actor for w in workers},
+                    cpus=self.resources.cpus_per_worker * size,
+                    gpus=self.resources.gpus_per_worker * size if self.resources.use_gpu else 0.0,
+                )
+            )
+        warm_pool.park(self._pool_key, parked, self.keep_warm_s)
 
 
 def _reply(worker_id: str, ref: Any) -> Reply:

@@ -271,6 +271,7 @@ def validate(config: Config) -> Config:
         )
     _at_least(p, "scaling.cpus_per_worker", s.cpus_per_worker, 0, strict=True)
     _choice(p, "scaling.worker_allocator", s.worker_allocator, ALLOCATORS)
+    _at_least(p, "scaling.keep_warm_s", s.keep_warm_s, 0)
     if s.use_gpu:
         _at_least(p, "scaling.gpus_per_worker", s.gpus_per_worker, 0, strict=True)
     _at_least(p, "checkpoint.every_steps", ck.every_steps, 1)

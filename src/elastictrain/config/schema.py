@@ -210,6 +210,12 @@ class ScalingConfig:
     # The workers' malloc: jemalloc (the copy Ray ships, freed memory kept for reuse: a lower peak and
     # quicker steps than glibc's on CPU) or system. The driver's MALLOC_CONF replaces jemalloc's settings.
     worker_allocator: str = "jemalloc"
+    # Seconds a finished run's warm workers stay parked for the next run this driver starts (a sweep, a
+    # notebook calling fit again): one asking for the same resources takes them back and skips each
+    # worker's start and imports. They keep their slots (GPUs) reserved meanwhile. 0: workers end with
+    # the run. Runs whose model, data or loss come from a module of yours always start new workers (a
+    # warm process keeps the module it imported).
+    keep_warm_s: float = 0.0
 
 
 @dataclass

@@ -72,10 +72,17 @@ class TrainWorker(SnapshotPeer, ShardSaves, FaultHooks):
         if not use_gpu:
             # Must be set before deepspeed is first imported in this process.
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        self.worker_id = worker_id
         self.use_gpu = use_gpu
         self.in_ray = in_ray  # False: hosted by the driver's process (`--local`, cluster/local_group.py)
         self.sockets = CollectiveSockets()  # the attempt's gloo connections, half-closed on leaving
+        self._train_thread: int | None = None
+        self._lock = threading.Lock()
+        self._start_run_state(worker_id)
+
+    def _start_run_state(self, worker_id: str) -> None:
+        """What belongs to one run: set at the actor's start, and again when a warm actor serves the
+        next run of its driver (`leave_run`). Nothing of it may carry over from one run to the next."""
+        self.worker_id = worker_id
         self.spec: AttemptSpec | None = None
         self.engine: Any = None
         self.dataset: Any = None  # any map-style dataset: len() and [i]
@@ -87,10 +94,9 @@ class TrainWorker(SnapshotPeer, ShardSaves, FaultHooks):
         self.built_model: dict[str, Any] | None = None  # rank 0 reports it with each save (model_record.py)
         self._dataset_key: tuple[Any, ...] | None = None
         self._faults: dict[tuple[int, str], str] = {}
+        self._hung: tuple[int, float] | None = None
         # Progress marks, read by `progress` from the control thread while a step runs.
         self._mark = ("idle", -1, time.time())
-        self._train_thread: int | None = None
-        self._lock = threading.Lock()
         self._writer: Any = None  # the last checkpoint's ShardWrite (checkpoint/writer.py)
         self._write_delay_s = 0.0  # tests and chaos runs: a slow disk
         self._idle_since = time.time()  # when this actor's last step or save ended
@@ -105,16 +111,20 @@ class TrainWorker(SnapshotPeer, ShardSaves, FaultHooks):
             "allocator": running_allocator(),
         }
 
-    def warmup(self, config: Any) -> dict[str, Any]:
+    def warmup(self, config: Any, worker_id: str | None = None) -> dict[str, Any]:
         """Pay a new actor's one-time costs before it joins an attempt: imports, compiled ops, data.
 
         Runs while the others train, so a replacement joins the next attempt as fast as a survivor;
         at the lowest CPU priority (a thread of its own), so the ranks it shares a node with train on
         at full speed (on 2 cores the first step beside a warm-up took 1.6 s longer at 30M).
+        `worker_id`: a warm actor a finished run left (`leave_run`) joins a new run under this name;
+        only the new run's data is left to load.
         Returns this worker's identity (as `info`) with the seconds spent.
         """
         from elastictrain.niceness import run_at_lowest_priority
 
+        if worker_id is not None:
+            self.worker_id = self.memory.worker_id = worker_id
         t0 = time.perf_counter()
         run_at_lowest_priority(lambda: self._warm_up(config), "warmup")
         # What the imports and the data created lives as long as the actor: out of the collector's
@@ -406,3 +416,16 @@ class TrainWorker(SnapshotPeer, ShardSaves, FaultHooks):
         self.spec = None
         self._set_mark("idle", -1)
         return {"teardown_s": time.perf_counter() - t0}
+
+    def leave_run(self) -> dict[str, float]:
+        """The run is over and this actor stays warm for its driver's next run (scaling.keep_warm_s):
+        leave the attempt, give back the snapshots and replicas it held, and forget the run's data,
+        faults and marks. The imports, compiled ops and loaded model code are what stays."""
+        t0 = time.perf_counter()
+        self.teardown()
+        self.memory.close()
+        self._start_run_state(self.worker_id)
+        gc.unfreeze()  # the warm-up froze the run's data with the imports; `warmup` freezes again
+        gc.collect()
+        release_freed_memory()
+        return {"leave_run_s": time.perf_counter() - t0}

@@ -197,6 +197,22 @@ class WorkerMemory:
         """Wait for the copy in progress (not for its replication), if any."""
         self._copied.wait()
 
+    def close(self) -> None:
+        """The run is over: let the last copy and its replication end, close the replica sockets and
+        give back every snapshot and replica held (a warm actor keeps none for its next run)."""
+        self.wait()
+        self.copy_finished()
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        self._deferred = None
+        self._for_disk.clear()
+        self._lent = None
+        self.store = SnapshotStore()
+
     def pop_update_wait(self) -> float:
         """Seconds spent waiting for a copy since the last call: training held up by it."""
         waited, self._update_wait_s = self._update_wait_s, 0.0

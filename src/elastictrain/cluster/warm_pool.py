@@ -1,0 +1,149 @@
+"""Workers a finished run leaves warm for the next run its driver starts (scaling.keep_warm_s).
+
+A driver that trains again (a sweep, a notebook calling `fit` again, a test suite) would otherwise
+start every worker anew: a process, then 4-6 CPU seconds importing torch, transformers and DeepSpeed
+and loading compiled ops, per worker and per run. With scaling.keep_warm_s > 0 a run's end parks its
+warm workers here with their reservations (whole placement groups), and the next run of the same
+driver asking for the same resources takes them back: each left its run (`TrainWorker.leave_run`:
+no engine, no snapshot, no fault, no data) and only loads the new run's data.
+
+Parked workers keep their slots (CPUs, GPUs) reserved, so the pool gives them back to the cluster
+`keep_warm_s` after the last park, when a run asks for other resources, and when the driver
+disconnects from Ray. Everything here runs in the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+log = logging.getLogger("elastictrain.workers")
+
+
+@dataclass
+class ParkedReservation:
+    """One placement group and the warm actors in its bundles (a tensor-parallel replica: several)."""
+
+    pg: PlacementGroup
+    ready_ref: Any  # its resolved `ready()`: the reservation stands
+    actors: dict[int, Any] = field(default_factory=dict)  # bundle -> actor
+    cpus: float = 0.0
+    gpus: float = 0.0
+
+
+@dataclass
+class _Pool:
+    key: tuple[Any, ...] | None = None  # the cluster, the job and what the workers were started with
+    parked: list[ParkedReservation] = field(default_factory=list)
+    timer: threading.Timer | None = None
+
+
+_pool = _Pool()
+_lock = threading.Lock()
+
+
+def _cluster() -> tuple[str, str] | None:
+    """This driver's cluster and job, or None when it is not connected (parked handles are void)."""
+    if not ray.is_initialized():
+        return None
+    ctx = ray.get_runtime_context()
+    return (str(ctx.gcs_address), str(ctx.get_job_id()))
+
+
+def pool_key(*what: Any) -> tuple[Any, ...] | None:
+    """The key parked workers are taken back by: this cluster and job, and `what` they were started
+    with (their resources and environment)."""
+    cluster = _cluster()
+    return None if cluster is None else (*cluster, *what)
+
+
+def park(key: tuple[Any, ...] | None, reservations: list[ParkedReservation], keep_s: float) -> None:
+    """Keep `reservations` for the next run asking with `key`, for `keep_s` seconds."""
+    if key is None or not reservations:
+        _release(reservations)
+        return
+    with _lock:
+        if _pool.key != key:
+            _release_locked()
+            _pool.key = key
+        _pool.parked.extend(reservations)
+        if _pool.timer is not None:
+            _pool.timer.cancel()
+        _pool.timer = threading.Timer(keep_s, release_all)
+        _pool.timer.daemon = True
+        _pool.timer.start()
+    log.info("%d warm worker(s) kept for %gs for this driver's next run", count(), keep_s)
+
+
+def take(key: tuple[Any, ...] | None, max_reservations: int) -> list[ParkedReservation]:
+    """Up to `max_reservations` parked reservations started with `key`; parked ones started otherwise
+    are given back to the cluster (a run asking for other resources may need their slots)."""
+    with _lock:
+        if key is None or _pool.key != key:
+            _release_locked()
+            return []
+        taken, _pool.parked = _pool.parked[:max_reservations], _pool.parked[max_reservations:]
+        if not _pool.parked and _pool.timer is not None:
+            _pool.timer.cancel()
+            _pool.timer = None
+        return taken
+
+
+def parked_actors() -> list[Any]:
+    """The parked workers' actor handles."""
+    with _lock:
+        return [a for r in _pool.parked for a in r.actors.values()]
+
+
+def count() -> int:
+    """How many warm workers are parked."""
+    return len(parked_actors())
+
+
+def reserved() -> dict[str, float]:
+    """The resources parked workers hold: free for this driver's next run, not for anyone else."""
+    with _lock:
+        return {
+            "CPU": sum(r.cpus for r in _pool.parked),
+            "GPU": sum(r.gpus for r in _pool.parked),
+        }
+
+
+def release_all() -> None:
+    """Give every parked worker's slot back to the cluster (the actors end)."""
+    with _lock:
+        _release_locked()
+
+
+def _release_locked() -> None:
+    parked, _pool.parked = _pool.parked, []
+    if _pool.timer is not None:
+        _pool.timer.cancel()
+        _pool.timer = None
+    current = _cluster()
+    # Handles of another cluster or job (the driver reconnected) are void: forget them.
+    if parked and _pool.key is not None and current == _pool.key[:2]:
+        _release(parked)
+    _pool.key = None
+
+
+def kill_actor(actor: Any) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception as e:  # noqa: BLE001 - already gone (its node, or the cluster)
+        log.debug("kill a parked worker: %s", e)
+
+
+def _release(reservations: list[ParkedReservation]) -> None:
+    for r in reservations:
+        for actor in r.actors.values():
+            kill_actor(actor)
+        try:
+            remove_placement_group(r.pg)
+        except Exception as e:  # noqa: BLE001 - already gone with its node
+            log.debug("remove a parked reservation: %s", e)
