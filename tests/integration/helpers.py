@@ -35,9 +35,10 @@ def tiny_config(run_dir: Path, *overrides: str):  # noqa: ANN201 - elastictrain.
         # Plots and system metrics cost every run seconds; test_validation_run.py turns them on.
         "tracking.plots=false",
         "tracking.system_metrics=false",
-        # The next run of this driver takes this run's warm workers (cluster/warm_pool.py): a worker's
-        # start and imports are 4-6 CPU s; test_warm_workers.py shows a taken worker trains as a new one.
-        "scaling.keep_warm_s=300",
+        # The next run of this driver within a minute takes this run's warm workers (warm_pool.py): a
+        # worker's start and imports are 4-6 CPU s, while a parked one costs an idle actor's 1% of a core.
+        # test_warm_workers.py shows a taken worker trains as a new one.
+        "scaling.keep_warm_s=60",
     ]
     return load_config(TINY, [*base, *overrides])
 

@@ -97,6 +97,7 @@ def test_all_problems_are_reported_at_once():
         ("scaling.min_workers=3", "scaling.min_workers: got 3; expected <= scaling.max_workers (2)"),
         ("scaling.min_workers=0", "scaling.min_workers: got 0; expected a number >= 1"),
         ("scaling.spare_workers=-1", "scaling.spare_workers: got -1; expected a number >= 0"),
+        ("scaling.keep_warm_s=-5", "scaling.keep_warm_s: got -5.0; expected a number >= 0"),
         ("scaling.cpus_per_worker=0", "scaling.cpus_per_worker: got 0.0; expected a number > 0"),
         ("scaling.use_gpu=maybe", "scaling.use_gpu: got 'maybe'; expected true or false"),
         ("deepspeed.zero_stage=4", "deepspeed.zero_stage: got 4; expected one of 0, 1, 2, 3"),

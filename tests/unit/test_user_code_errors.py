@@ -22,6 +22,7 @@ from elastictrain.user_code import (
     UserCodeError,
     attach,
     call_factory,
+    imports_user_modules,
     label_for,
     share_module_roots,
     user_model,
@@ -308,6 +309,24 @@ def test_workers_find_user_modules_through_pythonpath(tmp_path, pkg, monkeypatch
     assert share_module_roots(cfg) == [str(tmp_path.resolve())]
     assert os.environ["PYTHONPATH"] == os.pathsep.join(["/already/there", str(tmp_path.resolve())])
     assert share_module_roots(cfg) == []  # idempotent
+
+
+def test_only_runs_without_user_modules_may_take_warm_workers(tmp_path, pkg):
+    import importlib
+
+    assert not imports_user_modules(config(tmp_path))  # a transformers model from the config
+    assert imports_user_modules(factory_config(tmp_path, pkg))  # import paths: workers import them
+
+    def build() -> torch.nn.Module:
+        return torch.nn.Linear(2, 2)
+
+    build.__module__ = "__main__"  # as a function defined in the user's script is
+    by_value = config(tmp_path, "model.factory=<__main__.build>")
+    attach(by_value, {"model.factory": build})
+    assert not imports_user_modules(by_value)  # travels whole with the config
+    by_reference = config(tmp_path, f"model.factory={pkg}:build_model")
+    attach(by_reference, {"model.factory": importlib.import_module(pkg).build_model})
+    assert imports_user_modules(by_reference)  # pickled by reference: the worker imports its module
 
 
 # -- the same errors from the command line and from fit(), before anything exists ----------------------
