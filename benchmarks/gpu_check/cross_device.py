@@ -46,7 +46,13 @@ from benchmarks.gpu_check import runs
 from benchmarks.gpu_check.profile import DRY, ROOT, TINY, Profile
 
 K = 4  # steps trained on CPU before the checkpoint that moves
-SETTING = ("data.generated_chars=60000", "training.warmup_steps=2", "checkpoint.memory_every_steps=0")
+# keep_warm_s: each of the part's runs (one driver) takes the warm workers of the run before it.
+SETTING = (
+    "data.generated_chars=60000",
+    "training.warmup_steps=2",
+    "checkpoint.memory_every_steps=0",
+    "scaling.keep_warm_s=60",
+)
 KIT = ROOT / os.environ.get("GPU_KIT", ".gpu-kit") / "cpu-checkpoint"  # as `make gpu-kit` leaves it
 ARCHIVE = "gpu-checkpoint.tar.gz"
 RECORD = "gpu-checkpoint.json"

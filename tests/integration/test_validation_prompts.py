@@ -111,6 +111,10 @@ def test_a_local_run_of_a_pretrained_model_answers_string_prompts_through_its_ch
     run_dir, _ = prepare_run_dir(cfg, fresh=False)
     summary = run_training(cfg, run_dir, reporter=quiet_reporter(6), local=True)
     assert summary.status.value == "FINISHED"
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    # The run loaded the folder under ZeRO-3 in this process; a model built here next is a plain one.
+    assert not is_deepspeed_zero3_enabled()
 
     said = [e for e in run_dir.read_events() if e["event"] == "completions"]
     assert [e["step"] for e in said] == [3, 6]

@@ -320,6 +320,11 @@ class TrainWorker(SnapshotPeer, ShardSaves, FaultHooks):
         self.memory.copy_finished()
         release_engine(self.engine)
         self.engine = None
+        if "transformers" in sys.modules:  # a pretrained folder loaded under ZeRO-3 told transformers so
+            from elastictrain.model.build import forget_hf_deepspeed_config
+
+            # Models built next in this process (a --local driver's own) are not ZeRO-3 ones.
+            forget_hf_deepspeed_config()
         gc.collect()
         release_freed_memory()
         destroy_process_group(self.use_gpu, self.sockets)
