@@ -5,7 +5,7 @@
     python -m benchmarks.run --report-only    # BENCHMARKS.md again from results/*.json, nothing run
 
 Benchmarks: throughput, checkpoint_stall, memory, reshard, recovery, memory_recovery, controller_scale,
-zero_stages; and, only when named with --only: goodput (a long run with failures injected),
+zero_stages, warm_rerun; and, only when named with --only: goodput (a long run with failures injected),
 memory_presets (in-memory snapshots at the 30M and 125M presets, default settings), sft (one
 epoch of instruction records against Hugging Face's Trainer) and scale (30M to 1B parameters: hours
 on 2 cores; `--sizes` picks sizes, and sizes already in results/scale.json are skipped unless
@@ -37,6 +37,7 @@ from benchmarks import (
     scale,
     sft,
     throughput,
+    warm_rerun,
     zero_stages,
 )
 from benchmarks.common import RESULTS, ROOT, workload
@@ -50,6 +51,7 @@ MODULES = {
     "memory_recovery": memory_recovery,  # after recovery: it reads Ray Train's figures from that run
     "controller_scale": controller_scale,
     "zero_stages": zero_stages,
+    "warm_rerun": warm_rerun,
     "goodput": goodput,
     "memory_presets": memory_presets,
     "scale": scale,

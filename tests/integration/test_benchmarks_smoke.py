@@ -61,6 +61,7 @@ EXPECTED: dict[str, list[str]] = {
         "transport.socket_s",
         "transport.actor_call_s",
     ],
+    "warm_rerun": ["warm_first_step_s", "new_first_step_s", "warm_vs_new_first_step", "new_machine_cpu_s"],
     "controller_scale": [
         "64.healthy_iteration_s",
         "64.dead_iteration_s",

@@ -1,0 +1,55 @@
+"""The pool of warm workers a finished run parks (cluster/warm_pool.py): who may take them, and when
+they are given back. Ray's part (killing actors, removing reservations) is replaced by a record."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from elastictrain.cluster import warm_pool
+from elastictrain.cluster.warm_pool import ParkedReservation
+
+
+@pytest.fixture
+def released(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    given_back: list[str] = []
+    monkeypatch.setattr(warm_pool, "_cluster", lambda: ("gcs", "job"))
+    monkeypatch.setattr(warm_pool, "_release", lambda rs: given_back.extend(r.pg for r in rs))
+    warm_pool._pool.parked.clear()
+    warm_pool._pool.key = None
+    yield given_back
+    warm_pool.release_all()
+
+
+def _parked(name: str, workers: int = 1) -> ParkedReservation:
+    return ParkedReservation(name, None, {b: f"{name}-actor{b}" for b in range(workers)}, cpus=workers)  # type: ignore[arg-type]
+
+
+def test_a_run_asking_alike_takes_what_it_needs_and_leaves_the_rest_parked(released):
+    key = warm_pool.pool_key("1 CPU", ())
+    warm_pool.park(key, [_parked("a"), _parked("b"), _parked("c")], keep_s=60)
+    assert warm_pool.count() == 3 and warm_pool.reserved() == {"CPU": 3, "GPU": 0}
+    assert [r.pg for r in warm_pool.take(key, 2)] == ["a", "b"]
+    assert warm_pool.count() == 1 and released == []
+
+
+def test_a_run_asking_for_other_resources_gives_every_parked_worker_back(released):
+    warm_pool.park(warm_pool.pool_key("1 CPU", ()), [_parked("a", 2)], keep_s=60)
+    assert warm_pool.take(warm_pool.pool_key("1 GPU", ()), 1) == []
+    assert released == ["a"] and warm_pool.count() == 0
+
+
+def test_parked_workers_are_given_back_after_keep_s(released):
+    warm_pool.park(warm_pool.pool_key("1 CPU", ()), [_parked("a")], keep_s=0.2)
+    deadline = time.monotonic() + 10
+    while warm_pool.count() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert released == ["a"] and warm_pool.count() == 0
+
+
+def test_handles_of_a_cluster_the_driver_left_are_forgotten_not_released(released, monkeypatch):
+    warm_pool.park(warm_pool.pool_key("1 CPU", ()), [_parked("a")], keep_s=60)
+    monkeypatch.setattr(warm_pool, "_cluster", lambda: ("another gcs", "job"))  # reconnected elsewhere
+    assert warm_pool.take(warm_pool.pool_key("1 CPU", ()), 1) == []
+    assert released == [] and warm_pool.count() == 0
