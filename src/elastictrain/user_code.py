@@ -180,17 +180,17 @@ def user_callable(config: Any, field: str) -> Callable[..., Any] | None:
     return fn
 
 
+def _user_module_names(config: Any) -> list[str]:
+    """The modules the run's user code comes from: of each import path a field names, and of each object
+    given to fit() (`__main__` for what the user's script defined)."""
+    modules = [v.partition(":")[0] for v in (_field_value(config, f) for f in FIELDS) if v and v[0] != "<"]
+    return modules + [getattr(o, "__module__", None) or type(o).__module__ for o in attached(config).values()]
+
+
 def imports_user_modules(config: Any) -> bool:
     """Whether workers import a module of the user's for this run: a field naming an import path, or an
     object given to fit() from a module (pickled by reference). Only objects of `__main__` travel whole."""
-    for field in FIELDS:
-        value = _field_value(config, field)
-        if value is not None and field not in attached(config) and not value.startswith("<"):
-            return True
-    return any(
-        (getattr(o, "__module__", None) or type(o).__module__) != "__main__"
-        for o in attached(config).values()
-    )
+    return any(name != "__main__" for name in _user_module_names(config))
 
 
 def share_module_roots(config: Any) -> list[str]:
@@ -201,9 +201,7 @@ def share_module_roots(config: Any) -> list[str]:
     installed there (or Ray's runtime_env working_dir).
     """
     roots: list[str] = []
-    modules = [v.partition(":")[0] for v in (_field_value(config, f) for f in FIELDS) if v and v[0] != "<"]
-    modules += [getattr(o, "__module__", None) or type(o).__module__ for o in attached(config).values()]
-    for name in modules:
+    for name in _user_module_names(config):
         module = sys.modules.get(name)
         file = getattr(module, "__file__", None)
         if not file or name == "__main__":
