@@ -199,19 +199,15 @@ class WorkerMemory:
 
     def close(self) -> None:
         """The run is over: let the last copy and its replication end, close the replica sockets and
-        give back every snapshot and replica held (a warm actor keeps none for its next run)."""
+        give back every snapshot and replica held (a warm actor keeps none for its next run; it takes
+        a new WorkerMemory)."""
         self.wait()
         self.copy_finished()
         if self._link is not None:
             self._link.close()
-            self._link = None
         if self._server is not None:
             self._server.close()
-            self._server = None
-        self._deferred = None
-        self._for_disk.clear()
-        self._lent = None
-        self.store = SnapshotStore()
+        self.store = SnapshotStore()  # freed now, not when a receiving thread of the closed socket ends
 
     def pop_update_wait(self) -> float:
         """Seconds spent waiting for a copy since the last call: training held up by it."""
