@@ -20,6 +20,32 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # PYTHONPATH first gets a cluster of its own), and every CPU free again when the last module left it.
 _shared: dict[str, object] = {}
 
+# What the test process's environment gains that no Ray worker reads from it: pytest's name of the
+# running test (another in every module: compared, it gave each module a cluster of its own), what
+# elastictrain sets with setdefault in any process that needs it (the offline flags, a driver's
+# RAY_IGNORE_UNHANDLED_ERRORS), torch's inductor cache folder (its default, set where inductor is
+# imported), and the rendezvous a `--local` run's in-process rank sets (every Ray worker sets its own
+# at each attempt).
+_NOT_READ_BY_WORKERS = frozenset(
+    {
+        "PYTEST_CURRENT_TEST",
+        "HF_HUB_OFFLINE",
+        "HF_DATASETS_OFFLINE",
+        "RAY_IGNORE_UNHANDLED_ERRORS",
+        "TORCHINDUCTOR_CACHE_DIR",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+    }
+)
+
+
+def _workers_environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _NOT_READ_BY_WORKERS}
+
 
 def _reusable_shared_cluster() -> bool:
     import ray
@@ -28,7 +54,7 @@ def _reusable_shared_cluster() -> bool:
 
     if not ray.is_initialized() or _shared.get("gcs") != ray.get_runtime_context().gcs_address:
         return False
-    if _shared.get("env") != dict(os.environ):
+    if _shared.get("env") != _workers_environment():
         return False
     deadline = time.monotonic() + 10  # actors killed at a test's end release their CPUs in a moment
     while time.monotonic() < deadline:
@@ -60,7 +86,7 @@ def ray_local() -> Iterator[None]:
             _node_ip_address="127.0.0.1",
             _system_config=LOCAL_SYSTEM_CONFIG,  # as cluster/connect.py starts one
         )
-        _shared.update(gcs=ray.get_runtime_context().gcs_address, env=dict(os.environ))
+        _shared.update(gcs=ray.get_runtime_context().gcs_address, env=_workers_environment())
     yield
 
 

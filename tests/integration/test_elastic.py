@@ -4,37 +4,20 @@ A node removed and added back three times, with an exact sample ledger and the f
 parameters at the end: tests/integration/test_memory_recovery.py. A killed worker whose survivor
 restarts at once from disk and grows back once the replacement is warm: test_background_checkpoint.py
 (the worker lost while a checkpoint is written). A hung worker detected by the hang timeout and replaced
-by the warm spare: test_background_checkpoint.py (the checkpoint whose writes end in a hung step)."""
+by the warm spare: test_background_checkpoint.py (the checkpoint whose writes end in a hung step).
+Capacity below the minimum after a node loss (the run waits failure.wait_for_capacity_s, then fails
+resumable from its last commit): the control loop on the fake worker group
+(tests/unit/test_control_loop.py); the real group's reservations that wait for a node to come back:
+the node-loss runs of test_memory_recovery.py and test_tensor_parallel.py."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from helpers import at_step, run, tiny_config
+from helpers import tiny_config
 
 pytestmark = pytest.mark.integration
-
-
-def test_below_the_minimum_the_run_waits_then_fails_clearly_and_stays_resumable(ray_cluster, tmp_path):
-    cfg = tiny_config(
-        tmp_path / "run", "scaling.min_workers=3", "scaling.max_workers=3", "failure.wait_for_capacity_s=5"
-    )
-
-    def remove_a_worker_node(controller: Any) -> None:
-        node_id = controller.active[-1].node_id
-        ray_cluster.remove_node(next(n for n in ray_cluster.worker_nodes if n.node_id == node_id))
-
-    try:
-        summary, run_dir, out = run(cfg, hook=at_step(5, remove_a_worker_node), tracking=False)
-    finally:
-        ray_cluster.add_node(num_cpus=1)  # leave the module's cluster as it was
-    assert summary.status.value == "FAILED", out
-    names = [e["event"] for e in run_dir.read_events()]
-    assert "waiting_for_capacity" in names
-    info = run_dir.read_info()
-    assert "failure.wait_for_capacity_s" in info.message and "elastictrain resume" in info.message
-    assert (run_dir.checkpoints_dir / "latest").read_text().strip() == "step-000004"
 
 
 def _loss_that_always_raises(model: Any, batch: Any) -> Any:

@@ -12,13 +12,16 @@ must still match its page, so none goes stale silently.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from readme_blocks import REPO, ShellSession, Step, Substitution, docs_pages, free_ports, readmes, steps
@@ -151,6 +154,41 @@ def user() -> Iterator[tuple[Path, Path, dict[str, str], Path]]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _finished(repo: Path, name: str, last_step: int) -> dict[str, Any]:
+    info = json.loads((repo / "runs" / name / "run.json").read_text())
+    assert (info["status"], info["last_step"]) == ("FINISHED", last_step), (name, info)
+    return info
+
+
+def _plain_module_outcomes(repo: Path) -> None:
+    """What its README promises: three runs of 20 steps, FINISHED; the model learned."""
+    for name in ("plain-module", "on-ray"):
+        _finished(repo, name, 20)
+    info = _finished(repo, "from-python", 20)  # elastictrain.fit with the objects themselves
+    # The targets have variance ~0.5; a model that learned nothing stays there.
+    assert info["last_metrics"]["loss"] < 0.2, info["last_metrics"]
+    assert (repo / "runs" / "from-python" / "checkpoints" / "step-000020" / "manifest.json").is_file()
+
+
+def _hf_causal_lm_outcomes(repo: Path) -> None:
+    """The fine-tune learned the example's grammar on one worker; the LoRA run wrote its adapter."""
+    vocab = json.loads((repo / "work" / "base-model" / "config.json").read_text())["vocab_size"]
+    info = _finished(repo, "hf-causal-lm", 12)
+    # A fresh base predicts about uniformly (loss ~ ln(vocab)); the grammar is quickly learnt.
+    assert info["last_metrics"]["loss"] < math.log(vocab) - 1.0, info["last_metrics"]
+    checkpoint = repo / "runs" / "hf-causal-lm" / "checkpoints" / "step-000012"
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    assert (manifest["world_size"], manifest["samples_consumed"]) == (1, 12 * 8), manifest
+    assert (repo / "runs" / "hf-lora" / "adapter" / "adapter_config.json").is_file()
+
+
+# Checked after a README's blocks ran: what its text says the commands produce, beyond their exit status.
+OUTCOMES: dict[str, Callable[[Path], None]] = {
+    "examples/plain_module": _plain_module_outcomes,
+    "examples/hf_causal_lm": _hf_causal_lm_outcomes,
+}
+
+
 def _plan(readme: Path) -> list[Step]:
     return [step for page in docs_pages() for step in steps(page)] if readme == DOCS else steps(readme)
 
@@ -176,6 +214,9 @@ def test_every_shell_block_runs_in_order_or_says_why_not(readme: Path, user):
     assert not session.unused_substitutions(), (
         f"{readme.name} no longer has what these stand for: {session.unused_substitutions()}"
     )
+    outcomes = OUTCOMES.get(readme.parent.relative_to(REPO).as_posix())
+    if outcomes is not None:
+        outcomes(repo)
     shell_blocks = [s for s in plan if s.block and s.block.kind == "shell"]
     assert shell_blocks, f"{readme} has no shell block"
     marked = [(s.line, s.not_run_because) for s in plan if s.not_run_because]

@@ -156,6 +156,28 @@ def test_a_dead_worker_whose_node_is_gone_is_node_lost_found_with_one_cluster_qu
     assert r.group.node_queries == 1  # one query for the whole group, not one per worker
 
 
+def test_below_the_minimum_the_run_waits_then_fails_clearly_and_stays_resumable(tmp_path: Path):
+    r = make_run(
+        tmp_path,
+        "scaling.min_workers=3",
+        "scaling.max_workers=3",
+        "failure.wait_for_capacity_s=5",
+        capacity=3,
+    )
+
+    def lose_a_node_for_good(controller):
+        r.group.lose_node_of(controller.active[-1])
+        r.group.capacity -= 1  # its slot is gone with it: 2 left, below scaling.min_workers=3
+
+    r.controller.callbacks.after_step.append(at_step(5, lose_a_node_for_good))
+    summary = r.run()
+    assert summary.status.value == "FAILED" and r.status == "FAILED"
+    (waiting,) = r.events("waiting_for_capacity")
+    assert waiting["need"] == 3
+    assert "failure.wait_for_capacity_s" in summary.message and "elastictrain resume" in summary.message
+    assert r.committed_step() == 4  # resumable from the last commit before the loss
+
+
 def test_a_hung_step_names_the_rank_that_is_not_waiting_in_a_collective(tmp_path: Path):
     r = make_run(tmp_path, "scaling.min_workers=1", "scaling.max_workers=3", capacity=3)
     r.group.hang_at_step(rank=2, step=5)
