@@ -105,18 +105,11 @@ def _three_worker_nodes(cpus_per_node: int) -> Iterator[object]:
     Workers can only land on the worker nodes, so removing one is a real node failure for them.
     """
     import ray
-    from ray.cluster_utils import Cluster
+    from helpers import multi_node_cluster
 
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 0,
-            "include_dashboard": False,
-            "_system_config": LOCAL_SYSTEM_CONFIG,
-        },
-    )
+    cluster = multi_node_cluster()
     for _ in range(3):
         cluster.add_node(num_cpus=cpus_per_node)
     cluster.wait_for_nodes()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import Any
 
 from elastictrain.chaos import (  # noqa: F401
     after_attempt_start,
@@ -139,3 +140,28 @@ def three_ranks(ctx, target, *args, timeout_s: float = 120) -> dict:  # noqa: AN
     finally:
         for p in procs:
             p.kill()
+
+
+def multi_node_cluster(head_cpus: int = 0) -> Any:
+    """A real multi-node Ray cluster on this machine (`ray.cluster_utils.Cluster`), its head started, as
+    the modules' clusters are: on loopback, no dashboard, and no process that nothing here reads. Its
+    nodes run without a log monitor (every driver here connects with log_to_driver=False: the workers'
+    logs stay in their files) and the head without the autoscaler's monitor (nothing autoscales a
+    Cluster): 1-2 CPU s a node, every few seconds of a test, that the suite's other processes take."""
+    from ray.cluster_utils import Cluster
+
+    from elastictrain.cluster.connect import LOCAL_SYSTEM_CONFIG
+
+    class QuietCluster(Cluster):
+        def add_node(self, wait: bool = True, **node_args: Any) -> Any:
+            return super().add_node(wait, **{"include_log_monitor": False, **node_args})
+
+    return QuietCluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": head_cpus,
+            "include_dashboard": False,
+            "no_monitor": True,
+            "_system_config": LOCAL_SYSTEM_CONFIG,
+        },
+    )

@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import TINY
+from helpers import TINY, multi_node_cluster
 
 from elastictrain.checkpoint.store import CheckpointStore, verify
-from elastictrain.cluster.connect import LOCAL_SYSTEM_CONFIG
 from elastictrain.core.batch import plan_batch
 from elastictrain.core.data_order import micro_batch_samples
 from elastictrain.rundir.run_dir import RunDir
@@ -82,7 +81,6 @@ def driver(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[
 
 @pytest.mark.timeout(480)
 def test_chaos_run_loses_nothing(tmp_path: Path, mlflow_server_factory: Any) -> None:
-    from ray.cluster_utils import Cluster
 
     rng = random.Random(SEED)
     # The schedule, in optimizer steps already logged (monotonic across restarts): seeded.
@@ -95,14 +93,7 @@ def test_chaos_run_loses_nothing(tmp_path: Path, mlflow_server_factory: Any) -> 
     mlflow_down_s = rng.uniform(10, 20)
     node_back_after_s = rng.uniform(2, 5)
 
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 0,
-            "include_dashboard": False,
-            "_system_config": LOCAL_SYSTEM_CONFIG,
-        },
-    )
+    cluster = multi_node_cluster()
     for _ in range(3):
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
