@@ -18,9 +18,12 @@ import pytest
 
 from elastictrain.compat.deepspeed.ops import prefer_environment_tools
 from elastictrain.compat.mlflow.sqlite_template import seed_sqlite_store
+from elastictrain.compat.transformers.import_structure import cache_import_structure
 
-# As every elastictrain process does: engines built in a test process load the ops `make setup` built.
+# As every elastictrain process does: engines built in a test process load the ops `make setup` built,
+# and transformers' import structure is read from elastictrain's cache.
 prefer_environment_tools()
+cache_import_structure()
 
 
 def free_port() -> int:

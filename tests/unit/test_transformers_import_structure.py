@@ -13,24 +13,31 @@ from pathlib import Path
 
 import pytest
 
-# In a new process (transformers.models not imported yet): install the cache, count transformers' reads
-# of model sources, import what a worker imports, and compare the answer for the models folder with the
-# original function's.
+# In a new process (transformers not imported yet): install the cache, count the model sources read
+# (`open` of a .py file under transformers/models: what the scan reads; imports read their .pyc), import
+# what a worker imports, and compare the answers for the models folder (the scan `import transformers`
+# runs) and for its package file with the original function's.
 SCRIPT = """
 import json, sys
-from elastictrain.compat.transformers.import_structure import cache_import_structure
-from transformers.utils import import_utils
-original = import_utils.create_import_structure_from_path
 reads = []
-fetch = import_utils.fetch__all__
-import_utils.fetch__all__ = lambda content: reads.append(1) or fetch(content)
+def count(event, args):
+    path = args[0] if event == "open" else None
+    if isinstance(path, str) and "/transformers/models/" in path and path.endswith(".py"):
+        reads.append(path)
+sys.addaudithook(count)
+from elastictrain.compat.transformers.import_structure import cache_import_structure
 cache_import_structure()
 import transformers.modeling_utils
-from transformers import LlamaForCausalLM
+from transformers import AutoConfig, LlamaForCausalLM
+AutoConfig.for_model("llama")
 import transformers.models as models
+from transformers.utils import import_utils
 read = len(reads)  # before the comparison below, which reads every source again
-path = models.__file__
-same = import_utils.create_import_structure_from_path(path) == original.__wrapped__(path)
+wrapper = import_utils.create_import_structure_from_path
+original = wrapper.original.__wrapped__  # transformers' own, without its lru_cache
+package = models.__file__
+folder = models.__path__[0]
+same = wrapper(package) == original(package) and wrapper(folder) == original(folder)
 print(json.dumps({"reads": read, "same": same, "llama": LlamaForCausalLM.__name__}))
 """
 

@@ -24,6 +24,7 @@ from elastictrain.compat.deepspeed.process_state import reset_zero_counters
 from elastictrain.compat.registry import check_all
 from elastictrain.compat.torch_dist.collective_sockets import CollectiveSockets
 from elastictrain.compat.torch_dist.gloo_gather import agreed_piece_bytes, piece_bytes, use_gather_in_pieces
+from elastictrain.compat.transformers.import_structure import cache_import_structure
 from elastictrain.config.deepspeed_config import nvme_paths
 from elastictrain.core.data_order import derive_seed, micro_batch_positions, sample_at
 from elastictrain.core.schedule import step_learning_rate
@@ -69,6 +70,7 @@ class TrainWorker(SnapshotPeer, ShardSaves, FaultHooks):
     def __init__(self, worker_id: str, use_gpu: bool, *, in_ray: bool = True) -> None:
         prefer_environment_tools()  # the ninja that built DeepSpeed's ops, before any op loads
         remember_cpu_info()  # each op load and CPU Adam would probe the CPU again (1.1 s each)
+        cache_import_structure()  # before anything imports transformers (about 1 CPU s of its import)
         if not use_gpu:
             # Must be set before deepspeed is first imported in this process.
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
