@@ -55,11 +55,13 @@ BENCH_TESTS := tests/integration/test_benchmarks_smoke.py tests/integration/test
 
 # Two pytest-xdist workers, a file on one worker (its module fixtures: one Ray cluster, one server): run in
 # one process on 2 cores, 30-50% of the CPU stays idle (processes starting, servers, waits), which the other
-# worker fills. TEST_WORKERS=0 runs it in one process.
+# worker fills. TEST_WORKERS=0 runs it in one process. --no-loadscope-reorder: the files in the order
+# tests/conftest.py gives them (the longest first); xdist's default runs the files with the most tests
+# first, which left the longest single-test files for the end.
 TEST_WORKERS ?= 2
 
 test: $(BIN)/elastictrain
-	$(IN_VENV) $(BIN)/pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile \
+	$(IN_VENV) $(BIN)/pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 	  $(addprefix --ignore=,$(BENCH_TESTS)) $(PYTEST_ARGS)
 
 test-bench: $(BIN)/elastictrain
