@@ -202,30 +202,34 @@ def s3_bucket(s3_server: dict[str, str], request: pytest.FixtureRequest) -> str:
 
 # ------------------------------------------------------------------------ the order files start in ----
 
-# `make test` runs the files on two pytest-xdist workers, a file on one worker, in this order: the
-# longest first (the times are from a run on 2 cores, docs/contributing.md lists them), so that no
-# worker is left finishing a long file while the other has nothing to do. Order only: every test
-# passes in any order, alone or in a different one.
-LONGEST_FIRST = (  # seconds of test time in a run of the whole suite on 2 cores (2026-11-28)
-    "test_readme_commands.py",  # 557 s
-    "test_tensor_parallel.py",  # 275 s
-    "test_background_checkpoint.py",  # 248 s
-    "test_memory_recovery.py",  # 213 s
-    "test_chaos.py",  # 190 s
-    "test_driver_loss.py",  # 144 s
-    "test_job_submit.py",  # 127 s
-    "test_train_end_to_end.py",  # 109 s
-    "test_architectures.py",  # 105 s
-    "test_elastic.py",  # 105 s
-    "test_object_storage_run.py",  # 102 s
-    "test_zero_stages.py",  # 98 s
-    "test_plain_pytorch_equivalence.py",  # 96 s
-    "test_lora_options.py",  # 95 s
-    "test_zero3_build_patches.py",  # 140 s in three files before they shared one pair of ranks
-    "test_user_code.py",  # 78 s
-    "test_scale_preset.py",  # 63 s
-    "test_gpu_checkpoint_on_cpu.py",  # 53 s
-    "test_mlflow_outage.py",  # 51 s
+# `make test` runs the files on two pytest-xdist workers, a file on one worker, in this order (it passes
+# --no-loadscope-reorder: xdist would sort the files by their number of tests): the longest first (the
+# times are from a run on 2 cores, docs/contributing.md lists them), so that no worker is left finishing a
+# long file while the other has nothing to do; and the modules with Ray clusters of their own (several
+# nodes, or a driver's) before those that share the in-process local cluster, which each of them stops.
+# Order only: every test passes in any order, alone or in a different one.
+LONGEST_FIRST = (  # seconds of test time in a run of the whole suite on 2 cores (2026-11-29)
+    "test_readme_commands.py",  # 526 s
+    "test_tensor_parallel.py",  # 253 s (its last test on 3 nodes of its own)
+    "test_object_storage_run.py",  # 188 s
+    "test_driver_loss.py",  # 169 s
+    "test_memory_recovery.py",  # 164 s
+    "test_chaos.py",  # 157 s
+    "test_job_submit.py",  # 152 s
+    "test_user_code.py",  # 58 s
+    "test_nvme_path_on_nodes.py",  # 15 s
+    "test_background_checkpoint.py",  # 147 s
+    "test_architectures.py",  # 125 s
+    "test_zero_stages.py",  # 100 s
+    "test_lora_options.py",  # 72 s
+    "test_scale_preset.py",  # 66 s
+    "test_train_end_to_end.py",  # 65 s
+    "test_sft_run.py",  # 59 s
+    "test_tracker_mlflow.py",  # 59 s
+    "test_plain_pytorch_equivalence.py",  # 58 s
+    "test_zero3_build_patches.py",  # 58 s
+    "test_reshard.py",  # 52 s
+    "test_mlflow_outage.py",  # 50 s
 )
 
 

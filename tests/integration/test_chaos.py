@@ -108,6 +108,7 @@ def test_chaos_run_loses_nothing(tmp_path: Path, mlflow_server_factory: Any) -> 
         time.sleep(mlflow_down_s)
         servers.append(contextlib.ExitStack())
         servers[-1].enter_context(mlflow_server_factory(server_root, port))
+        timers["mlflow_back"] = time.monotonic()
         done.append("start_mlflow")
 
     run_dir = tmp_path / "run"
@@ -181,11 +182,16 @@ def test_chaos_run_loses_nothing(tmp_path: Path, mlflow_server_factory: Any) -> 
                 done.append("resumed")
             time.sleep(0.3)
         done.append("run_ended")
+        ended = time.monotonic()
         outage_thread.join(timeout=90)  # a run that went fast may end during the outage
         assert "start_mlflow" in done, f"the MLflow server did not come back: {done}"
-        if done.index("run_ended") < done.index("start_mlflow"):
-            # The server came back after the last driver ended: what that driver spooled is sent by
-            # `elastictrain sync`, as the README tells users (MLflow then holds every step once).
+        gave_up = "did not take everything" in log.read_text()  # the last driver's final flush (30 s)
+        if gave_up:  # only when the server was not back for that whole flush
+            assert timers["mlflow_back"] > ended - 35, log.read_text()[-6000:]
+        if done.index("run_ended") < done.index("start_mlflow") or gave_up:
+            # The server came back after the last driver ended, or too late for its final flush (a
+            # server's restart takes long on a loaded machine): what that driver spooled is sent by
+            # `elastictrain sync`, as the driver tells users (MLflow then holds every step once).
             synced = subprocess.run(
                 [sys.executable, "-m", "elastictrain", "sync", str(run_dir)],
                 env=env, capture_output=True, text=True, timeout=120,
