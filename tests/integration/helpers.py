@@ -142,12 +142,12 @@ def three_ranks(ctx, target, *args, timeout_s: float = 120) -> dict:  # noqa: AN
             p.kill()
 
 
-def multi_node_cluster(head_cpus: int = 0) -> Any:
+def multi_node_cluster() -> Any:
     """A real multi-node Ray cluster on this machine (`ray.cluster_utils.Cluster`), its head started, as
     the modules' clusters are: on loopback, no dashboard, and no process that nothing here reads. Its
     nodes run without a log monitor (every driver here connects with log_to_driver=False: the workers'
     logs stay in their files) and the head without the autoscaler's monitor (nothing autoscales a
-    Cluster): 1-2 CPU s a node, every few seconds of a test, that the suite's other processes take."""
+    Cluster): about 1 CPU s a node, and as much for the monitor, that the suite's other tests get."""
     from ray.cluster_utils import Cluster
 
     from elastictrain.cluster.connect import LOCAL_SYSTEM_CONFIG
@@ -159,7 +159,7 @@ def multi_node_cluster(head_cpus: int = 0) -> Any:
     return QuietCluster(
         initialize_head=True,
         head_node_args={
-            "num_cpus": head_cpus,
+            "num_cpus": 0,  # the workers land on the nodes added to it: removing one is a real loss
             "include_dashboard": False,
             "no_monitor": True,
             "_system_config": LOCAL_SYSTEM_CONFIG,
