@@ -100,19 +100,13 @@ def _shutdown_ray_at_the_end() -> Iterator[None]:
 
 
 def _three_worker_nodes(cpus_per_node: int) -> Iterator[object]:
-    """A real multi-node Ray cluster on this machine: a head with no CPUs and 3 worker nodes.
-
-    Workers can only land on the worker nodes, so removing one is a real node failure for them.
-    """
+    """The module's multi-node cluster (helpers.multi_node_cluster), this process its driver."""
     import ray
     from helpers import multi_node_cluster
 
     if ray.is_initialized():
         ray.shutdown()
-    cluster = multi_node_cluster()
-    for _ in range(3):
-        cluster.add_node(num_cpus=cpus_per_node)
-    cluster.wait_for_nodes()
+    cluster = multi_node_cluster(cpus_per_node)
     ray.init(address=cluster.address, log_to_driver=False)
     yield cluster
     ray.shutdown()

@@ -142,12 +142,14 @@ def three_ranks(ctx, target, *args, timeout_s: float = 120) -> dict:  # noqa: AN
             p.kill()
 
 
-def multi_node_cluster() -> Any:
-    """A real multi-node Ray cluster on this machine (`ray.cluster_utils.Cluster`), its head started, as
-    the modules' clusters are: on loopback, no dashboard, and no process that nothing here reads. Its
-    nodes run without a log monitor (every driver here connects with log_to_driver=False: the workers'
-    logs stay in their files) and the head without the autoscaler's monitor (nothing autoscales a
-    Cluster): about 1 CPU s a node, and as much for the monitor, that the suite's other tests get."""
+def multi_node_cluster(cpus_per_node: int) -> Any:
+    """A real multi-node Ray cluster on this machine (`ray.cluster_utils.Cluster`): a head with no CPUs
+    and three worker nodes of `cpus_per_node`, all up. Workers can only land on the worker nodes, so
+    removing one is a real node failure for them. On loopback, no dashboard, and no process that nothing
+    here reads: its nodes run without a log monitor (every driver here connects with log_to_driver=False:
+    the workers' logs stay in their files) and the head without the autoscaler's monitor (nothing
+    autoscales a Cluster): about 1 CPU s a node, and as much for the monitor, that the suite's other
+    tests get."""
     from ray.cluster_utils import Cluster
 
     from elastictrain.cluster.connect import LOCAL_SYSTEM_CONFIG
@@ -156,12 +158,16 @@ def multi_node_cluster() -> Any:
         def add_node(self, wait: bool = True, **node_args: Any) -> Any:
             return super().add_node(wait, **{"include_log_monitor": False, **node_args})
 
-    return QuietCluster(
+    cluster = QuietCluster(
         initialize_head=True,
         head_node_args={
-            "num_cpus": 0,  # the workers land on the nodes added to it: removing one is a real loss
+            "num_cpus": 0,
             "include_dashboard": False,
             "no_monitor": True,
             "_system_config": LOCAL_SYSTEM_CONFIG,
         },
     )
+    for _ in range(3):
+        cluster.add_node(num_cpus=cpus_per_node)
+    cluster.wait_for_nodes()
+    return cluster

@@ -81,7 +81,6 @@ def driver(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[
 
 @pytest.mark.timeout(480)
 def test_chaos_run_loses_nothing(tmp_path: Path, mlflow_server_factory: Any) -> None:
-
     rng = random.Random(SEED)
     # The schedule, in optimizer steps already logged (monotonic across restarts): seeded.
     plan = {
@@ -93,10 +92,7 @@ def test_chaos_run_loses_nothing(tmp_path: Path, mlflow_server_factory: Any) -> 
     mlflow_down_s = rng.uniform(10, 20)
     node_back_after_s = rng.uniform(2, 5)
 
-    cluster = multi_node_cluster()
-    for _ in range(3):
-        cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
+    cluster = multi_node_cluster(1)
     server_root = tmp_path / "mlflow"
     server_root.mkdir()
     port = free_port()
