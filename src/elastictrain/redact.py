@@ -11,6 +11,7 @@ goes through it, as do log records (their tracebacks included) and uncaught exce
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -56,13 +57,25 @@ def is_secret_key(key: str) -> bool:
     )
 
 
-def _env_secrets() -> list[str]:
-    values = {
-        v
-        for k, v in os.environ.items()
-        if k not in _NOT_SECRET_ENV and is_secret_key(k) and len(v) >= MIN_ENV_SECRET
-    }
+@functools.lru_cache(maxsize=4096)
+def _is_secret_env_name(name: str) -> bool:
+    return name not in _NOT_SECRET_ENV and is_secret_key(name)
+
+
+@functools.lru_cache(maxsize=64)
+def _longest_first(values: frozenset[str]) -> list[str]:
     return sorted(values, key=len, reverse=True)
+
+
+def _env_secrets() -> list[str]:
+    """The secret environment values, longest first. Read at every call (a test or a user may set a
+    password later), but each name is judged once: every log record is redacted, and judging every
+    name by regex each time took 0.5 ms a record with 76 variables set (0.03 ms so)."""
+    env = os.environ
+    values = frozenset(
+        v for k in env if _is_secret_env_name(k) and len(v := env.get(k, "")) >= MIN_ENV_SECRET
+    )
+    return _longest_first(values)
 
 
 def _mask_userinfo(m: re.Match[str]) -> str:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -24,8 +26,8 @@ _shared: dict[str, object] = {}
 # running test (another in every module: compared, it gave each module a cluster of its own), what
 # elastictrain sets with setdefault in any process that needs it (the offline flags, a driver's
 # RAY_IGNORE_UNHANDLED_ERRORS), torch's inductor cache folder (its default, set where inductor is
-# imported), and the rendezvous a `--local` run's in-process rank sets (every Ray worker sets its own
-# at each attempt).
+# imported), the rendezvous a `--local` run's in-process rank sets (every Ray worker sets its own
+# at each attempt), and where this file logs the shared cluster's starts.
 _NOT_READ_BY_WORKERS = frozenset(
     {
         "PYTEST_CURRENT_TEST",
@@ -39,6 +41,7 @@ _NOT_READ_BY_WORKERS = frozenset(
         "WORLD_SIZE",
         "LOCAL_RANK",
         "LOCAL_WORLD_SIZE",
+        "ELASTICTRAIN_TEST_CLUSTER_LOG",
     }
 )
 
@@ -47,37 +50,63 @@ def _workers_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in _NOT_READ_BY_WORKERS}
 
 
-def _reusable_shared_cluster() -> bool:
+def _why_the_shared_cluster_is_not_reusable() -> str | None:
+    """None when the next module can take the shared local cluster; else why it cannot."""
+    import ray
+
+    if not ray.is_initialized():
+        return "no cluster is connected (the first module, or one that had a cluster of its own)"
+    if _shared.get("gcs") != ray.get_runtime_context().gcs_address:
+        return "this process is connected to another cluster"
+    env = _workers_environment()
+    if _shared.get("env") != env:
+        before = _shared.get("env") or {}
+        assert isinstance(before, dict)
+        changed = sorted(k for k in {*before, *env} if before.get(k) != env.get(k))
+        return f"the environment its workers inherited changed: {changed}"
+    return _why_cpus_are_not_all_free()
+
+
+def _why_cpus_are_not_all_free() -> str | None:
+    """None once every CPU of the connected cluster is free (or held by this driver's parked warm
+    workers, which its next run takes back: scaling.keep_warm_s)."""
     import ray
 
     from elastictrain.cluster import warm_pool
 
-    if not ray.is_initialized() or _shared.get("gcs") != ray.get_runtime_context().gcs_address:
-        return False
-    if _shared.get("env") != _workers_environment():
-        return False
     deadline = time.monotonic() + 10  # actors killed at a test's end release their CPUs in a moment
     while time.monotonic() < deadline:
         try:
-            # Parked warm workers (scaling.keep_warm_s) hold CPUs the next run here takes back.
             free = ray.available_resources().get("CPU", 0) + warm_pool.reserved()["CPU"]
             if free >= ray.cluster_resources().get("CPU", 0) > 0:
-                return True
-        except Exception:  # noqa: BLE001 - a cluster a test broke: start another
-            return False
+                return None
+        except Exception as e:  # noqa: BLE001 - a cluster a test broke: start another
+            return f"the cluster does not answer: {e}"
         time.sleep(0.2)
-    return False
+    return "CPUs were still taken 10 s after the last module"
+
+
+def _log_cluster_start(module: str, why: str) -> None:
+    """ELASTICTRAIN_TEST_CLUSTER_LOG=FILE: one line per shared-cluster start, with why (a restart costs
+    its workers' and probes' warm-up, tens of CPU seconds on 2 cores)."""
+    path = os.environ.get("ELASTICTRAIN_TEST_CLUSTER_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()} {module}: {why}\n")
 
 
 @pytest.fixture(scope="module")
-def ray_local() -> Iterator[None]:
+def ray_local(request: pytest.FixtureRequest) -> Iterator[None]:
     """A local Ray cluster (4 CPUs, on loopback) for the module, shared with the modules before and
     after it where nothing tells them apart (a cluster starts in about 3 s on 2 cores)."""
     import ray
 
-    if not _reusable_shared_cluster():
+    why = _why_the_shared_cluster_is_not_reusable()
+    if why is not None:
+        _log_cluster_start(request.module.__name__, why)
         if ray.is_initialized():
             ray.shutdown()
+        _drop_multi_node_cluster()
         ray.init(
             address="local",
             num_cpus=4,
@@ -97,32 +126,78 @@ def _shutdown_ray_at_the_end() -> Iterator[None]:
 
     if ray.is_initialized():
         ray.shutdown()
+    _drop_multi_node_cluster()
 
 
-def _three_worker_nodes(cpus_per_node: int) -> Iterator[object]:
-    """The module's multi-node cluster (helpers.multi_node_cluster), this process its driver."""
+# The multi-node cluster modules asking for the same node size share, while the last one left it whole:
+# three live worker nodes of that size, every CPU free, the environment its workers inherited unchanged
+# (a test that removes a node adds one back). Four nodes' start is about 20 CPU s on 2 cores. It is shut
+# down when this process needs another cluster.
+_multi: dict[str, Any] = {}
+
+
+def _drop_multi_node_cluster() -> None:
+    cluster = _multi.get("cluster")
+    _multi.clear()
+    if cluster is not None:
+        with contextlib.suppress(Exception):  # a cluster a test broke: its processes are gone already
+            cluster.shutdown()  # type: ignore[attr-defined]
+
+
+def _why_the_multi_node_cluster_is_not_reusable(cpus_per_node: int) -> str | None:
+    import ray
+
+    cluster = _multi.get("cluster")
+    if cluster is None:
+        return "none is kept (the first multi-node module here, or the last one's was shut down)"
+    if _multi["cpus_per_node"] != cpus_per_node:
+        return f"the kept one has {_multi['cpus_per_node']} CPU(s) a node, not {cpus_per_node}"
+    if not ray.is_initialized() or _multi["gcs"] != ray.get_runtime_context().gcs_address:
+        return "this process is connected to another cluster"
+    if _multi["env"] != _workers_environment():
+        return "the environment its workers inherited changed"
+    try:
+        sizes = sorted(n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"])
+    except Exception as e:  # noqa: BLE001 - a cluster a test broke: start another
+        return f"the cluster does not answer: {e}"
+    if sizes != [0, cpus_per_node, cpus_per_node, cpus_per_node]:
+        return f"its live nodes' CPUs are {sizes}"
+    return _why_cpus_are_not_all_free()
+
+
+def _three_worker_nodes(module: str, cpus_per_node: int) -> Iterator[object]:
+    """The multi-node cluster (helpers.multi_node_cluster) of the modules before this one, if they left
+    it whole, else a new one; this process its driver."""
     import ray
     from helpers import multi_node_cluster
 
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = multi_node_cluster(cpus_per_node)
-    ray.init(address=cluster.address, log_to_driver=False)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    why = _why_the_multi_node_cluster_is_not_reusable(cpus_per_node)
+    if why is not None:
+        _log_cluster_start(f"{module} (3 nodes of {cpus_per_node} CPU)", why)
+        if ray.is_initialized():
+            ray.shutdown()
+        _drop_multi_node_cluster()
+        cluster = multi_node_cluster(cpus_per_node)
+        ray.init(address=cluster.address, log_to_driver=False)
+        _multi.update(
+            cluster=cluster,
+            cpus_per_node=cpus_per_node,
+            gcs=ray.get_runtime_context().gcs_address,
+            env=_workers_environment(),
+        )
+    yield _multi["cluster"]
 
 
 @pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[object]:
+def ray_cluster(request: pytest.FixtureRequest) -> Iterator[object]:
     """3 one-CPU worker nodes (and a head with no CPUs)."""
-    yield from _three_worker_nodes(1)
+    yield from _three_worker_nodes(request.module.__name__, 1)
 
 
 @pytest.fixture(scope="module")
-def ray_cluster_two_cpu_nodes() -> Iterator[object]:
+def ray_cluster_two_cpu_nodes(request: pytest.FixtureRequest) -> Iterator[object]:
     """3 worker nodes of 2 CPUs (and a head with no CPUs): each holds one tensor-parallel replica of 2."""
-    yield from _three_worker_nodes(2)
+    yield from _three_worker_nodes(request.module.__name__, 2)
 
 
 # The probe group on the shared cluster (its GCS address -> the group): three actors' start, imports and
