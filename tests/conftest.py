@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -236,6 +237,31 @@ LONGEST_FIRST = (  # seconds of test time in a run of the whole suite on 2 cores
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+# Files that run on one xdist worker, one after the other: they ask for the same multi-node cluster
+# (3 worker nodes of 1 CPU, tests/integration/conftest.py), which the second and third then take over
+# instead of starting four nodes of their own (about 20 CPU s), and the worker's shared local cluster
+# restarts once after them instead of once after each.
+ONE_WORKER = {
+    "test_memory_recovery.py": "three one-CPU nodes",
+    "test_user_code.py": "three one-CPU nodes",
+    "test_nvme_path_on_nodes.py": "three one-CPU nodes",
+}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile` with the files of ONE_WORKER as one unit (the rest: one file, one unit)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesSharingAClusterTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return ONE_WORKER.get(path.rpartition("/")[2], path)
+
+    return FilesSharingAClusterTogether(config, log)
 
 
 # ------------------------------------------------------------- DeepSpeed ops compiled by the tests ----

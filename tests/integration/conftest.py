@@ -9,12 +9,21 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from helpers import TEST_MODULE_ROOTS
 
 from elastictrain.cluster.connect import LOCAL_SYSTEM_CONFIG
 
 # Keep every Ray server on 127.0.0.1 (as cluster/connect.py does); must be set before Ray starts.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+# The folders of the modules this suite's runs hand their workers code from (helpers.TEST_MODULE_ROOTS),
+# on PYTHONPATH before any cluster starts. A run puts them there itself (user_code.share_module_roots)
+# for the workers it starts; put there by the first such run, they changed the environment a shared
+# cluster's workers inherit, and the next module here started a cluster of its own.
+# test_user_code.py empties PYTHONPATH to show a run adding them.
+_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+os.environ["PYTHONPATH"] = os.pathsep.join([*_path, *(r for r in TEST_MODULE_ROOTS if r not in _path)])
 
 
 # The local cluster modules share, while it is reusable: started in this process with the environment
@@ -42,6 +51,11 @@ _NOT_READ_BY_WORKERS = frozenset(
         "LOCAL_RANK",
         "LOCAL_WORLD_SIZE",
         "ELASTICTRAIN_TEST_CLUSTER_LOG",
+        # Set by a package at its import, in every process that imports it, workers included: DeepSpeed,
+        # scikit-learn (through transformers), MLflow.
+        "PYTORCH_NVML_BASED_CUDA_CHECK",
+        "KMP_DUPLICATE_LIB_OK",
+        "_MLFLOW_TELEMETRY_SESSION_ID",
     }
 )
 

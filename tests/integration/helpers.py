@@ -15,6 +15,10 @@ from elastictrain.chaos import (  # noqa: F401
 )
 
 REPO = Path(__file__).resolve().parents[2]
+# The folders of the modules this suite's runs hand their workers code from: functions of the test
+# modules given to fit, and examples' objects (imported as `hf_causal_lm.…`). conftest.py puts them on
+# PYTHONPATH before any cluster starts.
+TEST_MODULE_ROOTS = (str(REPO / "tests" / "integration"), str(REPO / "examples"))
 TINY = REPO / "conf" / "tiny-cpu.yaml"
 
 
@@ -36,10 +40,11 @@ def tiny_config(run_dir: Path, *overrides: str):  # noqa: ANN201 - elastictrain.
         # Plots and system metrics cost every run seconds; test_validation_run.py turns them on.
         "tracking.plots=false",
         "tracking.system_metrics=false",
-        # The next run of this driver within a minute takes this run's warm workers (warm_pool.py): a
-        # worker's start and imports are 4-6 CPU s, while a parked one costs an idle actor's 1% of a core.
-        # test_warm_workers.py shows a taken worker trains as a new one.
-        "scaling.keep_warm_s=60",
+        # The next run of this driver within 5 minutes takes this run's warm workers (warm_pool.py): a
+        # worker's start, imports and first engine build are 8-10 CPU s on 2 cores, while a parked one
+        # costs an idle actor's 1% of a core. Five, not one: the modules that test on probe actors between
+        # two modules of runs take minutes. test_warm_workers.py shows a taken worker trains as a new one.
+        "scaling.keep_warm_s=300",
     ]
     return load_config(TINY, [*base, *overrides])
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import TEST_MODULE_ROOTS
 from readme_blocks import REPO, ShellSession, Step, Substitution, docs_pages, free_ports, readmes, steps
 
 pytestmark = pytest.mark.integration
@@ -135,8 +136,12 @@ def _user_env(home: Path) -> dict[str, str]:
         # Caches stay the user's: DeepSpeed's ops compiled by `make install` (minutes to build again).
         XDG_CACHE_HOME=os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache")),
     )
-    if "PYTHONPATH" in os.environ:  # a checkout run without installing it: its code, as in the copy
-        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    # A checkout run without installing it: its code, as in the copy. Not the suite's own module folders
+    # (helpers.TEST_MODULE_ROOTS): a user has none of them.
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in TEST_MODULE_ROOTS]
+    env.pop("PYTHONPATH", None)
+    if kept:
+        env["PYTHONPATH"] = os.pathsep.join(kept)
     return env
 
 
