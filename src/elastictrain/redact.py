@@ -63,11 +63,11 @@ def _is_secret_env_name(name: str) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _longest_first(values: frozenset[str]) -> list[str]:
-    return sorted(values, key=len, reverse=True)
+def _longest_first(values: frozenset[str]) -> tuple[str, ...]:
+    return tuple(sorted(values, key=len, reverse=True))  # a tuple: the cached answer is shared
 
 
-def _env_secrets() -> list[str]:
+def _env_secrets() -> tuple[str, ...]:
     """The secret environment values, longest first. Read at every call (a test or a user may set a
     password later), but each name is judged once: every log record is redacted, and judging every
     name by regex each time took 0.5 ms a record with 76 variables set (0.03 ms so)."""

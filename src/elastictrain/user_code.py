@@ -211,8 +211,14 @@ def share_module_roots(config: Any) -> list[str]:
             root = root.parent
         if str(root) not in roots:
             roots.append(str(root))
+    return add_to_pythonpath(roots)
+
+
+def add_to_pythonpath(folders: list[str]) -> list[str]:
+    """Append to this process's PYTHONPATH the `folders` it lacks (what processes started from here
+    inherit); returns those added."""
     current = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    added = [r for r in roots if r not in current]
+    added = [f for f in folders if f not in current]
     if added:
         os.environ["PYTHONPATH"] = os.pathsep.join([*current, *added])
     return added

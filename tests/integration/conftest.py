@@ -12,6 +12,7 @@ import pytest
 from helpers import TEST_MODULE_ROOTS
 
 from elastictrain.cluster.connect import LOCAL_SYSTEM_CONFIG
+from elastictrain.user_code import add_to_pythonpath
 
 # Keep every Ray server on 127.0.0.1 (as cluster/connect.py does); must be set before Ray starts.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -22,14 +23,13 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # for the workers it starts; put there by the first such run, they changed the environment a shared
 # cluster's workers inherit, and the next module here started a cluster of its own.
 # test_user_code.py empties PYTHONPATH to show a run adding them.
-_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-os.environ["PYTHONPATH"] = os.pathsep.join([*_path, *(r for r in TEST_MODULE_ROOTS if r not in _path)])
+add_to_pythonpath(list(TEST_MODULE_ROOTS))
 
 
 # The local cluster modules share, while it is reusable: started in this process with the environment
 # it still has (its workers inherit the environment at the cluster's start: a module that sets AWS_* or
 # PYTHONPATH first gets a cluster of its own), and every CPU free again when the last module left it.
-_shared: dict[str, object] = {}
+_shared: dict[str, Any] = {}
 
 # What the test process's environment gains that no Ray worker reads from it: pytest's name of the
 # running test (another in every module: compared, it gave each module a cluster of its own), what
@@ -64,21 +64,25 @@ def _workers_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in _NOT_READ_BY_WORKERS}
 
 
-def _why_the_shared_cluster_is_not_reusable() -> str | None:
-    """None when the next module can take the shared local cluster; else why it cannot."""
+def _why_the_kept_cluster_is_not_connected_alike(kept: dict[str, Any]) -> str | None:
+    """None when this process is still the driver of the cluster `kept` recorded (its "gcs") and the
+    environment its workers inherited ("env") is the same; else why not."""
     import ray
 
     if not ray.is_initialized():
         return "no cluster is connected (the first module, or one that had a cluster of its own)"
-    if _shared.get("gcs") != ray.get_runtime_context().gcs_address:
+    if kept.get("gcs") != ray.get_runtime_context().gcs_address:
         return "this process is connected to another cluster"
-    env = _workers_environment()
-    if _shared.get("env") != env:
-        before = _shared.get("env") or {}
-        assert isinstance(before, dict)
+    before, env = kept.get("env") or {}, _workers_environment()
+    if before != env:
         changed = sorted(k for k in {*before, *env} if before.get(k) != env.get(k))
         return f"the environment its workers inherited changed: {changed}"
-    return _why_cpus_are_not_all_free()
+    return None
+
+
+def _why_the_shared_cluster_is_not_reusable() -> str | None:
+    """None when the next module can take the shared local cluster; else why it cannot."""
+    return _why_the_kept_cluster_is_not_connected_alike(_shared) or _why_cpus_are_not_all_free()
 
 
 def _why_cpus_are_not_all_free() -> str | None:
@@ -166,10 +170,9 @@ def _why_the_multi_node_cluster_is_not_reusable(cpus_per_node: int) -> str | Non
         return "none is kept (the first multi-node module here, or the last one's was shut down)"
     if _multi["cpus_per_node"] != cpus_per_node:
         return f"the kept one has {_multi['cpus_per_node']} CPU(s) a node, not {cpus_per_node}"
-    if not ray.is_initialized() or _multi["gcs"] != ray.get_runtime_context().gcs_address:
-        return "this process is connected to another cluster"
-    if _multi["env"] != _workers_environment():
-        return "the environment its workers inherited changed"
+    why = _why_the_kept_cluster_is_not_connected_alike(_multi)
+    if why is not None:
+        return why
     try:
         sizes = sorted(n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"])
     except Exception as e:  # noqa: BLE001 - a cluster a test broke: start another
