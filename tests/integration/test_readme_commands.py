@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 from helpers import TEST_MODULE_ROOTS
+from quiet_ray import QUIET_RAY
 from readme_blocks import REPO, ShellSession, Step, Substitution, docs_pages, free_ports, readmes, steps
 
 pytestmark = pytest.mark.integration
@@ -123,11 +124,12 @@ def _same_ninja(home: Path) -> str:
 
 
 def _user_env(home: Path) -> dict[str, str]:
-    """A user's shell on a fresh machine: the venv active, no Ray cluster or token chosen yet."""
+    """A user's shell on a fresh machine: the venv active, no Ray cluster or token chosen yet, Ray's
+    background loops as Ray sets them (not QUIET_RAY)."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("RAY_", "PYTEST", "ELASTICTRAIN_", "MLFLOW_"))
+        if not k.startswith(("RAY_", "PYTEST", "ELASTICTRAIN_", "MLFLOW_")) and k not in QUIET_RAY
     }
     env.update(
         PATH=f"{_same_ninja(home)}{VENV / 'bin'}{os.pathsep}{env.get('PATH', '')}",
