@@ -34,10 +34,21 @@ def test_a_run_asking_alike_takes_what_it_needs_and_leaves_the_rest_parked(relea
     assert warm_pool.count() == 1 and released == []
 
 
-def test_a_run_asking_for_other_resources_gives_every_parked_worker_back(released):
+def test_a_run_asking_otherwise_gives_every_parked_worker_back_saying_what_differs(released, caplog):
     warm_pool.park(warm_pool.pool_key("1 CPU", ()), [_parked("a", 2)], keep_s=60)
-    assert warm_pool.take(warm_pool.pool_key("1 GPU", ()), 1) == []
+    with caplog.at_level("INFO", logger="elastictrain.workers"):
+        assert warm_pool.take(warm_pool.pool_key("1 GPU", ()), 1) == []
     assert released == ["a"] and warm_pool.count() == 0
+    assert "2 warm worker(s) of this driver's last run given back" in caplog.text
+    assert "'1 CPU' then, '1 GPU' now" in caplog.text
+
+
+def test_a_run_taking_parked_workers_says_how_many(released, caplog):
+    key = warm_pool.pool_key("1 CPU", ())
+    warm_pool.park(key, [_parked("a", 2)], keep_s=60)
+    with caplog.at_level("INFO", logger="elastictrain.workers"):
+        assert [r.pg for r in warm_pool.take(key, 1)] == ["a"]
+    assert "2 warm worker(s) of this driver's last run taken" in caplog.text
 
 
 def test_parked_workers_are_given_back_after_keep_s(released):

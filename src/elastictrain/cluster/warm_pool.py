@@ -85,13 +85,29 @@ def take(key: tuple[Any, ...] | None, max_reservations: int) -> list[ParkedReser
     are given back to the cluster (a run asking for other resources may need their slots)."""
     with _lock:
         if key is None or _pool.key != key:
+            if _pool.parked:
+                log.info(
+                    "%d warm worker(s) of this driver's last run given back: this run starts its workers "
+                    "otherwise (%s)",
+                    sum(len(r.actors) for r in _pool.parked),
+                    _difference(_pool.key, key),
+                )
             _release_locked()
             return []
         taken, _pool.parked = _pool.parked[:max_reservations], _pool.parked[max_reservations:]
         if not _pool.parked and _pool.timer is not None:
             _pool.timer.cancel()
             _pool.timer = None
+        if taken:
+            log.info("%d warm worker(s) of this driver's last run taken", sum(len(r.actors) for r in taken))
         return taken
+
+
+def _difference(parked: tuple[Any, ...] | None, wanted: tuple[Any, ...] | None) -> str:
+    """What differs between the parked workers' key and the one a run asks with, in words."""
+    if parked is None or wanted is None or parked[:2] != wanted[:2]:
+        return "another cluster or job"
+    return "; ".join(f"{a!r} then, {b!r} now" for a, b in zip(parked[2:], wanted[2:], strict=False) if a != b)
 
 
 def parked_actors() -> list[Any]:
