@@ -16,17 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from quiet_ray import quiet_ray_background_loops
 
 from elastictrain.compat.deepspeed.ops import prefer_environment_tools
 from elastictrain.compat.mlflow.sqlite_template import seed_sqlite_store
 from elastictrain.compat.transformers.import_structure import cache_import_structure
 
 # As every elastictrain process does: engines built in a test process load the ops `make setup` built,
-# and transformers' import structure is read from elastictrain's cache; Ray's idle loops are slowed.
+# and transformers' import structure is read from elastictrain's cache.
 prefer_environment_tools()
 cache_import_structure()
-quiet_ray_background_loops()
 
 
 def free_port() -> int:

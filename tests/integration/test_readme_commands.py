@@ -25,7 +25,6 @@ from typing import Any
 
 import pytest
 from helpers import TEST_MODULE_ROOTS
-from quiet_ray import QUIET_RAY
 from readme_blocks import REPO, ShellSession, Step, Substitution, docs_pages, free_ports, readmes, steps
 
 pytestmark = pytest.mark.integration
@@ -124,12 +123,11 @@ def _same_ninja(home: Path) -> str:
 
 
 def _user_env(home: Path) -> dict[str, str]:
-    """A user's shell on a fresh machine: the venv active, no Ray cluster or token chosen yet, Ray's
-    background loops as Ray sets them (not QUIET_RAY)."""
+    """A user's shell on a fresh machine: the venv active, no Ray cluster or token chosen yet."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("RAY_", "PYTEST", "ELASTICTRAIN_", "MLFLOW_")) and k not in QUIET_RAY
+        if not k.startswith(("RAY_", "PYTEST", "ELASTICTRAIN_", "MLFLOW_"))
     }
     env.update(
         PATH=f"{_same_ninja(home)}{VENV / 'bin'}{os.pathsep}{env.get('PATH', '')}",
