@@ -1,6 +1,6 @@
 """A worker's warm-up, and any process that first builds a model, imports transformers' modeling code
 the cheap way (compat/transformers/preload.py `import_modeling_code`): its import structure from
-elastictrain's cache and SciPy's optimizer deferred, even though the warm-up's patch checks import that
+elastictrain's cache, SciPy's optimizer and boto3 deferred, even though the warm-up's patch checks import that
 code before the model's own preload does."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ TrainWorker("w0", use_gpu=False, in_ray=False).warmup(config)
 print(json.dumps({
     "modeling_imported": "transformers.modeling_utils" in sys.modules,
     "scipy_optimize_imported": "scipy.optimize" in sys.modules,
+    "boto3_imported": "boto3" in sys.modules,
 }))
 """
 
@@ -47,9 +48,10 @@ def structure_cached(tmp_path: Path) -> bool:
     return bool(list((tmp_path / "cache").glob("transformers-*-import-structure.pkl")))
 
 
-def test_a_workers_warm_up_defers_scipy_and_caches_the_import_structure(tmp_path: Path):
+def test_a_workers_warm_up_defers_scipy_and_boto3_and_caches_the_import_structure(tmp_path: Path):
     seen = in_new_process(tmp_path, SCRIPT, str(REPO / "conf" / "tiny-cpu.yaml"))
-    assert seen == {"modeling_imported": True, "scipy_optimize_imported": False}, seen
+    deferred = {"scipy_optimize_imported": False, "boto3_imported": False}
+    assert seen == {"modeling_imported": True, **deferred}, seen
     assert structure_cached(tmp_path), "structure not cached"
 
 
@@ -59,10 +61,14 @@ import json, sys
 from elastictrain.model.build import build_causal_lm
 build_causal_lm({"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
                  "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2})
-print(json.dumps({"scipy_optimize_imported": "scipy.optimize" in sys.modules}))
+print(json.dumps({
+    "scipy_optimize_imported": "scipy.optimize" in sys.modules,
+    "boto3_imported": "boto3" in sys.modules,
+}))
 """
 
 
 def test_a_process_whose_first_transformers_use_is_a_model_build_takes_the_same_cheap_way(tmp_path: Path):
-    assert in_new_process(tmp_path, BUILD_SCRIPT) == {"scipy_optimize_imported": False}
+    seen = in_new_process(tmp_path, BUILD_SCRIPT)
+    assert seen == {"scipy_optimize_imported": False, "boto3_imported": False}, seen
     assert structure_cached(tmp_path), "structure not cached"

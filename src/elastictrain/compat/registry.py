@@ -52,7 +52,7 @@ PATCH_MODULES = (
     "elastictrain.compat.transformers.hf_init",
     "elastictrain.compat.transformers.preload",
     "elastictrain.compat.transformers.import_structure",
-    "elastictrain.compat.transformers.scipy_deferred",
+    "elastictrain.compat.transformers.deferred_imports",
     "elastictrain.compat.mlflow.artifact_cache",
     "elastictrain.compat.mlflow.sqlite_template",
     "elastictrain.compat.peft.zero3",

@@ -11,15 +11,15 @@ def import_modeling_code() -> None:
     """Import `transformers.modeling_utils` the cheap way, whichever caller comes first.
 
     Two patches only act when they come before it (transformers' import structure from elastictrain's
-    cache, SciPy's optimizer deferred): a check of a patch that imported it first (the worker's
+    cache, SciPy's optimizer and boto3 deferred): a check of a patch that imported it first (the worker's
     `check_all` did) left every worker paying both costs, 0.7 CPU s of its 4 s warm-up on 2 cores.
     Everything here that imports transformers' modeling code calls this first.
     """
+    from elastictrain.compat.transformers.deferred_imports import import_losses_deferring_unused
     from elastictrain.compat.transformers.import_structure import cache_import_structure
-    from elastictrain.compat.transformers.scipy_deferred import import_losses_without_scipy
 
     cache_import_structure()  # before transformers.models is first imported
-    import_losses_without_scipy()  # before transformers.modeling_utils, which imports the losses
+    import_losses_deferring_unused()  # before transformers.modeling_utils, which imports the losses
     import transformers.modeling_utils  # noqa: F401
 
 
