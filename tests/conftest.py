@@ -216,7 +216,6 @@ LONGEST_FIRST = (  # seconds of test time in a run of the whole suite on 2 cores
     "test_driver_loss.py",  # 169 s
     "test_memory_recovery.py",  # 164 s
     "test_chaos.py",  # 157 s
-    "test_job_submit.py",  # 152 s
     "test_user_code.py",  # 58 s
     "test_nvme_path_on_nodes.py",  # 15 s
     "test_background_checkpoint.py",  # 147 s

@@ -159,12 +159,16 @@ pwd > "$DOCS_STATE/cwd"
 
 
 def with_expected_errors(source: str) -> str:
-    """`cmd` followed by `# error: MSG` becomes `expect_error 'MSG' cmd` (same line count)."""
+    """`cmd` followed by `# error: MSG` becomes `expect_error 'MSG' cmd` (same line count); a command
+    continued over several lines (each ending in a backslash) is prefixed on its first line."""
     lines = source.split("\n")
     for i, line in enumerate(lines):
         found = EXPECTED_ERROR.match(line)
         if found and i > 0 and lines[i - 1].strip() and not lines[i - 1].lstrip().startswith("#"):
-            lines[i - 1] = f"expect_error {shlex.quote(found['message'])} {lines[i - 1].strip()}"
+            first = i - 1
+            while first > 0 and lines[first - 1].rstrip().endswith("\\"):
+                first -= 1
+            lines[first] = f"expect_error {shlex.quote(found['message'])} {lines[first].strip()}"
     return "\n".join(lines)
 
 

@@ -2,12 +2,15 @@
 repository, as a user types it.
 
 Blocks are found by Sybil (tests/readme_blocks.py). A block the page marks "Not run by the README
-test" is only checked for its reason. The rest run in one shell per README, and in one shell for all
-of docs/ in the order of the site's navigation, so that a run one page makes serves the pages after it
-(exported variables and the current folder carry over from block to block), each bounded in time; a
-failure names the page and line. The commands are the pages'; the substitutions below only fill in
-what a user would choose (free ports, a folder of their own) or shorten a run (fewer steps), and each
-must still match its page, so none goes stale silently.
+test" is only checked for its reason. The rest run in one shell per README; README.md and every page of
+docs/ (in the order of the site's navigation) run in one shell, the README first, as a new user reads
+them, so that a run one page makes serves the pages after it (exported variables and the current
+folder carry over from block to block), each bounded in time; a failure names the page and line. The
+manual's first run (getting-started.md) is the command `make run` runs: it finds the README's run
+finished and continues it, instead of a second cold start of the same training. The commands are the
+pages'; the substitutions below only fill in what a user would choose (free ports, a folder of their
+own) or shorten a run (fewer steps), and each must still match its page, so none goes stale silently.
+What a page says its commands leave behind is checked after its shell ends (OUTCOMES).
 """
 
 from __future__ import annotations
@@ -20,12 +23,25 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers import TEST_MODULE_ROOTS
-from readme_blocks import REPO, ShellSession, Step, Substitution, docs_pages, free_ports, readmes, steps
+from readme_blocks import (
+    REPO,
+    Block,
+    ShellSession,
+    Step,
+    Substitution,
+    docs_pages,
+    free_ports,
+    readmes,
+    steps,
+)
+
+from elastictrain.rundir.run_dir import RunDir
 
 pytestmark = pytest.mark.integration
 
@@ -44,51 +60,58 @@ def _ray_start_ports(temp_dir: Path, p: list[int]) -> str:
     )
 
 
-DOCS = REPO / "docs"  # stands for every page of docs/, run in one shell in the nav's order
+README = REPO / "README.md"  # with every page of docs/ after it, in the nav's order, in one shell
 
 
 def substitutions(readme: Path, ray_temp: Path) -> list[Substitution]:
-    name = readme.relative_to(REPO).as_posix()
-    if name == "docs":
-        *ports, dashboard = free_ports(9)
-        return [
-            # Before `=20`, which is its prefix.
-            Substitution("training.max_steps=200", "training.max_steps=2", "no steps to add"),
-            Substitution("training.max_steps=20", f"training.max_steps=2 {SHORT}", "a shorter first run"),
-            Substitution(
-                "training.max_steps=30",
-                "training.max_steps=2",
-                "no steps to add, so no second cold start (extending is tested in test_resume.py)",
-            ),
-            Substitution('"training.max_steps=50"', '"training.max_steps=4"', "a shorter run"),
-            Substitution("training.max_steps=40", f"training.max_steps=2 {SHORT}", "a shorter run"),
-            Substitution(
-                "--num-cpus=2",
-                f"--num-cpus=2 {_ray_start_ports(ray_temp, ports)} --dashboard-port={dashboard}",
-                "Ray's default ports and /tmp/ray may be another cluster's on this machine",
-            ),
-            Substitution("127.0.0.1:8265", f"127.0.0.1:{dashboard}", "the dashboard port chosen above"),
-        ]
-    if name == "README.md":
-        make = f"make -o {VENV}/bin/elastictrain VENV={VENV}"
-        return [
-            Substitution(
-                "make install run ",
-                f'{make} install run ARGS="training.max_steps=2 {SHORT}" ',
-                "the venv the test runs in stands for the one `make install` makes (9 minutes)",
-            ),
-            Substitution(
-                "make test ",
-                f"{make} test TEST_WORKERS=0 PYTEST_ARGS=tests/unit/test_core_policy.py ",
-                "the whole suite is what runs this test: one file of it, in one process",
-            ),
-            Substitution(
-                "training.max_steps=60",
-                "training.max_steps=2",
-                "no steps to add, so no second cold start (extending is tested in test_resume.py)",
-            ),
-        ]
+    if readme == README:
+        return readme_substitutions() + docs_substitutions(ray_temp)
     return []
+
+
+def docs_substitutions(ray_temp: Path) -> list[Substitution]:
+    *ports, dashboard = free_ports(9)
+    return [
+        # Before `=20`, which is its prefix.
+        Substitution("training.max_steps=200", "training.max_steps=2", "no steps to add"),
+        Substitution("training.max_steps=20", f"training.max_steps=2 {SHORT}", "a shorter first run"),
+        Substitution(
+            "training.max_steps=30",
+            "training.max_steps=2",
+            "no steps to add, so no second cold start (extending is tested in test_resume.py)",
+        ),
+        Substitution('"training.max_steps=50"', '"training.max_steps=4"', "a shorter run"),
+        Substitution("training.max_steps=40", f"training.max_steps=2 {SHORT}", "a shorter run"),
+        Substitution(
+            "--num-cpus=2",
+            f"--num-cpus=2 {_ray_start_ports(ray_temp, ports)} --dashboard-port={dashboard}",
+            "Ray's default ports and /tmp/ray may be another cluster's on this machine",
+        ),
+        Substitution("127.0.0.1:8265", f"127.0.0.1:{dashboard}", "the dashboard port chosen above"),
+    ]
+
+
+def readme_substitutions() -> list[Substitution]:
+    make = f"make -o {VENV}/bin/elastictrain VENV={VENV}"
+    return [
+        Substitution(
+            "make install run ",
+            f'{make} install run ARGS="training.max_steps=2 {SHORT}" ',
+            "the venv the test runs in stands for the one `make install` makes (9 minutes)",
+        ),
+        Substitution(
+            "make test ",
+            f"{make} test TEST_WORKERS=0 PYTEST_ARGS=tests/unit/test_core_policy.py ",
+            "the whole suite is what runs this test: one file of it, in one process",
+        ),
+        Substitution(
+            "training.max_steps=60 scaling.max_workers=3",
+            "training.max_steps=2",
+            "no steps to add, so no second cold start (extending is tested in test_resume.py); the "
+            "same config, so the manual's first run (the same command as `make run`) continues this "
+            "one; a resume with more workers is the elastic-runs page's, run later in this shell",
+        ),
+    ]
 
 
 def _fresh_copy(dest: Path) -> Path:
@@ -159,14 +182,28 @@ def user() -> Iterator[tuple[Path, Path, dict[str, str], Path]]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+@dataclass
+class Ran:
+    """What a README's shell left: the copy it ran in, its Ray temp dir, each block's output."""
+
+    repo: Path
+    ray_temp: Path
+    outputs: list[tuple[Block, str]] = field(default_factory=list)
+
+    def outputs_of(self, page: str, command: str) -> list[str]:
+        """The outputs of the blocks on `page` (relative to the repo) that run `command`, in order."""
+        return [out for b, out in self.outputs if b.page == REPO / page and command in b.source]
+
+
 def _finished(repo: Path, name: str, last_step: int) -> dict[str, Any]:
     info = json.loads((repo / "runs" / name / "run.json").read_text())
     assert (info["status"], info["last_step"]) == ("FINISHED", last_step), (name, info)
     return info
 
 
-def _plain_module_outcomes(repo: Path) -> None:
+def _plain_module_outcomes(ran: Ran) -> None:
     """What its README promises: three runs of 20 steps, FINISHED; the model learned."""
+    repo = ran.repo
     for name in ("plain-module", "on-ray"):
         _finished(repo, name, 20)
     info = _finished(repo, "from-python", 20)  # elastictrain.fit with the objects themselves
@@ -175,8 +212,9 @@ def _plain_module_outcomes(repo: Path) -> None:
     assert (repo / "runs" / "from-python" / "checkpoints" / "step-000020" / "manifest.json").is_file()
 
 
-def _hf_causal_lm_outcomes(repo: Path) -> None:
+def _hf_causal_lm_outcomes(ran: Ran) -> None:
     """The fine-tune learned the example's grammar on one worker; the LoRA run wrote its adapter."""
+    repo = ran.repo
     vocab = json.loads((repo / "work" / "base-model" / "config.json").read_text())["vocab_size"]
     info = _finished(repo, "hf-causal-lm", 12)
     # A fresh base predicts about uniformly (loss ~ ln(vocab)); the grammar is quickly learnt.
@@ -187,41 +225,84 @@ def _hf_causal_lm_outcomes(repo: Path) -> None:
     assert (repo / "runs" / "hf-lora" / "adapter" / "adapter_config.json").is_file()
 
 
+def _job_submit_outcomes(ran: Ran) -> None:
+    """docs/guides/ray-job-submit.md: the job streams its progress and succeeds, leaving the run in
+    run.dir as a run from a shell does; its upload leaves what .gitignore lists behind; the same job
+    submitted again continues that run (here: finds it finished); the run too big for the cluster
+    fails its job naming the setting."""
+    submit, again, too_big = ran.outputs_of("docs/guides/ray-job-submit.md", "ray job submit")
+    for step in (1, 2):  # one plain line per step reaches the submitter while the job runs
+        assert f"step {step}/2 loss" in submit, submit[-4000:]
+    assert "connected to Ray at 127.0.0.1:" in submit and "finished at step 2" in submit, submit[-4000:]
+    run = RunDir.open(ran.repo / "runs" / "tiny")
+    info = run.read_info()
+    assert (info.status, info.last_step) == ("FINISHED", 2) and info.mlflow_run_id, info
+    assert (run.path / "checkpoints" / "latest").read_text().strip() == "step-000002"
+    assert [h["world_size"] for h in info.world_size_history] == [2]
+    events = [e["event"] for e in run.read_events()]
+    # One start: the second job continued the run. Its plots are drawn from its finished events.
+    assert events.count("start") == 1 and events[-2:] == ["finish", "plots"], events
+    assert "already holds this run: continuing it" in again and "already finished at step 2" in again
+
+    assert "failure.wait_for_capacity_s" in too_big and "scaling.min_workers=3" in too_big, too_big[-3000:]
+    failed = RunDir.open(ran.repo / "runs" / "too-big").read_info()
+    assert failed.status == "FAILED" and "wait_for_capacity_s" in (failed.message or ""), failed
+
+    # The upload is the copy's own files: runs/ (gitignored, checkpoints by now) stays behind.
+    unpacked = ran.ray_temp.glob("session_*/runtime_resources/working_dir_files/_ray_pkg_*")
+    packages = [p for p in unpacked if p.is_dir()]
+    assert packages, "the working dir package was not found"
+    for pkg in packages:
+        assert (pkg / "conf" / "tiny-cpu.yaml").is_file() and (pkg / "src" / "elastictrain").is_dir()
+        assert not (pkg / "runs").exists(), sorted(p.name for p in pkg.iterdir())
+        size = sum(f.stat().st_size for f in pkg.rglob("*") if f.is_file())
+        assert size < 20_000_000, f"working dir upload of {size} bytes: something large is not ignored"
+
+
 # Checked after a README's blocks ran: what its text says the commands produce, beyond their exit status.
-OUTCOMES: dict[str, Callable[[Path], None]] = {
-    "examples/plain_module": _plain_module_outcomes,
-    "examples/hf_causal_lm": _hf_causal_lm_outcomes,
+OUTCOMES: dict[str, Callable[[Ran], None]] = {
+    "README.md+docs": _job_submit_outcomes,
+    "examples/plain_module/README.md": _plain_module_outcomes,
+    "examples/hf_causal_lm/README.md": _hf_causal_lm_outcomes,
 }
 
 
 def _plan(readme: Path) -> list[Step]:
-    return [step for page in docs_pages() for step in steps(page)] if readme == DOCS else steps(readme)
+    if readme == README:
+        return [*steps(README), *(step for page in docs_pages() for step in steps(page))]
+    return steps(readme)
+
+
+def _shown(readme: Path) -> str:
+    return "README.md+docs" if readme == README else readme.relative_to(REPO).as_posix()
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("readme", [*readmes(), DOCS], ids=lambda p: p.relative_to(REPO).as_posix())
+@pytest.mark.parametrize("readme", readmes(), ids=_shown)
 def test_every_shell_block_runs_in_order_or_says_why_not(readme: Path, user):
     repo, ray_temp, env, state = user
     plan = _plan(readme)
     session = ShellSession(readme, repo, state, env, substitutions(readme, ray_temp), block_timeout_s=420)
+    ran = Ran(repo, ray_temp)
     try:
         for step in plan:
             assert step.block is not None
             if step.not_run_because is not None:
-                assert len(step.not_run_because) > 10, f"{readme}:{step.line}: say why it is not run"
+                page = step.block.page or readme
+                assert len(step.not_run_because) > 10, f"{page}:{step.line}: say why it is not run"
                 continue
             if step.block.kind == "file":
                 session.write_file(step.block)
             else:
-                session.run(step.block)
+                ran.outputs.append((step.block, session.run(step.block)))
     finally:
         session.stop()
     assert not session.unused_substitutions(), (
         f"{readme.name} no longer has what these stand for: {session.unused_substitutions()}"
     )
-    outcomes = OUTCOMES.get(readme.parent.relative_to(REPO).as_posix())
+    outcomes = OUTCOMES.get(_shown(readme))
     if outcomes is not None:
-        outcomes(repo)
+        outcomes(ran)
     shell_blocks = [s for s in plan if s.block and s.block.kind == "shell"]
     assert shell_blocks, f"{readme} has no shell block"
     marked = [(s.line, s.not_run_because) for s in plan if s.not_run_because]

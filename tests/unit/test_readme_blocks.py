@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from readme_blocks import ShellSession, Substitution, docs_pages, readmes, steps
+from readme_blocks import ShellSession, Substitution, docs_pages, readmes, steps, with_expected_errors
 
 README = """\
 # A tool
@@ -85,6 +85,17 @@ def test_a_command_that_should_fail_but_succeeds_is_a_failure(tmp_path):
     session = _session(tmp_path, readme)
     with pytest.raises(AssertionError, match=r"README.md:4: `expect_error 'error: something' true` exited 1"):
         session.run(steps(readme)[0].block)
+
+
+def test_an_expected_error_after_a_command_continued_over_lines_checks_the_whole_command(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("x\n\n```bash\nsh -c \\\n  'echo error: said; exit 3'\n# error: said\n```\n")
+    session = _session(tmp_path, readme)
+    try:
+        assert "error: said" in session.run(steps(readme)[0].block)
+    finally:
+        session.stop()
+    assert with_expected_errors("a \\\n  b\n# error: E").split("\n")[0] == "expect_error 'error: E' a \\"
 
 
 def test_a_mark_must_stand_just_before_a_block(tmp_path):
