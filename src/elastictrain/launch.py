@@ -54,6 +54,17 @@ def prepare_run_dir(config: Config, *, fresh: bool) -> tuple[RunDir, bool]:
     return RunDir.create(path, name=config.run.name, config_yaml=to_yaml(config), config_digest=digest), False
 
 
+def finished_run_of(config: Config) -> RunDir | None:
+    """The run in run.dir when it is this config's and it finished: a retried job has nothing to train,
+    so nothing to check or start either."""
+    path = as_path(config.run.dir)
+    if not RunDir.exists(path):
+        return None
+    run_dir = RunDir.open(path)
+    info = run_dir.read_info()
+    return run_dir if info.status == "FINISHED" and info.config_digest == config_digest(config) else None
+
+
 def _differences(run_dir: RunDir, config: Config, most: int = 8) -> str:
     """The dotted keys in which `config` differs from the run's config.yaml, with both values."""
     from elastictrain.config import ConfigError, load_config

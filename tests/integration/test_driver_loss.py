@@ -195,12 +195,8 @@ def test_a_killed_driver_loses_nothing_a_sigtermed_one_stops_cleanly_and_a_runni
     status = cli.invoke(app, ["status", str(run)])
     assert "status    FINISHED" in status.output and "NOT RUNNING" not in status.output
 
-    # A retried job (the same `train`) continues the run: here, it is already finished.
-    again = _cli("train", *_train_args(run))
-    assert again.returncode == 0, again.stdout + again.stderr
-    assert "already holds this run: continuing it" in again.stdout
-    assert f"already finished at step {MAX_STEPS}" in again.stdout
-    assert rd.read_info().run_id == info.run_id
+    # A retried job (the same `train`) of a finished run: docs/guides/ray-job-submit.md's retried job
+    # (test_readme_commands.py) and tests/unit/test_launch_messages.py.
 
     # Starting over in a used folder takes --fresh, which moves the old run aside.
     log = tmp_path / "fresh.log"

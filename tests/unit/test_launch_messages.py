@@ -52,6 +52,32 @@ def test_a_run_folder_of_another_config_is_refused_with_the_keys_that_differ(tmp
     assert "digest" not in text
 
 
+def test_a_retried_train_of_a_finished_run_ends_at_once_without_checking_or_starting_anything(
+    tmp_path, monkeypatch
+):
+    from typer.testing import CliRunner
+
+    from elastictrain.cli import app
+
+    args = ["train", "-c", str(TINY), f"run.dir={tmp_path}/run"]
+    run_dir, _ = prepare_run_dir(config(tmp_path), fresh=False)
+    run_dir.update(status="FINISHED", last_step=20)
+
+    def must_not_run(*_: Any, **__: Any) -> None:
+        raise AssertionError("a finished run's retry checked the model or started a run")
+
+    monkeypatch.setattr(launch, "check_before_start", must_not_run)
+    monkeypatch.setattr(launch, "run_training", must_not_run)
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0, again.output
+    assert "already holds this run: continuing it" in again.output
+    assert "the run already finished at step 20; nothing to do" in again.output
+    # Of another config, it is refused as before (the checks come first, so they are let through here).
+    monkeypatch.setattr(launch, "check_before_start", lambda cfg: None)
+    other = CliRunner().invoke(app, [*args, "training.lr=0.001"])
+    assert other.exit_code == 2 and "holds a run of another config (training.lr" in other.output
+
+
 def test_a_fresh_run_says_when_its_mlflow_run_is_created(tmp_path, monkeypatch):
     import elastictrain.cluster.worker_group as worker_group
     import elastictrain.control.loop as loop

@@ -69,15 +69,27 @@ def train(
     if print_config:
         out.print(to_yaml(cfg), markup=False)
         return
-    from elastictrain.launch import RunFolderConflict, prepare_run_dir
-
-    _lock_run_dir(cfg.run.dir)  # before the folder is created, moved (--fresh) or resumed
-    _check_user_code(cfg)
-    _resolve_length(cfg)  # epochs to steps, before config.yaml and its digest are written
-    if not local:
-        _check_ray_address(address or cfg.ray.address)
+    from elastictrain.launch import RunFolderConflict, finished_run_of, prepare_run_dir
     from elastictrain.rundir.run_dir import RunDirError
 
+    _lock_run_dir(cfg.run.dir)  # before the folder is created, moved (--fresh) or resumed
+    # Counting the training set builds the dataset: its code is checked first.
+    counts_samples = cfg.training.num_epochs is not None and cfg.training.epoch_samples is None
+    if counts_samples:
+        _check_user_code(cfg)
+    _resolve_length(cfg)  # epochs to steps, before config.yaml and its digest are written
+    try:
+        done = None if fresh else finished_run_of(cfg)
+    except RunDirError as e:
+        _fail(str(e))
+    if done is not None:  # a retried job of a finished run: nothing to train, check or start
+        out.print(f"run.dir {done.path} already holds this run: continuing it (use --fresh to start over)")
+        out.print(f"the run already finished at step {done.read_info().last_step}; nothing to do")
+        return
+    if not counts_samples:
+        _check_user_code(cfg)
+    if not local:
+        _check_ray_address(address or cfg.ray.address)
     try:
         run_dir, resumed = prepare_run_dir(cfg, fresh=fresh)
     except (RunFolderConflict, RunDirError) as e:
@@ -89,10 +101,6 @@ def train(
         )
     if resumed:
         out.print(f"run.dir {run_dir.path} already holds this run: continuing it (use --fresh to start over)")
-        done = run_dir.read_info()
-        if done.status == "FINISHED":  # a retried job of a finished run: nothing to train, no cluster
-            out.print(f"the run already finished at step {done.last_step}; nothing to do")
-            return
     _train(cfg, run_dir, address=address, tracking=not no_tracking, local=local)
 
 
