@@ -22,6 +22,14 @@ TEST_MODULE_ROOTS = (str(REPO / "tests" / "integration"), str(REPO / "examples")
 TINY = REPO / "conf" / "tiny-cpu.yaml"
 
 
+# The next run of this driver within 5 minutes takes this run's warm workers (warm_pool.py): a worker's
+# start, imports and first engine build are 8-10 CPU s on 2 cores, while a parked one costs an idle
+# actor's 1% of a core. Five, not one: the modules that test on probe actors between two modules of runs
+# take minutes. test_warm_workers.py shows a taken worker trains as a new one. Every run in this process
+# that may leave its workers to the next sets it (tiny_config's, and the examples' runs in tests).
+KEEP_WARM = "scaling.keep_warm_s=300"
+
+
 def tiny_config(run_dir: Path, *overrides: str):  # noqa: ANN201 - elastictrain.config.Config
     from elastictrain.config import load_config
 
@@ -40,11 +48,7 @@ def tiny_config(run_dir: Path, *overrides: str):  # noqa: ANN201 - elastictrain.
         # Plots and system metrics cost every run seconds; test_validation_run.py turns them on.
         "tracking.plots=false",
         "tracking.system_metrics=false",
-        # The next run of this driver within 5 minutes takes this run's warm workers (warm_pool.py): a
-        # worker's start, imports and first engine build are 8-10 CPU s on 2 cores, while a parked one
-        # costs an idle actor's 1% of a core. Five, not one: the modules that test on probe actors between
-        # two modules of runs take minutes. test_warm_workers.py shows a taken worker trains as a new one.
-        "scaling.keep_warm_s=300",
+        KEEP_WARM,
     ]
     return load_config(TINY, [*base, *overrides])
 

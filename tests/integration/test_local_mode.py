@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, quiet_reporter
+from helpers import KEEP_WARM, REPO, quiet_reporter
 
 from elastictrain.checkpoint.zero_state import FragmentReader
 
@@ -80,7 +80,7 @@ def test_local_and_two_workers_reach_the_same_loss_and_adapter(work, ray_local, 
     losses: list[float] = []
     summary = fit(
         LORA_YAML,
-        example_overrides(work, ray_dir),
+        [*example_overrides(work, ray_dir), KEEP_WARM],
         tracking=False,
         reporter=quiet_reporter(6),
         controller_hook=record_losses(losses),

@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import REPO
+from helpers import KEEP_WARM, REPO
 from typer.testing import CliRunner
 
 from elastictrain.cli import app
@@ -82,7 +82,7 @@ def test_the_sft_example_trains_three_epochs_on_two_workers_then_resume_adds_a_f
         "scaling.min_workers=2",  # the example allows 1: 2 from the start, every step at world size 2
         "tracking.plots=false",  # plots and system metrics only cost seconds here
         "tracking.system_metrics=false",
-        "scaling.keep_warm_s=300",  # the resume below takes these workers (helpers.tiny_config says why)
+        KEEP_WARM,  # the resume below takes these workers
     ]
     trained = cli.invoke(app, ["train", "-c", str(EXAMPLE / "config.yaml"), "--no-tracking", *overrides])
     assert trained.exit_code == 0, trained.output

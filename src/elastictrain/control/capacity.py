@@ -91,7 +91,7 @@ class Capacity:
         if new:
             self.recorder.event(
                 "workers_starting",
-                f"starting {len(new)} new worker actor(s) in the background",
+                f"starting {len(new)} worker actor(s) in the background",  # warm ones: warm_pool logs it
                 step=step,
                 workers=[w.worker_id for w in new],
             )
