@@ -122,8 +122,6 @@ def mlflow_basic_auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 # ---------------------------------------------------------------- a real S3 server on loopback ----
 
-S3_ENV_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
-
 
 @contextlib.contextmanager
 def running_s3_server(root: Path) -> Iterator[dict[str, str]]:
@@ -172,28 +170,27 @@ def running_s3_server(root: Path) -> Iterator[dict[str, str]]:
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """A real S3 server for the session, its AWS_* variables set in this process (and so in the Ray
-    workers and drivers it starts); each test makes its own bucket with `s3_bucket`."""
+    """A real S3 server for the session: the AWS_* variables that reach it; each test makes its own
+    bucket with `s3_bucket`, which sets them for that test."""
     with running_s3_server(tmp_path_factory.mktemp("s3-server")) as env:
-        saved = {k: os.environ.get(k) for k in S3_ENV_KEYS}
-        os.environ.update(env)
-        try:
-            yield env
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        yield env
 
 
 @pytest.fixture
-def s3_bucket(s3_server: dict[str, str], request: pytest.FixtureRequest) -> str:
-    """A new, empty bucket on the S3 server: `s3://NAME`."""
+def s3_bucket(
+    s3_server: dict[str, str], request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> str:
+    """A new, empty bucket on the S3 server: `s3://NAME`. The server's AWS_* variables are set in this
+    process for the test (and so in what it starts), then taken back: set for the session, they told
+    the shared local Ray cluster's check (tests/integration/conftest.py) that its workers' environment
+    had changed, and the next module started a cluster and probe actors anew (about 55 CPU s)."""
     import re
     import uuid
 
     import s3fs
+
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
 
     name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:8]
     fs = s3fs.S3FileSystem(skip_instance_cache=True)

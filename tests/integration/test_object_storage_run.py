@@ -51,6 +51,7 @@ def env(s3_server: dict[str, str], tmp_path: Path) -> dict[str, str]:
     """The drivers' environment: the S3 server's AWS_* variables (the workers inherit them), their
     own local Ray cluster each, and a local folder for what stays on the driver's machine."""
     out = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "ELASTICTRAIN_CRASH_AT")}
+    out.update(s3_server)
     out.update(
         RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
         DS_ACCELERATOR="cpu",
