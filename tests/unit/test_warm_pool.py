@@ -64,3 +64,21 @@ def test_handles_of_a_cluster_the_driver_left_are_forgotten_not_released(release
     monkeypatch.setattr(warm_pool, "_cluster", lambda: ("another gcs", "job"))  # reconnected elsewhere
     assert warm_pool.take(warm_pool.pool_key("1 CPU", ()), 1) == []
     assert released == [] and warm_pool.count() == 0
+
+
+def test_a_run_without_tensor_parallelism_takes_each_rank_of_a_parked_replica_as_a_replica(released):
+    key = warm_pool.pool_key("1 CPU", ())
+    warm_pool.park(key, [_parked("tp-a", 2), _parked("tp-b", 2), _parked("tp-c", 2)], keep_s=60)
+    # Three replicas of one rank: two reservations of two bundles (four slots), the third stays parked.
+    assert [r.pg for r in warm_pool.take(key, 3, ranks=1)] == ["tp-a", "tp-b"]
+    assert warm_pool.count() == 2 and released == []
+
+
+def test_a_tensor_parallel_run_takes_whole_replicas_of_its_degree_and_gives_back_the_rest(released, caplog):
+    key = warm_pool.pool_key("1 CPU", ())
+    warm_pool.park(key, [_parked("one"), _parked("two", 2), _parked("four", 4)], keep_s=60)
+    with caplog.at_level("INFO", logger="elastictrain.workers"):
+        assert [r.pg for r in warm_pool.take(key, 1, ranks=2)] == ["two"]
+    assert released == ["one", "four"] and warm_pool.count() == 0
+    assert "5 warm worker(s) of this driver's last run given back" in caplog.text
+    assert "replicas of 1 or 4 ranks then, 2 now" in caplog.text

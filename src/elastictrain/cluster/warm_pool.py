@@ -5,7 +5,10 @@ start every worker anew: a process, then 4-6 CPU seconds importing torch, transf
 and loading compiled ops, per worker and per run. With scaling.keep_warm_s > 0 a run's end parks its
 warm workers here with their reservations (whole placement groups), and the next run of the same
 driver asking for the same resources takes them back: each left its run (`TrainWorker.leave_run`:
-no engine, no snapshot, no fault, no data) and only loads the new run's data.
+no engine, no snapshot, no fault, no data) and only loads the new run's data. A reservation holds a
+tensor-parallel replica's ranks on one node: a run of the same degree takes it whole, and a run without
+tensor parallelism takes each of its ranks as a replica of its own (a sweep over degrees keeps its
+workers).
 
 Parked workers keep their slots (CPUs, GPUs) reserved, so the pool gives them back to the cluster
 `keep_warm_s` after the last park, when a run asks for other resources, and when the driver
@@ -34,6 +37,15 @@ class ParkedReservation:
     actors: dict[int, Any] = field(default_factory=dict)  # bundle -> actor
     cpus: float = 0.0
     gpus: float = 0.0
+
+    @property
+    def ranks(self) -> int:
+        """Its bundles, each with a warm worker (only whole reservations are parked)."""
+        return len(self.actors)
+
+    def serves(self, ranks: int) -> bool:
+        """Whether a run whose replicas have `ranks` ranks can use it: whole, or one replica a bundle."""
+        return ranks in (1, self.ranks)
 
 
 @dataclass
@@ -80,27 +92,47 @@ def park(key: tuple[Any, ...] | None, reservations: list[ParkedReservation], kee
     log.info("%d warm worker(s) kept for %gs for this driver's next run", count(), keep_s)
 
 
-def take(key: tuple[Any, ...] | None, max_reservations: int) -> list[ParkedReservation]:
-    """Up to `max_reservations` parked reservations started with `key`; parked ones started otherwise
-    are given back to the cluster (a run asking for other resources may need their slots)."""
+def take(key: tuple[Any, ...] | None, replicas: int, ranks: int = 1) -> list[ParkedReservation]:
+    """Parked reservations started with `key` for up to `replicas` replicas of `ranks` ranks each (a
+    reservation serves one such replica, or one a bundle when `ranks` is 1). Parked ones started
+    otherwise, or of replicas this run cannot use, are given back to the cluster (this run may need
+    their slots)."""
     with _lock:
         if key is None or _pool.key != key:
-            if _pool.parked:
-                log.info(
-                    "%d warm worker(s) of this driver's last run given back: this run starts its workers "
-                    "otherwise (%s)",
-                    sum(len(r.actors) for r in _pool.parked),
-                    _difference(_pool.key, key),
-                )
+            _say_given_back(_pool.parked, _difference(_pool.key, key))
             _release_locked()
             return []
-        taken, _pool.parked = _pool.parked[:max_reservations], _pool.parked[max_reservations:]
+        unusable = [r for r in _pool.parked if not r.serves(ranks)]
+        if unusable:
+            then = " or ".join(str(n) for n in sorted({r.ranks for r in unusable}))
+            _say_given_back(unusable, f"replicas of {then} ranks then, {ranks} now")
+            _release(unusable)
+        taken: list[ParkedReservation] = []
+        kept: list[ParkedReservation] = []
+        for r in (r for r in _pool.parked if r.serves(ranks)):
+            if replicas > 0:
+                taken.append(r)
+                replicas -= r.ranks // ranks
+            else:
+                kept.append(r)
+        _pool.parked = kept
         if not _pool.parked and _pool.timer is not None:
             _pool.timer.cancel()
             _pool.timer = None
         if taken:
             log.info("%d warm worker(s) of this driver's last run taken", sum(len(r.actors) for r in taken))
         return taken
+
+
+def _say_given_back(reservations: list[ParkedReservation], why: str) -> None:
+    """Say that `reservations` go back to the cluster, and why (they are released by the caller)."""
+    if reservations:
+        log.info(
+            "%d warm worker(s) of this driver's last run given back: this run starts its workers "
+            "otherwise (%s)",
+            sum(len(r.actors) for r in reservations),
+            why,
+        )
 
 
 def _difference(parked: tuple[Any, ...] | None, wanted: tuple[Any, ...] | None) -> str:
