@@ -83,7 +83,7 @@ def train(
     except RunDirError as e:
         _fail(str(e))
     if done is not None:  # a retried job of a finished run: nothing to train, check or start
-        out.print(f"run.dir {done.path} already holds this run: continuing it (use --fresh to start over)")
+        _say_continuing(done.path)
         out.print(f"the run already finished at step {done.read_info().last_step}; nothing to do")
         return
     if not counts_samples:
@@ -100,8 +100,12 @@ def train(
             "expected a path this user can write"
         )
     if resumed:
-        out.print(f"run.dir {run_dir.path} already holds this run: continuing it (use --fresh to start over)")
+        _say_continuing(run_dir.path)
     _train(cfg, run_dir, address=address, tracking=not no_tracking, local=local)
+
+
+def _say_continuing(path: object) -> None:
+    out.print(f"run.dir {path} already holds this run: continuing it (use --fresh to start over)")
 
 
 def _lock_run_dir(path: Path | str) -> None:

@@ -120,7 +120,7 @@ def take(key: tuple[Any, ...] | None, replicas: int, ranks: int = 1) -> list[Par
             _pool.timer.cancel()
             _pool.timer = None
         if taken:
-            log.info("%d warm worker(s) of this driver's last run taken", sum(len(r.actors) for r in taken))
+            log.info("%d warm worker(s) of this driver's last run taken", sum(r.ranks for r in taken))
         return taken
 
 
@@ -130,7 +130,7 @@ def _say_given_back(reservations: list[ParkedReservation], why: str) -> None:
         log.info(
             "%d warm worker(s) of this driver's last run given back: this run starts its workers "
             "otherwise (%s)",
-            sum(len(r.actors) for r in reservations),
+            sum(r.ranks for r in reservations),
             why,
         )
 

@@ -114,7 +114,6 @@ class WorkerGroup:
         # Parked reservations of any tensor-parallel degree may serve this group (warm_pool.take).
         started_alike = replace(resources, ranks_per_reservation=1)
         self._pool_key = warm_pool.pool_key(started_alike, tuple(sorted(resources.env_vars().items())))
-        self._bundles: dict[str, int] = {}  # placement group id -> its bundles (one worker each)
         self._parked: dict[tuple[str, int], Any] = {}  # (placement group, bundle) -> a parked actor
         self.workers: list[WorkerHandle] = []
         self.pending: list[Slot] = []
@@ -139,14 +138,12 @@ class WorkerGroup:
                 # Whole, as a replica of this group's degree, or (size 1) one replica a bundle.
                 self.pending.extend(Slot(parked.pg, b) for b in sorted(parked.actors))
                 self._ready_refs[parked.pg.id.hex()] = parked.ready_ref
-                self._bundles[parked.pg.id.hex()] = parked.ranks
                 self._parked.update({(parked.pg.id.hex(), b): a for b, a in parked.actors.items()})
                 wanted -= parked.ranks // size
         for _ in range(wanted):
             pg = placement_group([self.resources.bundle()] * size, strategy="STRICT_PACK")
             self.pending.extend(Slot(pg, i) for i in range(size))
             self._ready_refs[pg.id.hex()] = pg.ready()
-            self._bundles[pg.id.hex()] = size
 
     def _ready(self, timeout_s: float, n: int | None = None) -> list[Slot]:
         """Pending slots whose reservation is placed, after waiting up to timeout_s for n slots."""
@@ -180,7 +177,6 @@ class WorkerGroup:
         if any(w.pg is pg for w in self.workers) or any(s.pg is pg for s in self.pending):
             return
         self._ready_refs.pop(pg.id.hex(), None)
-        self._bundles.pop(pg.id.hex(), None)
         for key in [k for k in self._parked if k[0] == pg.id.hex()]:  # parked there, never started
             warm_pool.kill_actor(self._parked.pop(key))
         try:
@@ -382,14 +378,13 @@ class WorkerGroup:
             by_pg.setdefault(w.pg.id.hex(), []).append(w)
         parked: list[warm_pool.ParkedReservation] = []
         for pg_id, workers in by_pg.items():
-            whole = len(workers) == self._bundles.get(pg_id)  # a worker in each of its bundles
+            whole = len(workers) == workers[0].pg.bundle_count  # a worker in each of its bundles
             if not whole or not all(w.warm and left[w.worker_id].ok for w in workers):
                 continue
             if any(s.pg.id.hex() == pg_id for s in self.pending):
                 continue
             for w in workers:
                 self.workers.remove(w)
-            self._bundles.pop(pg_id, None)
             parked.append(
                 warm_pool.ParkedReservation(
                     workers[0].pg,
