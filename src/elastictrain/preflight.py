@@ -53,8 +53,6 @@ def check_user_code(config: Any) -> None:
     The model factory is called under torch.device("meta"), so checking it allocates no weights. The
     dataset is built for real (its length is needed), and its first item collated.
     """
-    import torch
-
     from elastictrain.config import ConfigError
     from elastictrain.config.model_check import model_problems, vocab_problem
 
@@ -64,6 +62,8 @@ def check_user_code(config: Any) -> None:
     for field in FIELDS:
         user_callable(config, field) if field in ("data.collate", "training.loss") else resolve(config, field)
     if config.model.factory is not None:
+        import torch  # only here: a transformers model's check may need no torch (config/model_check.py)
+
         with torch.device("meta"):
             model = user_model(config)
         try:
@@ -115,11 +115,11 @@ def check_sft_records(config: Any) -> None:
     named and the run refused (unless data.on_bad_record is skip), the template checked on every record."""
     import re
 
-    from elastictrain.data.sft.dataset import SftDataError, build_sft_dataset
-
     for prefix, data in (("data", config.data), ("eval.data", config.eval.data)):
         if data is None or data.source != "sft" or (prefix == "eval.data" and data == config.data):
             continue
+        from elastictrain.data.sft.dataset import SftDataError, build_sft_dataset  # imports torch
+
         try:
             build_sft_dataset(data, config.model.pretrained)
         except SftDataError as e:
@@ -203,7 +203,14 @@ def model_size(config: Any) -> tuple[list[int], int]:
 
 def model_parts(config: Any) -> tuple[list[int], int, int]:
     """`model_size`, and the parameters of its linear layers: what tensor parallelism slices (AutoTP
-    splits each nn.Linear between a replica's ranks; embeddings and norms stay whole)."""
+    splits each nn.Linear between a replica's ranks; embeddings and norms stay whole); remembered per
+    machine for a `model.hf_config` model (config/model_facts.py)."""
+    from elastictrain.config import model_facts
+
+    hf_config = model_facts.plain_hf_config(config)
+    facts = model_facts.remembered(hf_config) if hf_config is not None else {}
+    if "parameter_sizes" in facts:
+        return list(facts["parameter_sizes"]), int(facts["largest_layer"]), int(facts["linear_parameters"])
     import torch
 
     from elastictrain.model.build import forget_hf_deepspeed_config
@@ -218,6 +225,10 @@ def model_parts(config: Any) -> tuple[list[int], int, int]:
     linear = {
         id(p): p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()
     }
+    if hf_config is not None:
+        model_facts.remember(
+            hf_config, parameter_sizes=sizes, largest_layer=largest, linear_parameters=sum(linear.values())
+        )
     return sizes, largest, sum(linear.values())
 
 

@@ -186,9 +186,12 @@ def test_prepare_data_refuses_a_used_output_folder_and_a_missing_column(tmp_path
     assert res.exit_code == 2 and "--text-field: got 'body'" in res.output
 
 
-def test_the_model_check_builds_plainly_after_a_zero3_load_left_transformers_zero3_config_set():
+def test_the_model_check_builds_plainly_after_a_zero3_load_left_transformers_zero3_config_set(
+    tmp_path, monkeypatch
+):
     """A `--local` ZeRO-3 run's worker loading a pretrained model sets transformers' process-wide ZeRO-3
     config; a config checked afterwards in the same process must still build (on meta, no zero.Init)."""
+    monkeypatch.setenv("ELASTICTRAIN_CACHE", str(tmp_path))  # built here, not read from an earlier build
     from transformers.integrations import HfDeepSpeedConfig
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import inspect
 import os
+import types
 from typing import Any
 
 
@@ -157,13 +158,25 @@ def vocab_problem(config: Any, vocab: int | None, field: str) -> str | None:
 def model_problems(config: Any) -> list[str]:
     """Everything about `config.model` checkable without weights, one line per problem."""
     from elastictrain.compat.transformers.import_structure import cache_import_structure
+    from elastictrain.config import model_facts
 
-    cache_import_structure()  # before transformers.models is first imported in this process
-    built, problems = _build(config)
-    if built is None or problems:
-        return problems
+    hf_config = model_facts.plain_hf_config(config)
+    facts = model_facts.remembered(hf_config) if hf_config is not None else {}
+    built: Any
+    structure: str | None = None
+    if "model_type" in facts:  # this config built before, with these releases: no torch, no transformers
+        built = types.SimpleNamespace(**{k: facts[k] for k in model_facts.CONFIG_FACTS})
+    else:
+        cache_import_structure()  # before transformers.models is first imported in this process
+        built, problems = _build(config)
+        if built is None or problems:
+            return problems
+        structure = None if config.model.pretrained else _structure_problem(built)
+        if hf_config is not None and structure is None:
+            model_facts.remember(hf_config, **model_facts.config_facts(built))
+    problems = []
     for found in (
-        None if config.model.pretrained else _structure_problem(built),
+        structure,
         _seq_len_problem(config, built),
         vocab_problem(
             config,

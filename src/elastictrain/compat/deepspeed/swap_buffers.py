@@ -15,11 +15,12 @@ DeepSpeed's own calls.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from elastictrain.compat.registry import first_problem, has_attributes, has_parameters, part_of, patch
+
+if TYPE_CHECKING:  # imported where used: the driver's version check imports this module, not torch
+    import torch
 
 SWAP_BUFFERS = "nvme_swap_buffers_without_io"
 
@@ -99,6 +100,7 @@ def adam_state_in_swap_buffers(opt: Any, group: int) -> bool:
 
     Only for DeepSpeed's CPU Adam, whose state is known; with no free buffer of the right dtype the
     moments are new tensors, which DeepSpeed's swap-out writes through its own buffers."""
+    import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     adam = getattr(opt, "optimizer", None)

@@ -35,12 +35,13 @@ else (mixed precision, a GPU's device buffers, a layout other than expected) is 
 from __future__ import annotations
 
 import types
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from elastictrain.compat.deepspeed.swap_buffers import SWAP_BUFFERS, adam_state_in_swap_buffers
 from elastictrain.compat.registry import active, first_problem, has_parameters, patch, shape_mismatch
+
+if TYPE_CHECKING:  # imported where used: the driver's version check imports this module, not torch
+    import torch
 
 FP32_SHARED, GRADS_SHARED, ADAM_AT_BUILD = (
     "fp32_partitions_shared",
@@ -229,6 +230,8 @@ def contiguous_run(tensors: list[torch.Tensor], dtype: torch.dtype, numel: int) 
         expected += t.numel()
     if expected - offset != numel:
         return None
+    import torch
+
     return torch.empty(0, dtype=dtype, device=first.device).set_(storage, offset, (numel,))
 
 
