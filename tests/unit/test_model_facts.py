@@ -86,14 +86,19 @@ def test_the_memory_estimates_parameter_sizes_are_saved_as_computed(cache):
     assert model_facts.plain_hf_config(load_config(TINY, ["model.factory=mypkg:build"])) is None
 
 
-def test_a_driver_that_finds_them_checks_the_preset_without_importing_torch_or_transformers(cache):
+def test_a_driver_that_finds_them_gets_to_its_workers_without_importing_torch_or_transformers(cache):
+    """What a driver does before its workers start: the version check, the model and memory checks, and
+    the import of the worker group (with the actor class Ray starts)."""
     script = (
         "import sys\n"
+        "from elastictrain.compat.registry import refuse_unsupported_versions\n"
         "from elastictrain.config import load_config\n"
         "from elastictrain.preflight import check_user_code, memory_estimate\n"
+        "refuse_unsupported_versions()\n"
         f"cfg = load_config({str(TINY)!r}, [])\n"
         "check_user_code(cfg)\n"
         "memory_estimate(cfg, 2)\n"
+        "import elastictrain.cluster.worker_group\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
     )
     env = {**os.environ, "ELASTICTRAIN_CACHE": str(cache)}

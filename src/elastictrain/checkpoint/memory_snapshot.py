@@ -31,15 +31,7 @@ from elastictrain.checkpoint.zero_state import (
     fragments_metadata,
     parse_fragments_metadata,
 )
-from elastictrain.core.memory_snapshots import KEEP
-
-
-@dataclass(frozen=True)
-class SnapshotKey:
-    attempt: int
-    world_size: int
-    rank: int
-    step: int  # the state after this many optimizer steps
+from elastictrain.core.memory_snapshots import KEEP, SnapshotKey
 
 
 @dataclass

@@ -26,6 +26,16 @@ MAX_INTERVAL = 1000  # steps: snapshots this rare are not worth their memory; th
 
 
 @dataclass(frozen=True)
+class SnapshotKey:
+    """Which snapshot: of `rank` in attempt `attempt` (of `world_size` ranks), the state after `step`."""
+
+    attempt: int
+    world_size: int
+    rank: int
+    step: int  # the state after this many optimizer steps
+
+
+@dataclass(frozen=True)
 class Held:
     """One rank's slice at one step, held by `worker_id` (its own copy, or a buddy's replica)."""
 

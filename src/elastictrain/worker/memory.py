@@ -20,23 +20,25 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from elastictrain.checkpoint.memory_snapshot import (
-    Snapshot,
-    SnapshotKey,
-    SnapshotStore,
-)
-from elastictrain.core.memory_snapshots import slices_held, snapshots_unaffordable
+from elastictrain.core.memory_snapshots import SnapshotKey, slices_held, snapshots_unaffordable
 from elastictrain.worker.attempt import MemorySource
 from elastictrain.worker.copy_stream import copy_stream, on_stream
 from elastictrain.worker.ray_calls import REPLICATE_TIMEOUT_S, call_peer
 from elastictrain.worker.replica_link import BuddyLink, ReplicaServer, pieces_answer
 
+# checkpoint/memory_snapshot.py (Snapshot, SnapshotStore) imports torch: it is imported where a worker
+# first uses it, since the driver imports this module for the actor class Ray starts and needs no torch.
+if TYPE_CHECKING:
+    from elastictrain.checkpoint.memory_snapshot import Snapshot
+
 
 class WorkerMemory:
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
+        from elastictrain.checkpoint.memory_snapshot import SnapshotStore
+
         self.store = SnapshotStore()
         self._thread: threading.Thread | None = None
         self._copied = threading.Event()
@@ -207,6 +209,8 @@ class WorkerMemory:
             self._link.close()
         if self._server is not None:
             self._server.close()
+        from elastictrain.checkpoint.memory_snapshot import SnapshotStore
+
         self.store = SnapshotStore()  # freed now, not when a receiving thread of the closed socket ends
 
     def pop_update_wait(self) -> float:
@@ -293,6 +297,8 @@ class WorkerMemory:
                     return  # nothing is copied, kept or replicated in this attempt
             assert raw is not None
             pieces = fragments_of(raw.plan.pieces)
+            from elastictrain.checkpoint.memory_snapshot import Snapshot
+
             snap = Snapshot(key, raw.tensors(), pieces, raw.scalars, copy_s=time.perf_counter() - t0, raw=raw)
             self.last_copy_s = snap.copy_s
             self.cpu_s["copy"] = time.thread_time() - cpu0
@@ -348,6 +354,8 @@ class WorkerMemory:
     def hold_replica(self, wire: dict[str, Any]) -> None:
         cpu0 = time.thread_time()
         into = self._replica_spare(wire["key"].attempt, wire["flat"].size)
+        from elastictrain.checkpoint.memory_snapshot import Snapshot
+
         self.store.add_replica(Snapshot.from_wire(wire, into=into))
         self.cpu_s["hold"] = time.thread_time() - cpu0
 
@@ -357,6 +365,8 @@ class WorkerMemory:
         if self._server is None:
 
             def keep(header: dict[str, Any], data: Any, cpu_s: float) -> None:
+                from elastictrain.checkpoint.memory_snapshot import Snapshot
+
                 self.store.add_replica(Snapshot.from_frame(header, data))
                 self.cpu_s["hold"] = cpu_s
 

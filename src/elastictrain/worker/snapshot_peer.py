@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from elastictrain.checkpoint.memory_snapshot import Snapshot, SnapshotKey
+from elastictrain.core.memory_snapshots import SnapshotKey
 from elastictrain.worker.memory import WorkerMemory
 from elastictrain.worker.ray_calls import call_peers
 
@@ -42,6 +42,8 @@ class SnapshotPeer:
         return len(snaps)
 
     def keep_handed(self, wire: dict[str, Any]) -> None:
+        from elastictrain.checkpoint.memory_snapshot import Snapshot  # imports torch (worker/memory.py)
+
         self.memory.store.add_handed(Snapshot.from_wire(wire))
 
     def snapshot_now(self) -> dict[str, Any]:
