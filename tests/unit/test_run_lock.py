@@ -1,4 +1,5 @@
-"""Issue 12 points 1-2: one driver per run folder (a flock plus a lease with owner and heartbeat)."""
+"""Issue 12 points 1-2: one driver per run folder (a flock plus a lease with owner and heartbeat); `--fresh`
+moves a finished run aside."""
 
 from __future__ import annotations
 
@@ -115,3 +116,27 @@ def test_heartbeat_keeps_the_lease_fresh_and_release_clears_it(tmp_path: Path) -
     lock.release()
     assert lock.read_owner() is None
     RunLock(tmp_path / "run").acquire().release()  # free again
+
+
+def test_fresh_moves_a_finished_run_aside_and_starts_a_new_one_in_its_folder(tmp_path: Path) -> None:
+    from elastictrain.config import load_config
+    from elastictrain.launch import prepare_run_dir
+    from elastictrain.rundir.run_dir import RunDir
+
+    run = tmp_path / "runs" / "tiny"
+    config = load_config(TINY, [f"run.dir={run}"])
+    first, resumed = prepare_run_dir(config, fresh=False)
+    first_id = first.read_info().run_id
+    assert not resumed
+    first.update(status="FINISHED")
+    (run / "checkpoints").mkdir()
+    again, resumed = prepare_run_dir(config, fresh=False)  # the same config: that run, continued
+    assert resumed and again.read_info().run_id == first_id
+
+    new, resumed = prepare_run_dir(config, fresh=True)
+    assert not resumed and new.read_info().run_id != first_id
+    assert new.read_info().status != "FINISHED" and not (run / "checkpoints").exists()
+    (aside,) = [p for p in run.parent.iterdir() if p.name.startswith("tiny.old-")]
+    old = RunDir.open(aside).read_info()
+    assert old.run_id == first_id and old.status == "FINISHED"
+    assert (aside / "checkpoints").is_dir()
