@@ -15,11 +15,20 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-import pytest
+# One intra-op thread in every process of the suite (the test processes, the commands and scripts they
+# start, the Ray clusters and probe actors they start inherit it; training workers get
+# scaling.cpus_per_worker, 1 in the tests, as always). The suite runs two pytest workers on two cores,
+# each starting workers, commands and servers: a second torch thread per process only contends, and
+# OpenMP's threads spin after every parallel region, thousands of them for the tests' tiny models.
+# Three test files of fresh-process ranks took 106.7 CPU s and 67 s with torch's default (one thread a
+# core), 91.2 CPU s and 60 s with one. Set before anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from elastictrain.compat.deepspeed.ops import prefer_environment_tools
-from elastictrain.compat.mlflow.sqlite_template import seed_sqlite_store
-from elastictrain.compat.transformers.import_structure import cache_import_structure
+import pytest  # noqa: E402
+
+from elastictrain.compat.deepspeed.ops import prefer_environment_tools  # noqa: E402
+from elastictrain.compat.mlflow.sqlite_template import seed_sqlite_store  # noqa: E402
+from elastictrain.compat.transformers.import_structure import cache_import_structure  # noqa: E402
 
 # As every elastictrain process does: engines built in a test process load the ops `make setup` built,
 # and transformers' import structure is read from elastictrain's cache.

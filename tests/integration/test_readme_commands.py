@@ -88,6 +88,7 @@ def docs_substitutions(ray_temp: Path) -> list[Substitution]:
             "Ray's default ports and /tmp/ray may be another cluster's on this machine",
         ),
         Substitution("127.0.0.1:8265", f"127.0.0.1:{dashboard}", "the dashboard port chosen above"),
+        Substitution("127.0.0.1:52365", f"127.0.0.1:{ports[4]}", "the agent's port chosen above"),
     ]
 
 
