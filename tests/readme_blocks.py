@@ -271,12 +271,30 @@ class ShellSession:
         return found
 
 
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (all bound at once, so none is handed out twice)."""
+def free_ports(n: int, *, for_later: bool = False) -> list[int]:
+    """n distinct free loopback ports (all bound at once, so none is handed out twice).
+
+    for_later: ports a command binds minutes from now (the manual's `ray start`, blocks later). They
+    come from below the kernel's ephemeral range and above Ray's worker ports (10002-19999), so that no
+    process binding port 0 meanwhile (each Ray server of the clusters the other tests start) is handed
+    one. Chosen from the ephemeral range at the test's start, two suite runs in a row lost the head's
+    job agent (`ray job submit`: "No available agent to submit job"; then its health check never
+    answered), which a port taken meanwhile explains."""
+    import random
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     socks = [socket.socket() for _ in range(n)]
     try:
         for s in socks:
-            s.bind(("127.0.0.1", 0))
+            if not for_later:
+                s.bind(("127.0.0.1", 0))
+                continue
+            while True:
+                try:
+                    s.bind(("127.0.0.1", random.randrange(20000, low)))
+                    break
+                except OSError:
+                    continue
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:

@@ -70,7 +70,7 @@ def substitutions(readme: Path, ray_temp: Path) -> list[Substitution]:
 
 
 def docs_substitutions(ray_temp: Path) -> list[Substitution]:
-    *ports, dashboard = free_ports(9)
+    *ports, dashboard = free_ports(9, for_later=True)
     return [
         # Before `=20`, which is its prefix.
         Substitution("training.max_steps=200", "training.max_steps=2", "no steps to add"),
