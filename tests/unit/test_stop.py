@@ -96,3 +96,20 @@ def test_sigterm_stops_the_run_like_ctrl_c_and_records_stopped(tmp_path: Path) -
     assert info["status"] == "STOPPED" and info["message"] == "stopped by SIGTERM"
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     assert events[-1]["event"] == "stop" and events[-1]["reason"] == "stopped by SIGTERM"
+
+
+def test_a_sigterm_is_known_as_such_when_the_exception_it_raised_was_replaced() -> None:
+    """Code the signal interrupts may catch the Stopped and raise a KeyboardInterrupt of its own: the
+    loop reads what sigterm_stops saw (a suite run recorded "interrupted" for a SIGTERMed driver)."""
+    from elastictrain.control.stop import sigterm_stops
+
+    with sigterm_stops() as seen:
+        assert not seen.sigterm
+        try:
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler raises in this thread before the sleep ends
+            except KeyboardInterrupt:
+                raise KeyboardInterrupt() from None  # as code that catches and raises its own may
+        except KeyboardInterrupt as e:
+            assert str(e) == "" and seen.sigterm

@@ -38,7 +38,7 @@ from elastictrain.control.specs import (
     set_up_peak_note,
     slowest_set_up,
 )
-from elastictrain.control.stop import sigterm_stops
+from elastictrain.control.stop import STOPPED_BY_SIGTERM, Signals, sigterm_stops
 from elastictrain.core.batch import BatchPlan
 from elastictrain.core.policy import Fail, Failure, Restart, decide_after_failure
 from elastictrain.core.replicas import replica_order
@@ -79,6 +79,7 @@ class Controller:
         self.group = group
         self.clock = clock
         self.callbacks = callbacks or Callbacks()
+        self._signals = Signals()  # what sigterm_stops saw while the loop runs
         self.store = CheckpointStore(run_dir.checkpoints_dir)
         self.recorder = RunRecorder(run_dir, tracker, reporter)
         self.resume = ResumePoints(self.store, configured_model(config), self.recorder)
@@ -115,7 +116,7 @@ class Controller:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> RunSummary:
-        with sigterm_stops():  # SIGTERM takes the Ctrl-C path below
+        with sigterm_stops() as self._signals:  # SIGTERM takes the Ctrl-C path below
             return self._run()
 
     def _run(self) -> RunSummary:
@@ -139,7 +140,7 @@ class Controller:
             self._event("fail", f"run failed: {e}", style="bold red", reason=str(e))
             return self._summary(RunStatus.FAILED, str(e))
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (control/stop.py)
-            reason = str(e) or "interrupted"
+            reason = STOPPED_BY_SIGTERM if self._signals.sigterm else (str(e) or "interrupted")
             self.saves.stop(self.step)  # committed if every rank's file is written, else dropped
             recorder.record_end(RunStatus.STOPPED, reason, step=self.step)
             self._event(

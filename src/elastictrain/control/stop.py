@@ -13,32 +13,45 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import FrameType
 
 log = logging.getLogger("elastictrain.controller")
+
+
+STOPPED_BY_SIGTERM = "stopped by SIGTERM"
 
 
 class Stopped(KeyboardInterrupt):
     """The driver was asked to stop by a signal."""
 
 
+@dataclass
+class Signals:
+    """What `sigterm_stops` saw. The `Stopped` it raises can reach the loop as another
+    KeyboardInterrupt (code the signal interrupted may catch it and raise its own: a suite run
+    recorded "interrupted" for a SIGTERMed driver), so the loop asks this, not the exception."""
+
+    sigterm: bool = False
+
+
 @contextmanager
-def sigterm_stops() -> Iterator[None]:
+def sigterm_stops() -> Iterator[Signals]:
     """While inside, SIGTERM raises Stopped in the main thread (elsewhere: no change)."""
+    seen = Signals()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield seen
         return
-    fired: list[int] = []
 
     def handler(signum: int, _frame: FrameType | None) -> None:
-        if fired:
+        if seen.sigterm:
             log.warning("SIGTERM again: already stopping (committing or dropping the checkpoint in flight)")
             return
-        fired.append(signum)
-        raise Stopped("stopped by SIGTERM")
+        seen.sigterm = True
+        raise Stopped(STOPPED_BY_SIGTERM)
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:
-        yield
+        yield seen
     finally:
         signal.signal(signal.SIGTERM, previous)
