@@ -241,3 +241,15 @@ def probes(ray_local: None) -> Iterator[object]:
     except Exception:  # noqa: BLE001 - a group a test broke: the next module starts another
         _probe_groups.clear()
         group.kill()
+
+
+@pytest.fixture
+def sessions() -> Iterator[list[int]]:
+    """Sessions of the commands a test starts (driver_sessions.start records them): whatever is left of
+    them (a driver's local Ray cluster) is killed at teardown."""
+    from driver_sessions import kill_session
+
+    started: list[int] = []
+    yield started
+    for sid in started:
+        kill_session(sid)

@@ -14,11 +14,10 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from driver_sessions import BIN, kill_session, shm_buffers, start
+from driver_sessions import BIN, shm_buffers, start
 from helpers import REPO, TINY
 
 from elastictrain.rundir.run_dir import RunDir
@@ -48,15 +47,6 @@ def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local cluster
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", DS_ACCELERATOR="cpu")
     return env
-
-
-@pytest.fixture
-def sessions() -> Iterator[list[int]]:
-    """Sessions of the drivers a test starts: whatever is left of them is killed at teardown."""
-    started: list[int] = []
-    yield started
-    for sid in started:
-        kill_session(sid)
 
 
 def _wait_for(predicate, proc: subprocess.Popen, log: Path, what: str) -> None:  # noqa: ANN001

@@ -17,11 +17,10 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from driver_sessions import kill_session, names, session_processes, shm_buffers, start
+from driver_sessions import names, session_processes, shm_buffers, start
 from helpers import REPO, TINY
 
 from elastictrain.checkpoint.store import CheckpointStore, verify
@@ -64,15 +63,6 @@ def env(s3_server: dict[str, str], tmp_path: Path) -> dict[str, str]:
         ELASTICTRAIN_CACHE=str(tmp_path / "cache"),
     )
     return out
-
-
-@pytest.fixture
-def sessions() -> Iterator[list[int]]:
-    """Sessions of the commands a test runs: whatever is left of them is killed at teardown."""
-    started: list[int] = []
-    yield started
-    for sid in started:
-        kill_session(sid)
 
 
 def _cli(
