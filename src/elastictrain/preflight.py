@@ -207,8 +207,7 @@ def model_parts(config: Any) -> tuple[list[int], int, int]:
     machine for a `model.hf_config` model (config/model_facts.py)."""
     from elastictrain.config import model_facts
 
-    hf_config = model_facts.plain_hf_config(config)
-    facts = model_facts.remembered(hf_config) if hf_config is not None else {}
+    hf_config, facts = model_facts.recall(config)
     if "parameter_sizes" in facts:
         return list(facts["parameter_sizes"]), int(facts["largest_layer"]), int(facts["linear_parameters"])
     import torch

@@ -160,8 +160,7 @@ def model_problems(config: Any) -> list[str]:
     from elastictrain.compat.transformers.import_structure import cache_import_structure
     from elastictrain.config import model_facts
 
-    hf_config = model_facts.plain_hf_config(config)
-    facts = model_facts.remembered(hf_config) if hf_config is not None else {}
+    hf_config, facts = model_facts.recall(config)
     built: Any
     structure: str | None = None
     if "model_type" in facts:  # this config built before, with these releases: no torch, no transformers

@@ -33,6 +33,12 @@ def plain_hf_config(config: Any) -> dict[str, Any] | None:
     return dict(m.hf_config)
 
 
+def recall(config: Any) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(`plain_hf_config(config)`, what earlier drivers saved for it: {} when nothing or not plain)."""
+    hf_config = plain_hf_config(config)
+    return hf_config, remembered(hf_config) if hf_config is not None else {}
+
+
 def _version(package: str) -> str:
     try:
         return importlib.metadata.version(package)
