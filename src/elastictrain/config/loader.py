@@ -23,6 +23,7 @@ from elastictrain.config.data_check import sft_problems
 from elastictrain.config.errors import ConfigError
 from elastictrain.config.eval_check import eval_problems, pop_eval_data, set_eval_data
 from elastictrain.config.length import layer_length, length_pending, length_problems
+from elastictrain.config.llamafactory import is_llamafactory, translate
 from elastictrain.config.lora_check import lora_problems
 from elastictrain.config.schema import Config, DataConfig
 from elastictrain.config.tensor_parallel_check import (
@@ -128,6 +129,13 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         if not isinstance(loaded, dict):
             raise ConfigError([f"config file {p}: expected a mapping of sections at the top level"])
         raw_file = loaded
+    if is_llamafactory(raw_file):  # its own keys and defaults, as LLaMA-Factory reads them
+        lf = translate(raw_file, overrides)
+        if lf.problems:
+            raise ConfigError([f"LLaMA-Factory file {path}: {line}" for line in lf.problems])
+        for line in lf.notices:
+            log.warning("LLaMA-Factory file: %s", line)
+        raw_file, overrides = lf.native, lf.overrides
     raw_overrides: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:
@@ -196,6 +204,7 @@ def validate(config: Config) -> Config:
     if not config.run.dir:
         p.append("run.dir: got ''; expected a folder path")
     p.extend(url_problems("run.dir", config.run.dir))
+    p.extend(_hub_ids(config))
     p.extend(_model_problems(config))
     # The model's own config describes it only when neither a factory nor a pretrained folder is used.
     from_hf_config = not (config.model.factory or config.model.pretrained)
@@ -308,6 +317,25 @@ def _code_path_problems(key: str, value: str | None) -> list[str]:
     if value is None or _IMPORT_PATH.match(value) or (value.startswith("<") and value.endswith(">")):
         return []
     return [f"{key}: got {value!r}; expected an import path 'module:attr', e.g. 'mypkg.models:build'"]
+
+
+def _hub_ids(config: Config) -> list[str]:
+    """model.pretrained and data.tokenizer given as hub ids become their cached snapshots (offline)."""
+    from elastictrain.config.hub_cache import HubModelMissing, resolve_model
+
+    problems = []
+    for section, key in ((config.model, "pretrained"), (config.data, "tokenizer")):
+        field = f"{'model' if section is config.model else 'data'}.{key}"
+        value = getattr(section, key)
+        try:
+            found = resolve_model(value, field) if value else None
+        except HubModelMissing as e:
+            problems.append(str(e))
+            continue
+        if found is not None:
+            setattr(section, key, found.path)
+            log.info(found.line(field))
+    return problems
 
 
 def _model_problems(config: Config) -> list[str]:
