@@ -13,10 +13,21 @@ from elastictrain.cli.plot import log_export
 
 
 def export_command(
-    checkpoint: Annotated[str, typer.Argument(help="a checkpoint folder, checkpoints/ folder or run folder")],
+    checkpoint: Annotated[
+        str | None, typer.Argument(help="a checkpoint folder, checkpoints/ folder or run folder")
+    ] = None,
     out_dir: Annotated[
-        Path, typer.Option("--out", help="output folder (new, empty, or an earlier export: replaced)")
-    ],
+        Path | None, typer.Option("--out", help="output folder (new, empty, or an earlier export: replaced)")
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            "-c",
+            help="a LLaMA-Factory merge YAML (model_name_or_path, adapter_name_or_path, "
+            "export_dir, export_size): what it names, merged and checked",
+        ),
+    ] = None,
     dtype: Annotated[
         str | None,
         typer.Option(
@@ -46,7 +57,27 @@ def export_command(
     from elastictrain.tools.export import ExportOptions, export_checkpoint
     from elastictrain.tools.export_check import ExportCheckFailed
 
+    if config is not None:
+        if checkpoint is not None or out_dir is not None:
+            fail(
+                "--config: the merge file names what to export and where (export_dir): no CHECKPOINT or --out"
+            )
+        request = _merge_request(config)
+        if request.adapter is not None:  # a peft adapter folder, not a run of ours
+            _merge_adapter(request)
+            return
+        checkpoint, out_dir, max_shard_size, merge_lora = (
+            str(request.run),
+            Path(request.out),
+            request.max_shard_size,
+            True,
+        )
+    if checkpoint is None or out_dir is None:
+        fail("expected CHECKPOINT and --out DIR (or --config FILE, a LLaMA-Factory merge file)")
     path = choose(checkpoint)
+    if config is not None:
+        merge_lora = _is_lora(path)
+        _same_base(path, request.base)
     options = ExportOptions(
         dtype, max_shard_size, merge_lora, progress=lambda line: out.print(line, markup=False)
     )
@@ -67,6 +98,74 @@ def export_command(
     out.print(f"load it with {_how_to_load(result.kind, out_dir)}", markup=False)
     if log_to_mlflow:
         log_export(path, out_dir)
+
+
+def _merge_request(config: Path):  # noqa: ANN202 - MergeRequest, imported lazily
+    from omegaconf import OmegaConf
+
+    from elastictrain.config.llamafactory.export_file import read_merge_file
+
+    try:
+        raw = OmegaConf.to_container(OmegaConf.load(config), resolve=False)
+    except Exception as e:  # noqa: BLE001 - a missing file or YAML syntax error, said as such
+        fail(f"--config: {config} does not read as YAML ({e})")
+    if not isinstance(raw, dict):
+        fail(f"--config: {config} holds no mapping of keys")
+    request = read_merge_file(raw)  # type: ignore[arg-type]
+    if request.problems:
+        fail(f"LLaMA-Factory merge file {config}:\n" + "\n".join(request.problems))
+    for line in request.notices:
+        err.print(Text.assemble(("note: ", "bold yellow"), line))
+    return request
+
+
+def _merge_adapter(request) -> None:  # noqa: ANN001 - MergeRequest
+    from elastictrain.tools.export_check import ExportCheckFailed
+    from elastictrain.tools.merge_adapter import merge_adapter_folder
+
+    out_dir = Path(request.out)
+    try:
+        result = merge_adapter_folder(
+            request.base,
+            request.adapter,
+            out_dir,
+            request.max_shard_size,
+            lambda line: out.print(line, markup=False),
+        )
+    except ExportCheckFailed as e:
+        fail(f"export check failed: {e}. Nothing was written to {out_dir}", code=1)
+    except (OSError, ValueError) as e:
+        fail(str(e))
+    if result.checked is not None:
+        out.print(result.checked.line(result.dtype), markup=False)
+    out.print(
+        f"merged {request.adapter} into {request.base}: {out_dir} ({result.dtype}): {', '.join(result.files)}"
+    )
+    out.print(f"load it with {_how_to_load(result.kind, out_dir)}", markup=False)
+
+
+def _is_lora(checkpoint: Path) -> bool:
+    import json
+
+    from elastictrain.checkpoint.model_record import model_record
+    from elastictrain.checkpoint.store import MANIFEST
+
+    return model_record(json.loads((checkpoint / MANIFEST).read_text())).peft is not None
+
+
+def _same_base(checkpoint: Path, base: str | None) -> None:
+    """A merge file's model_name_or_path must be the base the run trained (its manifest's record)."""
+    import json
+
+    from elastictrain.checkpoint.model_record import model_record
+    from elastictrain.checkpoint.store import MANIFEST
+
+    trained = model_record(json.loads((checkpoint / MANIFEST).read_text())).pretrained
+    if base and trained and Path(base).resolve() != Path(trained).resolve():
+        fail(
+            f"model_name_or_path: got {base}; the run of {checkpoint} trained {trained}: give that base "
+            "(or leave the adapter's own base to the run: its checkpoint holds it)"
+        )
 
 
 def _how_to_load(kind: str, folder: Path) -> str:

@@ -24,6 +24,18 @@ def _load(config_path: Path | None, overrides: list[str]):  # noqa: ANN202 - Con
         _fail(f"invalid configuration:\n{e}")
 
 
+def _llamafactory_starts_over(config_path: Path | None, overrides: list[str]) -> bool:
+    """A LLaMA-Factory file's overwrite_output_dir: true, which is `--fresh` (the old run moved aside)."""
+    if config_path is None:
+        return False
+    from omegaconf import OmegaConf
+
+    from elastictrain.config.llamafactory import is_llamafactory, translate
+
+    raw = OmegaConf.to_container(OmegaConf.load(config_path), resolve=False)
+    return is_llamafactory(raw) and translate(raw, overrides).fresh  # type: ignore[arg-type]
+
+
 def _finish(summary) -> None:  # noqa: ANN001
     if summary.status.value != "FINISHED":
         _fail(f"run ended {summary.status.value}: {summary.message}", code=1)
@@ -63,12 +75,19 @@ def train(
     ] = False,
 ) -> None:
     """Train (or continue the run already in run.dir with the same config)."""
-    from elastictrain.config import to_yaml
+    from elastictrain.config import to_printed_yaml
 
     cfg = _load(config, overrides or [])
+    starts_over = _llamafactory_starts_over(config, overrides or [])
     if print_config:
-        out.print(to_yaml(cfg), markup=False)
+        if starts_over:
+            out.print(
+                "# overwrite_output_dir: true in the LLaMA-Factory file: train this with --fresh",
+                markup=False,
+            )
+        out.print(to_printed_yaml(cfg), markup=False)
         return
+    fresh = fresh or starts_over
     from elastictrain.launch import RunFolderConflict, finished_run_of, prepare_run_dir
     from elastictrain.rundir.run_dir import RunDirError
 

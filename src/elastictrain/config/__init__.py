@@ -3,7 +3,7 @@
 from elastictrain.config.errors import ConfigError
 from elastictrain.config.loader import load_config, valid_world_sizes, validate
 from elastictrain.config.schema import Config
-from elastictrain.config.written import config_digest, to_flat_dict, to_yaml
+from elastictrain.config.written import config_digest, to_flat_dict, to_printed_yaml, to_yaml
 
 __all__ = [
     "Config",
@@ -11,6 +11,7 @@ __all__ = [
     "config_digest",
     "load_config",
     "to_flat_dict",
+    "to_printed_yaml",
     "to_yaml",
     "valid_world_sizes",
     "validate",

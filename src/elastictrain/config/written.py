@@ -19,6 +19,18 @@ def to_yaml(config: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(redact(dataclasses.asdict(config))))
 
 
+def to_printed_yaml(config: Config) -> str:
+    """`--print-config`'s YAML: to_yaml without the placeholders a run computes at start (max_steps from
+    num_epochs, warmup_steps from warmup_ratio), so that the printed config loads as the same config."""
+    data = redact(dataclasses.asdict(config))
+    training = data["training"]
+    if training["num_epochs"] is not None and training["epoch_samples"] is None:
+        del training["max_steps"]
+    if training["warmup_ratio"] is not None:
+        del training["warmup_steps"]
+    return OmegaConf.to_yaml(OmegaConf.create(data))
+
+
 def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
     if isinstance(value, dict):
         for k, v in value.items():

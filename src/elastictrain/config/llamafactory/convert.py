@@ -81,10 +81,6 @@ def schedule(value: Any, r: Reading) -> None:
             "computes; training.lr_schedule)",
         )
         return
-    if value == "constant" and (r.get("warmup_steps") or r.get("warmup_ratio")):
-        r.note("lr_scheduler_type constant: transformers' constant schedule has no warm-up; none is applied")
-        r.set("training.warmup_steps", 0)
-        r.set("training.warmup_ratio", None)
     r.set("training.lr_schedule", SCHEDULES[value])
     r.set("training.min_lr", 0.0)
 
@@ -93,12 +89,13 @@ def warmup(value: Any, r: Reading) -> None:
     steps, ratio = r.get("warmup_steps") or 0, r.get("warmup_ratio") or 0.0
     if 0 < float(steps) < 1:  # transformers 5: a float below 1 is a ratio
         ratio, steps = float(steps), 0
-    if int(steps) > 0:  # transformers: warmup_steps wins over warmup_ratio
+    if r.get("lr_scheduler_type") == "constant" and (steps or ratio):
+        r.note("lr_scheduler_type constant: transformers' constant schedule has no warm-up; none is applied")
+        steps, ratio = 0, 0.0
+    if int(steps) > 0 or not ratio:  # transformers: warmup_steps wins over warmup_ratio
         r.set("training.warmup_steps", int(steps))
-        r.set("training.warmup_ratio", None)
-    else:
-        r.set("training.warmup_steps", 0)
-        r.set("training.warmup_ratio", float(ratio) if ratio else None)
+    else:  # warmup_steps = ceil(ratio x steps) when the run starts, as transformers computes it
+        r.set("training.warmup_ratio", float(ratio))
 
 
 def length(value: Any, r: Reading) -> None:

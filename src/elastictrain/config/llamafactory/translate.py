@@ -44,7 +44,8 @@ class Translation:
 
 def is_llamafactory(raw: Any) -> bool:
     """A LLaMA-Factory file: flat keys such as `stage` and `model_name_or_path`, no elastictrain section."""
-    if not isinstance(raw, dict) or any(k in SECTIONS for k in raw):
+    # `deepspeed: FILE` is LLaMA-Factory's; elastictrain's sections are mappings.
+    if not isinstance(raw, dict) or any(k in SECTIONS and isinstance(v, dict) for k, v in raw.items()):
         return False
     return any(k in raw for k in MARKERS)
 
