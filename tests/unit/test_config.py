@@ -304,6 +304,10 @@ def test_an_optimizer_whose_state_cannot_be_resharded_is_refused_only_when_the_w
             ["deepspeed.zero_stage=0", "training.precision=fp16"],
             "elastic checkpoints of fp16 need ZeRO stage 1-3",
         ),
+        (
+            ["deepspeed.zero_stage=0", "training.precision=bf16"],
+            "elastic checkpoints of bf16 need ZeRO stage 1-3",
+        ),
     ],
 )
 def test_what_a_zero_stage_cannot_do_is_refused_naming_the_fields(overrides, expected):

@@ -152,7 +152,7 @@ def test_keys_not_given_take_llamafactorys_defaults(work):
         "model.lora.target_modules": "all-linear",
         "model.lora.export_dir": "${run.dir}",  # the adapter at output_dir's top
         "deepspeed.activation_checkpointing": True,  # gradient checkpointing unless disabled
-        "deepspeed.zero_stage": 0,  # no DeepSpeed file: data parallel
+        "deepspeed.zero_stage": 1,  # no DeepSpeed file: DDP's update, as ZeRO-1
         "training.lr": 5e-5,
         "training.num_epochs": 3.0,
         "training.lr_schedule": "linear",

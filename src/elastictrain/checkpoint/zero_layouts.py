@@ -388,5 +388,5 @@ def layout_for(engine: Any) -> Zero3Layout | FlatPartitionLayout | ReplicatedLay
         return ReplicatedLayout(engine)
     raise RuntimeError(
         f"elastic checkpoints do not support DeepSpeed's {type(optimizer).__name__} "
-        "(fp16 without ZeRO); use ZeRO stage 1-3, or bf16/fp32"
+        "(fp16 or bf16 without ZeRO); use ZeRO stage 1-3, or fp32"
     )

@@ -3,8 +3,8 @@
 Stage 0 is plain data parallelism (every rank holds everything); stages 1 and 2 partition the
 optimizer state (and, in 2, the gradients) and may offload it to CPU; stage 3 also partitions the
 parameters and may offload both to CPU or NVMe (DeepSpeed's ZeRO-Infinity swaps to NVMe only in
-stage 3). fp16 without ZeRO runs DeepSpeed's FP16_Optimizer, whose state layout elastic checkpoints
-do not read.
+stage 3). fp16 and bf16 without ZeRO run DeepSpeed's FP16 optimizers (DeepSpeed 0.19 wraps bf16 at
+stage 0 in FP16_UnfusedOptimizer too), whose state layout elastic checkpoints do not read.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ def stage_problems(stage: object, offload_optimizer: str, offload_param: str, pr
             "deepspeed.offload_optimizer: got 'cpu' with deepspeed.zero_stage 0; "
             "optimizer offload needs ZeRO stage 1, 2 or 3"
         )
-    if precision == "fp16" and stage == 0:
+    if precision in ("fp16", "bf16") and stage == 0:
         p.append(
-            "training.precision: got 'fp16' with deepspeed.zero_stage 0; elastic checkpoints of fp16 "
-            "need ZeRO stage 1-3 (or use bf16 or fp32 at stage 0)"
+            f"training.precision: got {precision!r} with deepspeed.zero_stage 0; elastic checkpoints of "
+            f"{precision} need ZeRO stage 1-3 (ZeRO-1 computes what plain data parallelism does), or fp32 at "
+            "stage 0"
         )
     return p

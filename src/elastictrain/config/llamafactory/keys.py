@@ -152,7 +152,8 @@ KEYS: tuple[Key, ...] = (
         None,
         _M,
         "deepspeed.config_file, deepspeed.zero_stage",
-        'used unchanged ("auto" filled in); none given: ZeRO stage 0 (data parallel, as DDP)',
+        'used unchanged ("auto" filled in); none given: ZeRO stage 1 (the update DDP computes, the '
+        "optimizer state split between ranks)",
     ),
     Key(
         "plot_loss",

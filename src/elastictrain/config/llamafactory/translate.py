@@ -187,7 +187,9 @@ def _output(r: Reading) -> None:
 def _deepspeed(r: Reading) -> None:
     ds = r.get("deepspeed")
     if not ds:
-        r.set("deepspeed.zero_stage", 0)  # LLaMA-Factory without a DeepSpeed file trains data parallel
+        # LLaMA-Factory without a DeepSpeed file trains plain data parallel (DDP); ZeRO-1 computes the same
+        # update, and its checkpoints are elastic in bf16 and fp16 too (stage 0's are not).
+        r.set("deepspeed.zero_stage", 1)
         return
     path = r.path(str(ds))
     r.set("deepspeed.config_file", path)
