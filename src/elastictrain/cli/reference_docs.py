@@ -1,4 +1,5 @@
-"""The generated pages of the manual: docs/reference/config.md (from the schema) and cli.md (from the CLI).
+"""The generated pages of the manual: docs/reference/config.md (from the schema), cli.md (from the CLI) and
+llamafactory-keys.md (from the LLaMA-Factory key table).
 
 python -m elastictrain.cli.reference_docs           # write them (make docs-reference)
 python -m elastictrain.cli.reference_docs --check   # exit 1, naming them, if they are stale
@@ -13,11 +14,13 @@ from pathlib import Path
 
 from elastictrain.cli import reference as cli_reference
 from elastictrain.config import reference as config_reference
+from elastictrain.config.llamafactory import reference as llamafactory_reference
 
 REGENERATE = "make docs-reference (python -m elastictrain.cli.reference_docs)"
 PAGES: dict[str, Callable[[], str]] = {
     "reference/config.md": config_reference.render,
     "reference/cli.md": cli_reference.render,
+    "reference/llamafactory-keys.md": llamafactory_reference.render,
 }
 
 
