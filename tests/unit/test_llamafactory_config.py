@@ -377,3 +377,49 @@ def test_past_the_warm_up_the_schedules_equal_transformers_own(work):
             math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15) for a, b in zip(ours[3:], theirs[3:], strict=True)
         )
         assert theirs[0] == 0.0 and ours[0] == tr["lr"] / 3  # the one difference: docs/guides say so
+
+
+# Every text-model training file of LLaMA-Factory's examples, and what it meets here.
+TRAINING_FILES = {
+    "train_lora/qwen3_lora_sft.yaml": None,
+    "train_lora/qwen3_lora_sft_ds3.yaml": None,
+    "train_full/qwen3_full_sft.yaml": None,
+    "train_lora/qwen3_lora_pretrain.yaml": None,
+    "train_lora/qwen3_lora_sft_ray.yaml": "dataset_dir: got 'REMOTE:llamafactory/demo_data'",
+    "train_lora/qwen3_lora_dpo.yaml": "stage: got 'dpo'; preference training (DPO) is not supported yet",
+    "train_lora/qwen3_lora_kto.yaml": "stage: got 'kto'; preference training (KTO) is not supported yet",
+    "train_lora/qwen3_lora_reward.yaml": "stage: got 'rm'; reward modelling is not supported yet",
+    "train_lora/qwen3_preprocess.yaml": "tokenized_path: got 'saves/qwen3-4b/dataset/sft'; not supported",
+}
+
+
+@pytest.mark.parametrize(("name", "refusal"), TRAINING_FILES.items())
+def test_every_key_of_llamafactorys_example_training_files_is_read(work, name, refusal):
+    raw = yaml.safe_load((work / "examples" / name).read_text())
+    t = translate(raw, cwd=work, gpus=0)
+    assert not [p for p in t.problems if "not a LLaMA-Factory key" in p]
+    if refusal is None:
+        assert t.problems == []
+    else:
+        assert [p for p in t.problems if p.startswith(refusal)], t.problems
+
+
+def test_every_key_of_llamafactorys_example_merge_files_is_read(work):
+    from elastictrain.config.llamafactory.export_file import read_merge_file
+
+    (work / "saves/qwen3-4b/full/sft").mkdir(parents=True)
+    (work / "saves/qwen3-4b/full/sft/run.json").write_text("{}")  # a full fine-tune's run folder
+    (work / "saves/qwen3-4b/lora/sft").mkdir(parents=True)
+    (work / "saves/qwen3-4b/lora/sft/run.json").write_text("{}")
+    lora = read_merge_file(
+        yaml.safe_load((work / "examples/merge_lora/qwen3_lora_sft.yaml").read_text()), work
+    )
+    assert lora.problems == [] and lora.run == str(work / "saves/qwen3-4b/lora/sft")
+    assert lora.base.endswith(COMMIT) and lora.out == str(work / "saves/qwen3_sft_merged")
+    assert lora.max_shard_size == "5GB"
+    full = read_merge_file(
+        yaml.safe_load((work / "examples/merge_lora/qwen3_full_sft.yaml").read_text()), work
+    )
+    assert full.problems == [] and full.run == str(work / "saves/qwen3-4b/full/sft") and full.adapter is None
+    gptq = read_merge_file(yaml.safe_load((work / "examples/merge_lora/qwen3_gptq.yaml").read_text()), work)
+    assert [p for p in gptq.problems if p.startswith("export_quantization_bit: got 4; not supported")]

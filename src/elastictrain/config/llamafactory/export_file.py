@@ -113,6 +113,12 @@ def _sources(
         )
         return base, None, None
     adapter = r.path(adapters[0])
+    try:  # an adapter named by hub id, read from the cache as the base is
+        cached = resolve_model(adapters[0], "adapter_name_or_path", cache=raw.get("cache_dir"))
+    except HubModelMissing as e:
+        problems.append(str(e))
+        return base, None, None
+    adapter = cached.path if cached else adapter
     if is_run_folder(adapter):
         return base, adapter, None
     if not (Path(adapter) / "adapter_config.json").is_file():
