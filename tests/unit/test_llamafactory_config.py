@@ -423,3 +423,24 @@ def test_every_key_of_llamafactorys_example_merge_files_is_read(work):
     assert full.problems == [] and full.run == str(work / "saves/qwen3-4b/full/sft") and full.adapter is None
     gptq = read_merge_file(yaml.safe_load((work / "examples/merge_lora/qwen3_gptq.yaml").read_text()), work)
     assert [p for p in gptq.problems if p.startswith("export_quantization_bit: got 4; not supported")]
+
+
+def test_print_config_of_a_llamafactory_file_says_it_starts_over_and_loads_back(work, tmp_path):
+    from typer.testing import CliRunner
+
+    from elastictrain.cli.app import app
+    from elastictrain.cli.train import _llamafactory_starts_over
+
+    example = work / "examples/train_lora/qwen3_lora_sft.yaml"
+    result = CliRunner().invoke(app, ["train", "-c", str(example), "--print-config"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(
+        "# overwrite_output_dir: true in the LLaMA-Factory file: train this with --fresh"
+    )
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(result.output)
+    assert load_config(printed) == load_config(example)
+    assert _llamafactory_starts_over(example, []) is True
+    assert _llamafactory_starts_over(example, ["overwrite_output_dir=false"]) is False
+    assert _llamafactory_starts_over(printed, []) is False  # the native form: --fresh says it
+    assert not (work / "saves").exists()  # --print-config creates no run folder
