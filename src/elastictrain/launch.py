@@ -271,7 +271,8 @@ def check_before_start(config: Config) -> None:
 
 
 def export_at_finish(config: Config, run_dir: RunDir, reporter: Reporter) -> None:
-    """At the end of a LoRA run, write the adapter (peft's layout) from the last checkpoint."""
+    """At the end of a LoRA run, write the adapter (peft's layout) from the last checkpoint, with the
+    run's tokenizer beside it; model.lora.export_dir may be the run folder (the adapter at its top)."""
     if not config.model.lora.enabled:
         return
     from elastictrain.checkpoint.store import CheckpointStore
@@ -281,9 +282,15 @@ def export_at_finish(config: Config, run_dir: RunDir, reporter: Reporter) -> Non
     if last is None:
         return
     out = Path(config.model.lora.export_dir)
-    export_adapter(config, last.path, out)
-    run_dir.append_event("adapter_exported", step=last.manifest["step"], path=str(out), checkpoint=last.tag)
-    reporter.event(f"LoRA adapter of {last.tag} exported to {out} (load with peft.PeftModel.from_pretrained)")
+    written = export_adapter(config, last.path, out)
+    step, files = last.manifest["step"], written.files
+    run_dir.append_event("adapter_exported", step=step, path=str(out), checkpoint=last.tag, files=files)
+    for note in written.notes:
+        reporter.event(f"note: {note}")
+    tokenizer = f" with its tokenizer ({written.tokenizer.ran_with})" if written.tokenizer else ""
+    reporter.event(
+        f"LoRA adapter of {last.tag} exported to {out}{tokenizer} (load with peft.PeftModel.from_pretrained)"
+    )
 
 
 def _end_tracking(

@@ -2,11 +2,18 @@
 
 Two callers: the run's end (`export_adapter`, from the run's config, into model.lora.export_dir) and
 `elastictrain export` (`adapter_from_record`, from the checkpoint's own record of the model).
+
+The folder written into may be the run folder itself (model.lora.export_dir = run.dir: the adapter at
+its top, as LLaMA-Factory's output_dir and vLLM's --lora-modules expect): peft saves into a hidden
+folder inside it, and each file it wrote is then renamed over its name at the top. Nothing else in the
+folder (run.json, config.yaml, events.jsonl, checkpoints/, ...) is touched.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +21,26 @@ import torch
 
 from elastictrain.model.lora import apply_lora
 
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what peft needs; the config last
 
-def export_adapter(config: Any, checkpoint: Path, out_dir: Path) -> list[Path]:
-    """Write the checkpoint's adapter in peft's layout (adapter_config.json + adapter_model.safetensors).
+
+@dataclass
+class AdapterExport:
+    """What the run's end wrote into model.lora.export_dir."""
+
+    files: list[str]  # names, adapter and tokenizer
+    tokenizer: Any = None  # tools/tokenizer_files.py CopiedTokenizer; None: the run had no tokenizer
+    notes: list[str] = field(default_factory=list)
+
+
+def export_adapter(config: Any, checkpoint: Path, out_dir: Path) -> AdapterExport:
+    """Write the checkpoint's adapter in peft's layout (adapter_config.json + adapter_model.safetensors)
+    and the run's tokenizer beside it (as LLaMA-Factory writes its adapter's output dir).
 
     The model is built on the meta device (no memory for the base weights) just to give peft the
     structure; the adapter weights come from the checkpoint's fragments.
     """
+    from elastictrain.checkpoint.model_record import tokenizer_folder
     from elastictrain.checkpoint.store import MANIFEST
     from elastictrain.checkpoint.zero_state import FragmentReader
 
@@ -31,7 +51,34 @@ def export_adapter(config: Any, checkpoint: Path, out_dir: Path) -> list[Path]:
     with _empty_weights():
         wrapped = apply_lora(base_structure(config), config.model.lora)
     base = str(Path(config.model.pretrained).resolve()) if config.model.pretrained else None
-    return write_adapter(wrapped, reader, out_dir, base, torch.float32)
+    written = write_adapter(wrapped, reader, out_dir, base, torch.float32)
+    source = tokenizer_folder(config.data.tokenizer, base)  # the one the run tokenized with
+    result = AdapterExport([p.name for p in written])
+    if source is not None:
+        result.tokenizer, result.notes = adapter_tokenizer(source, out_dir)
+        if result.tokenizer is not None:
+            result.files += result.tokenizer.files
+    return result
+
+
+def adapter_tokenizer(source: str, out_dir: Path) -> tuple[Any, list[str]]:
+    """Copy `source`'s tokenizer beside the adapter, recording its class, and check it tokenizes as
+    `source` does: (tools/tokenizer_files.py CopiedTokenizer or None, notes). A failure is a note: the
+    adapter is written and the run has finished; `elastictrain export` refuses such a tokenizer."""
+    from elastictrain.tools.export_check import ExportCheckFailed, same_tokenizer
+    from elastictrain.tools.tokenizer_files import copy_tokenizer
+
+    if not Path(source).is_dir():
+        return None, [f"no tokenizer written beside the adapter: {source} (the run's tokenizer) is gone"]
+    try:
+        copied = copy_tokenizer(source, out_dir)
+    except (OSError, ValueError) as e:  # a full disk, a folder changed since the run loaded it
+        return None, [f"no tokenizer written beside the adapter: copying {source} failed: {e}"]
+    try:
+        same_tokenizer(source, out_dir)
+    except ExportCheckFailed as e:
+        return copied, [f"{e} (it loads as {copied.loads_as}; the run tokenized with {copied.ran_with})"]
+    return copied, []
 
 
 def adapter_from_record(record: Any, reader: Any, out_dir: Path, dtype: torch.dtype) -> list[Path]:
@@ -62,8 +109,30 @@ def write_adapter(
     state = {name: reader.full(name).to(dtype).contiguous() for name in sorted(reader.params)}
     wrapped.peft_config["default"].base_model_name_or_path = base
     out_dir.mkdir(parents=True, exist_ok=True)
-    wrapped.save_pretrained(str(out_dir), state_dict=state)
-    return [out_dir / "adapter_config.json", out_dir / "adapter_model.safetensors"]
+    staging = out_dir / ".adapter-partial"  # in the folder: the renames stay on its file system
+    shutil.rmtree(staging, ignore_errors=True)  # a crashed export's
+    try:
+        wrapped.save_pretrained(str(staging), state_dict=state)
+        return _move_up(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _move_up(staging: Path, out_dir: Path) -> list[Path]:
+    """Rename each file peft wrote into `staging` over its name in `out_dir`, adapter_config.json last
+    (a reader of `out_dir` never sees a new config beside older weights)."""
+    from elastictrain.storage.durable import fsync_dir
+
+    names = sorted((p.name for p in staging.iterdir()), key=lambda n: (n == ADAPTER_FILES[0], n))
+    if not all((staging / n).is_file() for n in names) or not set(ADAPTER_FILES) <= set(names):
+        raise RuntimeError(f"peft wrote {names}; expected files, {ADAPTER_FILES} among them")
+    moved = []
+    for name in names:
+        fsync_dir(staging / name)  # a file: fsync_dir opens it read-only and fsyncs it
+        (staging / name).replace(out_dir / name)
+        moved.append(out_dir / name)
+    fsync_dir(out_dir)
+    return moved
 
 
 def _empty_weights() -> Any:

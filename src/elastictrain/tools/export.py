@@ -28,24 +28,9 @@ from elastictrain.checkpoint.store import MANIFEST
 from elastictrain.storage.durable import fsync_dir
 from elastictrain.tools import export_check as check
 from elastictrain.tools.export_shards import Tensors, dtype_named, parse_size, write_shards
+from elastictrain.tools.tokenizer_files import copy_tokenizer
 
 RECORD = "elastictrain-export.json"  # what was exported from where: also marks a folder as an export
-# What transformers' tokenizers are saved as (the chat template in its own file since transformers 4.43).
-TOKENIZER_FILES = {
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "vocab.txt",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-}
-CHAT_TEMPLATES = "additional_chat_templates"  # a folder of named templates beside the default one
 
 
 @dataclass(frozen=True)
@@ -247,20 +232,28 @@ class _Writer:
         return check.compare(reference, check.logits(loaded.float().eval(), reference.ids), self.dtype)
 
     def tokenizer(self) -> list[str]:
-        """The run's tokenizer files, copied as they are (chat template included), checked to load."""
+        """The run's tokenizer files, copied as they are (chat template included), with the class the run
+        tokenized with recorded where the export would load another (tools/tokenizer_files.py); checked
+        to tokenize as the run's."""
         source = self.record.tokenizer
         if source is None:
             return ["no tokenizer: the run had neither data.tokenizer nor a pretrained folder holding one"]
-        folder = Path(source)
-        if not folder.is_dir():
+        if not Path(source).is_dir():
             return [f"no tokenizer: {source} (the run's tokenizer) is gone"]
-        copied = [p.name for p in folder.iterdir() if p.name in TOKENIZER_FILES and p.is_file()]
-        for name in copied:
-            shutil.copy2(folder / name, self.staging / name)
-        if (folder / CHAT_TEMPLATES).is_dir():
-            shutil.copytree(folder / CHAT_TEMPLATES, self.staging / CHAT_TEMPLATES)
-        check.same_tokenizer(source, self.staging)
-        self.progress(f"copied the tokenizer of {source}: {', '.join(sorted(copied))}")
+        copied = copy_tokenizer(source, self.staging)  # after config.json: it decides the class too
+        try:
+            check.same_tokenizer(source, self.staging)
+        except check.ExportCheckFailed as e:
+            if copied.loads_as == copied.ran_with:
+                raise
+            model_type = (self.record.config or {}).get("model_type")
+            raise check.ExportCheckFailed(
+                f"{e}: it loads as {copied.loads_as}, the run tokenized with {copied.ran_with}; with a "
+                f"config.json beside it (model_type {model_type!r}) transformers loads that class whatever "
+                "tokenizer_config.json names"
+            ) from e
+        recorded = f" (tokenizer_class {copied.ran_with}, as the run loaded it)" if copied.recorded else ""
+        self.progress(f"copied the tokenizer of {source}: {', '.join(copied.files)}{recorded}")
         return []
 
 
