@@ -46,8 +46,16 @@ def work(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
         yield folder
 
 
+def started(cfg):  # noqa: ANN001, ANN201
+    """As `elastictrain train` starts it: num_epochs and warmup_ratio become step counts."""
+    from elastictrain.run_length import resolve_length
+
+    list(resolve_length(cfg))
+    return cfg
+
+
 def train(path: Path, *overrides: str):  # noqa: ANN201
-    cfg = load_config(path, [*AT_TWO, *overrides])
+    cfg = started(load_config(path, [*AT_TWO, *overrides]))
     summary, run_dir, output = run(cfg)
     assert summary.status.value == "FINISHED", output
     assert [e["world_size"] for e in run_dir.read_info().world_size_history] == [2]
@@ -63,7 +71,7 @@ def test_the_lora_example_trains_and_leaves_its_adapter_at_output_dirs_top(lora_
     cfg, run_dir = lora_run
     assert run_dir.path == work / "saves/qwen3-4b/lora/sft"
     assert cfg.training.global_batch_size == 8 and cfg.training.precision == "bf16"  # 2 x 2 x 2 workers
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
+    for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json"):
         assert (run_dir.path / name).is_file(), name
     losses = logged_losses(run_dir)
     assert len(losses) == cfg.training.max_steps == 6  # 48 records, one epoch, 8 a step
@@ -77,7 +85,7 @@ def test_its_printed_config_trains_the_same_losses(lora_run, work, tmp_path):
     again = load_config(printed)
     assert again == load_config(work / LORA, list(AT_TWO))
     moved = tmp_path / "again"
-    summary, other, output = run(load_config(printed, [f"run.dir={moved}", "run.name=again"]))
+    summary, other, output = run(started(load_config(printed, [f"run.dir={moved}", "run.name=again"])))
     assert summary.status.value == "FINISHED", output
     assert logged_losses(other) == logged_losses(run_dir)
 

@@ -35,7 +35,12 @@ class Reading:
         self.native[key] = value
 
     def path(self, value: str) -> str:
-        """A path of the file, made absolute against the working directory as LLaMA-Factory does."""
+        """A path of the file, made absolute against the working directory as LLaMA-Factory does (an
+        object-store URL, which elastictrain's run.dir may be, stays as it is)."""
+        from elastictrain.storage.objects import is_url
+
+        if is_url(str(value)):
+            return str(value)
         p = Path(str(value)).expanduser()
         return str(p if p.is_absolute() else (self.cwd / p).resolve())
 
