@@ -61,7 +61,7 @@ def export_checkpoint(checkpoint: Any, out_dir: Path, options: ExportOptions | N
     dtype = dtype_named(opts.dtype or record.precision)
     dtype_name = _dtype_text(dtype)
     max_bytes = parse_size(opts.max_shard_size)
-    _check_out(out_dir)
+    check_out_folder(out_dir)
     if opts.merge_lora and record.peft is None:
         raise ValueError(f"--merge-lora: {checkpoint} is not of a LoRA run (model.lora.enabled was false)")
     if record.peft is not None and not record.is_transformers:
@@ -97,7 +97,7 @@ def export_checkpoint(checkpoint: Any, out_dir: Path, options: ExportOptions | N
         shutil.rmtree(staging, ignore_errors=True)
         raise
     names = sorted(p.name for p in staging.iterdir())
-    _publish(staging, out_dir)
+    publish(staging, out_dir)
     return ExportResult(out_dir, kind, dtype_name, names, checked, notes)
 
 
@@ -261,7 +261,7 @@ def _dtype_text(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _check_out(out: Path) -> None:
+def check_out_folder(out: Path) -> None:
     """`out` may be new, an empty folder or an earlier export (replaced); anything else is kept."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out: {out} is a file; expected a folder (new, empty, or an earlier export)")
@@ -272,7 +272,7 @@ def _check_out(out: Path) -> None:
         )
 
 
-def _publish(staging: Path, out: Path) -> None:
+def publish(staging: Path, out: Path) -> None:
     """Rename the checked folder into place; an earlier export there is replaced."""
     old = out.with_name(f".{out.name}.export-old")
     shutil.rmtree(old, ignore_errors=True)

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from elastictrain.tools import export_check as check
-from elastictrain.tools.export import RECORD, ExportResult, _check_out, _publish
+from elastictrain.tools.export import RECORD, ExportResult, check_out_folder, publish
 from elastictrain.tools.export_shards import parse_size
+from elastictrain.tools.tokenizer_files import copy_tokenizer
 
 
 def merge_adapter_folder(
@@ -31,7 +32,7 @@ def merge_adapter_folder(
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    _check_out(out)
+    check_out_folder(out)
     dtype = _base_dtype(AutoConfig.from_pretrained(base, local_files_only=True))
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, local_files_only=True)
     wrapped = PeftModel.from_pretrained(model, adapter, is_trainable=False).eval()
@@ -64,7 +65,7 @@ def merge_adapter_folder(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     names = sorted(p.name for p in staging.iterdir())
-    _publish(staging, out)
+    publish(staging, out)
     return ExportResult(out, "merged", record["dtype"], names, checked, [])
 
 
@@ -81,8 +82,6 @@ def _has_tokenizer(folder: str) -> bool:
 
 
 def _save_tokenizer(source: str, staging: Path) -> None:
-    """The tokenizer as `source` loads (its class recorded in tokenizer_config.json), checked to load so."""
-    from transformers import AutoTokenizer
-
-    AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(staging)
+    """`source`'s tokenizer files, loading from `staging` as the class `source` loads as, checked."""
+    copy_tokenizer(source, staging)
     check.same_tokenizer(source, staging)
