@@ -10,7 +10,9 @@ hold no trained answer token (its prompt alone fills seq_len; with mask_history,
 beyond) is dropped and counted, never trained with no target. Records that do not convert (missing
 columns, an empty conversation, roles out of order, an answer missing, a template refusing them) are bad:
 the build fails naming each (file, record index, field) unless data.on_bad_record is skip, which drops
-them and says how many.
+them and says how many. A rendering that leaves out what a record has (a tool call, a tool, an answer's
+content: render.py) refuses the build whatever data.on_bad_record says: the template or data.tool_format
+is what needs changing, and skipping would drop every such record.
 """
 
 from __future__ import annotations
@@ -35,7 +37,14 @@ from elastictrain.data.sft.records import (
     layout_problems,
     make_layout,
 )
-from elastictrain.data.sft.render import TemplateProblem, chat_tokenizer, encode, template_origin
+from elastictrain.data.sft.render import (
+    TemplateProblem,
+    chat_tokenizer,
+    encode,
+    template_facts,
+    template_origin,
+)
+from elastictrain.data.sft.tool_text import TOOL_FORMATS
 
 log = logging.getLogger("elastictrain.data")
 CHUNK = 512  # conversations tokenized per batched call
@@ -64,6 +73,7 @@ class BuildReport:
     records: int = 0
     bad: list[BadRecord] = field(default_factory=list)
     overlong: list[tuple[str, int, int]] = field(default_factory=list)  # (file, record, tokens)
+    lost: list[tuple[str, int, list[tuple[str, str]]]] = field(default_factory=list)  # (file, record, parts)
 
     def bad_message(self) -> str:
         shown = "\n".join(f"  {b.line()}" for b in self.bad[:SHOWN])
@@ -72,6 +82,33 @@ class BuildReport:
             f"data: {len(self.bad)} of {self.records} instruction records are bad:\n{shown}{more}\n"
             "Fix them, or set data.on_bad_record=skip to train without them"
         )
+
+    def lost_message(self, origin: str, tool_format: str | None) -> str:
+        """Records whose rendering leaves out a call, a tool or an answer's content, and the fix."""
+        lines = [
+            f"  {f} record {i}: {'; '.join([w for _, w in parts[:3]] + ['...'] * (len(parts) > 3))}"
+            for f, i, parts in self.lost[:SHOWN]
+        ]
+        if len(self.lost) > SHOWN:
+            lines.append(f"  ... and {len(self.lost) - SHOWN} more")
+        kinds = {k for _, _, parts in self.lost for k, _ in parts}
+        what = [w for k, w in (("call", "tool calls"), ("tool", "tools"), ("blank", "answers")) if k in kinds]
+        head = (
+            f"data: {len(self.lost)} of {self.records} instruction records would train without their "
+            f"{' and '.join(what)}: {origin} leaves them out of the rendering"
+        )
+        if tool_format is None and kinds & {"call", "tool"}:
+            fix = (
+                "data.tool_format: set it to json or qwen to write the calls and tools into the messages' "
+                "text, which any template renders (docs/instruction-data.md, Tool calls), or give "
+                "data.template=FILE, a chat template that renders tool_calls and tools"
+            )
+        else:
+            fix = (
+                "data.template: give FILE, a chat template that renders every message's content (the "
+                f"system turn too{', which holds the tools with data.tool_format' if tool_format else ''})"
+            )
+        return "\n".join([head, *lines, fix])
 
     def dropped_message(self, seq_len: int) -> str:
         where = "; ".join(f"{f} record {i}: a prompt of {n} tokens" for f, i, n in self.overlong[:3])
@@ -140,13 +177,19 @@ def _layout(source: Source, path: str, records: Sequence[Any]) -> Layout:
 def build_sft_dataset(data: Any, pretrained: str | None = None) -> SftDataset:
     """The dataset of `data` (a DataConfig, source sft); raises SftDataError naming what is wrong."""
     sources, problems = sources_and_problems(data)
+    tool_format = getattr(data, "tool_format", None)
+    if tool_format is not None and tool_format not in TOOL_FORMATS:
+        problems.append(
+            f"data.tool_format: got {tool_format!r}; expected {' or '.join(TOOL_FORMATS)} (or null: the "
+            "chat template renders tool calls and tools)"
+        )
     if problems:
         raise SftDataError("\n".join(problems))
     try:
         tokenizer = chat_tokenizer(data, pretrained)
     except ValueError as e:
         raise SftDataError(str(e)) from e
-    origin = template_origin(data, pretrained)
+    origin, facts = template_origin(data, pretrained), template_facts(tokenizer)
     report, seq_len = BuildReport(), int(data.seq_len)
     ids: list[int] = []
     labels: list[int] = []
@@ -176,12 +219,15 @@ def build_sft_dataset(data: Any, pretrained: str | None = None) -> SftDataset:
                 chunk = convs[start : start + CHUNK]
                 names = [f"{path} record {i}" for i, _ in chunk]
                 try:
-                    encoded = encode(tokenizer, [c for _, c in chunk], names, origin)
+                    encoded = encode(tokenizer, [c for _, c in chunk], names, origin, tool_format, facts)
                 except TemplateProblem as e:
                     raise SftDataError(str(e)) from e
                 for (i, _), enc in zip(chunk, encoded, strict=True):
                     if isinstance(enc, RecordProblem):
                         report.bad.append(BadRecord(path, i, enc.field, enc.reason))
+                        continue
+                    if enc.lost:
+                        report.lost.append((path, i, enc.lost))
                         continue
                     kept = kept_length(len(enc.ids), enc.answers, seq_len, data.mask_history)
                     if kept is None:
@@ -197,6 +243,8 @@ def build_sft_dataset(data: Any, pretrained: str | None = None) -> SftDataset:
                     offsets.append(len(ids))
                     origins.append((path, i))
     report.bad.sort(key=lambda b: (b.file, b.index))
+    if report.lost:
+        raise SftDataError(report.lost_message(origin, tool_format))
     if report.bad and data.on_bad_record != "skip":
         raise SftDataError(report.bad_message())
     if report.bad:

@@ -5,17 +5,25 @@ The template is the tokenizer's own (`data.tokenizer`, else `model.pretrained`'s
 as `apply_chat_template` does (no special tokens added). Assistant turn k's prompt is the rendering of
 the turns before it with the generation prompt; its answer runs from there to the end of the rendering
 of the turns up to it (core/sft_labels.py). Renderings are tokenized in one batched call per chunk.
+
+With `data.tool_format` the calls, tool results and tools are written into the messages' text first
+(tool_text.py). Either way each rendering is checked to hold what the record has: every call (name and
+arguments) in its answer's tokens, every tool's name in the prompt's, and no answer rendered as
+template markers only; what is left out comes back in `Encoded.lost`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from elastictrain.core.sft_labels import PrefixBroken, answer_spans
 from elastictrain.data.sft.records import Conversation, RecordProblem
+from elastictrain.data.sft.tool_text import lost_parts, with_tool_format
+
+_PROBE = "elastictrain-probe-7f3a"  # text no template writes of its own
 
 
 class TemplateProblem(ValueError):
@@ -26,6 +34,37 @@ class TemplateProblem(ValueError):
 class Encoded:
     ids: list[int]
     answers: list[tuple[int, int]]  # [start, end) of each assistant turn, in order
+    lost: list[tuple[str, str]] = field(default_factory=list)  # (kind, what): tool_text.lost_parts
+
+
+@dataclass(frozen=True)
+class TemplateFacts:
+    """What one probe of a chat template shows: whether it renders a `tool` message, and the text it
+    writes around an answer (with the tokenizer's special tokens: what an empty answer trains as)."""
+
+    tool_role: bool
+    marks: tuple[str, ...]
+
+
+def template_facts(tokenizer: Any) -> TemplateFacts:
+    ask = {"role": "user", "content": "hi"}
+    specials = tuple(str(t) for t in getattr(tokenizer, "all_special_tokens", []) or [])
+    marks: tuple[str, ...] = ()
+    try:
+        whole = _render(tokenizer, [ask, {"role": "assistant", "content": _PROBE}], None, False)
+        answer = whole[len(_render(tokenizer, [ask], None, True)) :]
+        if _PROBE in answer:
+            marks = tuple(answer.split(_PROBE, 1))
+    except Exception:  # noqa: BLE001 - a template refusing the probe: special tokens are the marks
+        pass
+    result = [ask, {"role": "assistant", "content": "call"}, {"role": "tool", "content": _PROBE}]
+    try:
+        tool_role = _PROBE in _render(
+            tokenizer, [*result, {"role": "assistant", "content": "ok"}], None, False
+        )
+    except Exception:  # noqa: BLE001 - a template refusing role tool
+        tool_role = False
+    return TemplateFacts(tool_role, marks + specials)
 
 
 def template_origin(data: Any, pretrained: str | None) -> str:
@@ -82,16 +121,23 @@ def renderings(tokenizer: Any, conversation: Conversation) -> tuple[list[int], l
 
 
 def encode(
-    tokenizer: Any, conversations: Sequence[Conversation], names: Sequence[str], origin: str
+    tokenizer: Any,
+    conversations: Sequence[Conversation],
+    names: Sequence[str],
+    origin: str,
+    tool_format: str | None = None,
+    facts: TemplateFacts | None = None,
 ) -> list[Encoded | RecordProblem]:
     """Each conversation's ids and answer spans, or why the template refuses it (a record problem).
 
     Raises TemplateProblem where the template breaks the prefix property (`names` say which record).
     """
+    facts = facts or template_facts(tokenizer)
     rendered: list[tuple[list[int], list[str]] | RecordProblem] = []
     for conversation in conversations:
         try:
-            rendered.append(renderings(tokenizer, conversation))
+            shown = with_tool_format(conversation, tool_format, facts.tool_role)
+            rendered.append(renderings(tokenizer, shown))
         except Exception as e:  # noqa: BLE001 - a template's raise_exception (or its bug) on this record
             rendered.append(
                 RecordProblem("messages", f"the chat template refuses it: {type(e).__name__}: {e}")
@@ -99,7 +145,7 @@ def encode(
     texts = [t for r in rendered if not isinstance(r, RecordProblem) for t in r[1]]
     tokens = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
     out: list[Encoded | RecordProblem] = []
-    for name, r in zip(names, rendered, strict=True):
+    for name, conversation, r in zip(names, conversations, rendered, strict=True):
         if isinstance(r, RecordProblem):
             out.append(r)
             continue
@@ -115,4 +161,22 @@ def encode(
                 "data.template=FILE, a template that renders every turn the same whatever comes after it"
             ) from None
         out.append(Encoded(list(ids[0]), spans))
+        out[-1].lost = _lost(tokenizer, conversation, out[-1], facts)
     return out
+
+
+def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    return str(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
+
+def _lost(
+    tokenizer: Any, conversation: Conversation, enc: Encoded, facts: TemplateFacts
+) -> list[tuple[str, str]]:
+    """What of the record the tokens leave out: calls and non-empty answers in the answer spans, tool
+    names in the prompt (every token outside them)."""
+    answers = [_decode(tokenizer, enc.ids[a:b]) for a, b in enc.answers]
+    prompt = ""
+    if conversation.tools:
+        cuts = [0, *(x for span in enc.answers for x in span), len(enc.ids)]
+        prompt = "".join(_decode(tokenizer, enc.ids[a:b]) for a, b in zip(cuts[::2], cuts[1::2], strict=True))
+    return lost_parts(conversation, answers, prompt, facts.marks)
