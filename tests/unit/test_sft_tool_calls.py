@@ -64,6 +64,15 @@ NO_CONTENT = (
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# ChatML that writes a call's name but not its arguments, and the tools' names in the system turn.
+NAME_ONLY = (
+    "{% if tools %}{{ '<|im_start|>system\\n' }}{% for t in tools %}{{ t.name + ' ' }}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{% for call in message.tool_calls or [] %}{{ call.function.name }}{% endfor %}{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 WEATHER = {
     "name": "get_weather",
@@ -359,6 +368,20 @@ def test_an_answer_the_template_renders_empty_is_refused(tmp_path, tok, glaive):
     assert message.splitlines()[-1].startswith("data.template: give FILE"), message
 
 
+def test_a_call_rendered_without_its_arguments_is_refused_naming_the_argument(tmp_path, tok, glaive):
+    with pytest.raises(SftDataError) as e:
+        build_sft_dataset(sft(tok, glaive, f"data.template={template(tmp_path, NAME_ONLY)}").data)
+    message = str(e.value)
+    assert message.startswith("data: 4 of 5 instruction records would train without their tool calls:"), (
+        message
+    )
+    assert (
+        f'{glaive} record 0: answer 1: the call get_weather {{"city": "Paris"}} is not in its answer '
+        "tokens, 'get_weather<|im_end|>\\n' (argument name 'city' missing)"
+    ) in message
+    assert f"{glaive} record 2:" not in message  # no call, and its tool is in the prompt
+
+
 @pytest.mark.parametrize(("key", "value"), [("data.tool_format", "hermes"), ("eval.data.tool_format", "xml")])
 def test_an_unknown_tool_format_is_refused_naming_the_field_and_the_choices(tok, glaive, key, value):
     extra = ["eval.data.source=sft", f"eval.data.path={glaive}"] if key.startswith("eval") else []
@@ -387,3 +410,18 @@ def test_preview_data_shows_the_call_in_the_trained_text(tok, glaive):
         "</tool_call><|im_end|>\n]]"
     ) in result.output
     assert "<tools>\n" in result.output
+
+
+def test_a_call_counts_as_rendered_in_any_usual_json_or_python_spelling():
+    from elastictrain.data.sft.tool_text import call_parts, missing_from_call
+
+    name, arguments = call_parts(
+        {"function": {"name": "f", "arguments": '{"q": "say \\"hi\\"", "n": 2, "ok": true}'}}
+    )
+    assert (name, arguments) == ("f", {"q": 'say "hi"', "n": 2, "ok": True})
+    assert missing_from_call('f {"q": "say \\"hi\\"", "n": 2, "ok": true}', name, arguments) is None
+    assert missing_from_call("f(q='say \"hi\"', n=2, ok=True)", name, arguments) is None
+    assert missing_from_call('f {"q": "say hi", "n": 2, "ok": true}', name, arguments) == (
+        "the value of argument 'q'"
+    )
+    assert missing_from_call('g {"q": "x"}', name, arguments) == "its name"

@@ -119,7 +119,7 @@ class DataConfig:
     # How tool calls and tools reach the template (docs/instruction-data.md, Tool calls). null: the chat
     # template renders tool_calls and tools, refused if it leaves one out | json: tools as a JSON list in
     # the system turn, calls as {"name", "arguments"} JSON in the answer | qwen: LLaMA-Factory's qwen
-    # (Hermes) text: <tools> in the system turn, <tool_call> in the answer, <tool_response> user turns
+    # (Hermes) text: `<tools>` in the system turn, `<tool_call>` in the answer, `<tool_response>` user turns
     tool_format: str | None = None
     train_on_prompt: bool = False  # also train on the prompt tokens
     mask_history: bool = False  # train only on each conversation's last answer
