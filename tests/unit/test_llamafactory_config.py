@@ -444,3 +444,32 @@ def test_print_config_of_a_llamafactory_file_says_it_starts_over_and_loads_back(
     assert _llamafactory_starts_over(example, ["overwrite_output_dir=false"]) is False
     assert _llamafactory_starts_over(printed, []) is False  # the native form: --fresh says it
     assert not (work / "saves").exists()  # --print-config creates no run folder
+
+
+def test_llamafactorys_tool_call_demo_is_refused_by_a_template_dropping_calls_and_trains_with_tool_format(
+    work,
+):
+    from test_sft_tool_calls import RECORDS, assert_calls_trained_and_tools_prompted
+
+    from elastictrain.data.sft.dataset import SftDataError, build_sft_dataset
+
+    (work / "data/glaive_toolcall_en_demo.json").write_text(json.dumps(RECORDS))
+    info = json.loads((work / "data/dataset_info.json").read_text())
+    info["glaive_toolcall_en_demo"] = {  # as LLaMA-Factory's own data/dataset_info.json has it
+        "file_name": "glaive_toolcall_en_demo.json",
+        "formatting": "sharegpt",
+        "columns": {"messages": "conversations", "tools": "tools"},
+    }
+    (work / "data/dataset_info.json").write_text(json.dumps(info))
+    path = work / "tools.yaml"
+    path.write_text(
+        yaml.safe_dump(minimal(dataset="glaive_toolcall_en_demo", template="qwen", cutoff_len=4096))
+    )
+    cfg = load_config(path)  # the cached model's tokenizer: a plain ChatML template, blind to tool calls
+    with pytest.raises(SftDataError, match=r"would train without their tool calls(.|\n)*data.tool_format"):
+        build_sft_dataset(cfg.data, cfg.model.pretrained)
+    cfg = load_config(path, ["tool_format=qwen", "default_system=null"])
+    from transformers import AutoTokenizer
+
+    dataset = build_sft_dataset(cfg.data, cfg.model.pretrained)
+    assert_calls_trained_and_tools_prompted(AutoTokenizer.from_pretrained(cfg.model.pretrained), dataset)
