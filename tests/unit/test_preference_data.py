@@ -76,6 +76,27 @@ def test_sharegpt_ranking_takes_conversations_as_prompt_and_single_turn_answers(
     assert (pair.chosen["content"], pair.rejected["content"]) == ("blue", "green")
 
 
+def test_sharegpt_ranking_with_a_system_turn_and_a_tool_call_answer():
+    call = json.dumps({"name": "paint", "arguments": {"colour": "blue"}})
+    record = {
+        "conversations": [
+            {"from": "system", "value": "be brief"},
+            {"from": "human", "value": "name a colour"},
+        ],
+        "chosen": {"from": "function_call", "value": call},
+        "rejected": {"from": "gpt", "value": "green"},
+    }
+    pair = _pair(record)
+    assert pair.prompt == [{"role": "system", "content": "be brief"}, USER]
+    assert pair.chosen["tool_calls"][0]["function"] == {"name": "paint", "arguments": {"colour": "blue"}}
+
+
+def test_openai_ranking_reads_role_content_answers():
+    record = {"messages": [USER], "chosen": _a("blue"), "rejected": _a("green")}
+    pair = to_pair(record, pair_layout("openai", None, None))
+    assert pair.prompt == [USER] and pair.rejected == _a("green")
+
+
 def test_sharegpt_ranking_renamed_tags():
     tags = {"role_tag": "s", "content_tag": "t", "user_tag": "p", "assistant_tag": "b"}
     cols = {"messages": "dialog", "chosen": "chosen", "rejected": "rejected"}
@@ -110,6 +131,14 @@ def test_trl_implicit_prompt_is_the_common_prefix():
     pair = _pair(record)
     assert pair.prompt == head
     assert (pair.chosen["content"], pair.rejected["content"]) == ("blue", "green")
+
+
+def test_trl_text_that_looks_like_json_stays_text_and_csv_message_lists_are_read():
+    pair = _pair({"prompt": "name two numbers", "chosen": "[1, 2]", "rejected": "[]"})
+    assert (pair.chosen["content"], pair.rejected["content"]) == ("[1, 2]", "[]")
+    cell = json.dumps([{"role": "assistant", "content": "blue"}])
+    pair = _pair({"prompt": json.dumps([USER]), "chosen": cell, "rejected": "green"}, "trl")
+    assert pair.prompt == [USER] and pair.chosen["content"] == "blue"
 
 
 def test_kto_tag_on_an_sft_record():
@@ -337,3 +366,25 @@ def test_trl_files_via_data_path_build_pairs_and_kto_examples(tmp_path, tok, hf)
     kto.write_text(json.dumps({"prompt": "name a colour", "completion": "blue", "label": False}) + "\n")
     examples, _ = build_kto(data_config(tmp_path, tok, path=str(kto)))
     assert examples[0].desirable is False and _decode(hf, examples[0].answer_ids) == "blue<|im_end|>\n"
+
+
+def test_a_kto_tag_entry_builds_kto_examples_and_is_refused_for_pairs(tmp_path, tok, hf):
+    folder = tmp_path / "lf"
+    folder.mkdir()
+    rows = [
+        {
+            "conversations": [{"from": "human", "value": "name a colour"}, {"from": "gpt", "value": c}],
+            "tag": t,
+        }
+        for c, t in (("blue", True), ("green", False))
+    ]
+    (folder / "kto.json").write_text(json.dumps(rows))
+    columns = {"messages": "conversations", "kto_tag": "tag"}
+    entry = {"file_name": "kto.json", "formatting": "sharegpt", "columns": columns}
+    (folder / "dataset_info.json").write_text(json.dumps({"kto": entry}))
+    data = data_config(tmp_path, tok, path=None, dataset_dir=str(folder), dataset="kto")
+    examples, report = build_kto(data)
+    assert [e.desirable for e in examples] == [True, False] and report.records == 2
+    assert _decode(hf, examples[1].answer_ids) == "green<|im_end|>\n"
+    with pytest.raises(PreferenceDataError, match="'kto' hold KTO examples"):
+        build_pairs(data)

@@ -176,7 +176,7 @@ def _trl_pair(
     # Implicit prompt: chosen and rejected are whole conversations sharing their prompt turns.
     full = {k: _messages(record, k) for k in (c, r)}
     for k, what in ((c, "the preferred"), (r, "the dispreferred")):
-        if isinstance(record.get(k), str) or full[k] is None:
+        if full[k] is None or (isinstance(record.get(k), str) and not _json_messages(record[k])):
             raise RecordProblem(
                 k,
                 f"got {_kind(record.get(k))} and no {p} column; expected {p}, or {what} conversation as "
@@ -214,9 +214,15 @@ def _messages(record: Mapping[str, Any], col: str) -> list[dict[str, Any]] | Non
     return out
 
 
+def _json_messages(text: str) -> bool:
+    """Text that is a JSON list of messages (a CSV cell); other text, "[1, 2]" included, is text."""
+    value = _listish(text)
+    return isinstance(value, list) and bool(value) and all(isinstance(m, Mapping) for m in value)
+
+
 def _trl_prompt(record: Mapping[str, Any], col: str, default_system: str | None) -> list[dict[str, Any]]:
     value = record.get(col)
-    if isinstance(value, str) and not value.lstrip().startswith("["):
+    if isinstance(value, str) and not _json_messages(value):
         if not value.strip():
             raise RecordProblem(col, "empty; expected the prompt")
         return _with_system([{"role": "user", "content": value}], default_system, col)
@@ -239,7 +245,7 @@ def _with_system(msgs: list[dict[str, Any]], default_system: str | None, col: st
 
 def _trl_answer(record: Mapping[str, Any], col: str, what: str) -> dict[str, Any]:
     value = record.get(col)
-    if isinstance(value, str) and not value.lstrip().startswith("["):
+    if isinstance(value, str) and not _json_messages(value):
         return _answer_text(record, col, what)
     msgs = _messages(record, col)
     if msgs is None:
