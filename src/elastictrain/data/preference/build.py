@@ -14,17 +14,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastictrain.data.preference.encode import (
-    EncodedKto,
-    EncodedPair,
-    cut,
-    cut_kto,
-    encode_kto,
-    encode_pair,
-)
+from elastictrain.data.preference.encode import EncodedKto, EncodedPair, cut, cut_kto, encode_many
 from elastictrain.data.preference.records import detect_pairs, pair_layout, to_kto, to_pair
 from elastictrain.data.preference.sources import is_kto, preference_sources
-from elastictrain.data.sft.dataset import SHOWN, BadRecord
+from elastictrain.data.sft.dataset import CHUNK, SHOWN, BadRecord
 from elastictrain.data.sft.dataset_info import Source
 from elastictrain.data.sft.files import FileProblem, file_format, read_records
 from elastictrain.data.sft.records import Layout, RecordProblem, detect, make_layout
@@ -109,7 +102,6 @@ def _build(data: Any, pretrained: str | None, kto: bool) -> tuple[list[Any], Pre
     convert: Callable[[Any, Layout], Any] = (
         (lambda r, lay: to_kto(r, lay, system)) if kto else (lambda r, lay: to_pair(r, lay, system))
     )
-    encode = encode_kto if kto else encode_pair
     trim: Callable[[Any, int], Any] = cut_kto if kto else cut
     out: list[Any] = []
     for source in sources:
@@ -124,23 +116,33 @@ def _build(data: Any, pretrained: str | None, kto: bool) -> tuple[list[Any], Pre
             left = None if left is None else left - len(records)
             report.records += len(records)
             layout = _layout(source, path, records, kto) if records else None
+            items: list[tuple[int, Any]] = []
             for i, record in enumerate(records):
                 try:
                     if isinstance(record, RecordProblem):
                         raise record
                     assert layout is not None
-                    encoded = encode(tokenizer, convert(record, layout), f"{path} record {i}", origin)
+                    items.append((i, convert(record, layout)))
                 except RecordProblem as e:
                     report.bad.append(BadRecord(path, i, e.field, e.reason))
-                    continue
+            for start in range(0, len(items), CHUNK):
+                chunk = items[start : start + CHUNK]
+                names = [f"{path} record {i}" for i, _ in chunk]
+                try:
+                    encoded = encode_many(tokenizer, [x for _, x in chunk], names, origin)
                 except TemplateProblem as e:
                     raise PreferenceDataError(str(e)) from e
-                kept = trim(encoded, seq_len)
-                if kept is None:
-                    report.dropped.append((path, i, len(encoded.prompt_ids)))
-                    continue
-                out.append(kept)
-                report.origins.append((path, i))
+                for (i, _), enc in zip(chunk, encoded, strict=True):
+                    if isinstance(enc, RecordProblem):
+                        report.bad.append(BadRecord(path, i, enc.field, enc.reason))
+                        continue
+                    kept = trim(enc, seq_len)
+                    if kept is None:
+                        report.dropped.append((path, i, len(enc.prompt_ids)))
+                        continue
+                    out.append(kept)
+                    report.origins.append((path, i))
+    report.bad.sort(key=lambda b: (b.file, b.index))
     if report.bad and getattr(data, "on_bad_record", "error") != "skip":
         raise PreferenceDataError(report.bad_message())
     if report.bad:

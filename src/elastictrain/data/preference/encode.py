@@ -41,24 +41,20 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, prompt: 
     )
 
 
-def encode_answers(
-    tokenizer: Any,
-    prompt: list[dict[str, Any]],
-    answers: Sequence[dict[str, Any]],
-    tools: Any,
-    name: str,
-    origin: str,
-    kinds: Sequence[str] = ("chosen", "rejected"),
-) -> tuple[list[int], list[list[int]]]:
-    """(prompt ids, each answer's ids). A template refusing the messages is a RecordProblem; one whose
-    prompt is not a prefix of prompt + answer raises TemplateProblem naming `name` and `origin`."""
+def _texts(tokenizer: Any, item: PreferencePair | KtoExample) -> list[str]:
+    """The prompt's rendering, then prompt + each answer's."""
+    answers = [item.chosen, item.rejected] if isinstance(item, PreferencePair) else [item.answer]
     try:
-        texts = [_render(tokenizer, prompt, tools, True)]
-        texts += [_render(tokenizer, [*prompt, a], tools, False) for a in answers]
+        texts = [_render(tokenizer, item.prompt, item.tools, True)]
+        return texts + [_render(tokenizer, [*item.prompt, a], item.tools, False) for a in answers]
     except Exception as e:  # noqa: BLE001 - a template's raise_exception (or its bug) on this record
         raise RecordProblem("messages", f"the chat template refuses it: {type(e).__name__}: {e}") from None
-    head, *fulls = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    out = []
+
+
+def _answers(ids: Sequence[Sequence[int]], kinds: Sequence[str], name: str, origin: str) -> list[list[int]]:
+    """ids: the prompt's, then prompt + each answer's; each answer's tokens after the prompt's."""
+    head, *fulls = ids
+    out = [list(head)]
     for which, full in zip(kinds, fulls, strict=True):
         at = next((i for i, t in enumerate(head) if i >= len(full) or full[i] != t), None)
         if at is not None:
@@ -69,21 +65,51 @@ def encode_answers(
                 "data.template=FILE, a template that renders every turn the same whatever comes after it"
             )
         out.append(list(full[len(head) :]))
-    return list(head), out
+    return out
+
+
+def encode_many(
+    tokenizer: Any, items: Sequence[PreferencePair | KtoExample], names: Sequence[str], origin: str
+) -> list[EncodedPair | EncodedKto | RecordProblem]:
+    """Each item's ids, tokenized in one batched call (a template refusing an item: its RecordProblem).
+    Raises TemplateProblem where a prompt is not a prefix of prompt + answer (`names` say which)."""
+    rendered: list[list[str] | RecordProblem] = []
+    for item in items:
+        try:
+            rendered.append(_texts(tokenizer, item))
+        except RecordProblem as e:
+            rendered.append(e)
+    flat = [t for r in rendered if not isinstance(r, RecordProblem) for t in r]
+    tokens = iter(tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else [])
+    out: list[EncodedPair | EncodedKto | RecordProblem] = []
+    for item, name, r in zip(items, names, rendered, strict=True):
+        if isinstance(r, RecordProblem):
+            out.append(r)
+            continue
+        ids = [next(tokens) for _ in r]
+        if isinstance(item, PreferencePair):
+            head, chosen, rejected = _answers(ids, ("chosen", "rejected"), name, origin)
+            out.append(EncodedPair(head, chosen, rejected))
+        else:
+            head, answer = _answers(ids, ("kto",), name, origin)
+            out.append(EncodedKto(head, answer, item.desirable))
+    return out
 
 
 def encode_pair(tokenizer: Any, pair: PreferencePair, name: str, origin: str) -> EncodedPair:
-    head, (chosen, rejected) = encode_answers(
-        tokenizer, pair.prompt, [pair.chosen, pair.rejected], pair.tools, name, origin
-    )
-    return EncodedPair(head, chosen, rejected)
+    (out,) = encode_many(tokenizer, [pair], [name], origin)
+    if isinstance(out, RecordProblem):
+        raise out
+    assert isinstance(out, EncodedPair)
+    return out
 
 
 def encode_kto(tokenizer: Any, example: KtoExample, name: str, origin: str) -> EncodedKto:
-    head, (answer,) = encode_answers(
-        tokenizer, example.prompt, [example.answer], example.tools, name, origin, ("kto",)
-    )
-    return EncodedKto(head, answer, example.desirable)
+    (out,) = encode_many(tokenizer, [example], [name], origin)
+    if isinstance(out, RecordProblem):
+        raise out
+    assert isinstance(out, EncodedKto)
+    return out
 
 
 def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple[int, int]:
