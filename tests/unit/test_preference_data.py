@@ -388,3 +388,21 @@ def test_a_kto_tag_entry_builds_kto_examples_and_is_refused_for_pairs(tmp_path, 
     assert _decode(hf, examples[1].answer_ids) == "green<|im_end|>\n"
     with pytest.raises(PreferenceDataError, match="'kto' hold KTO examples"):
         build_pairs(data)
+
+
+def test_entries_that_download_or_miss_columns_are_refused_with_their_reasons(tmp_path, tok):
+    folder = write_ranking_folder(tmp_path / "lf")
+    info = json.loads((folder / "dataset_info.json").read_text())
+    info["hub"] = {"hf_hub_url": "someone/pairs", "ranking": True}
+    info["half"] = {"file_name": "ranked.jsonl", "ranking": True, "columns": {"prompt": "question"}}
+    info["odd"] = {"file_name": "ranked.jsonl", "ranking": True, "columns": {"answer": "x"}}
+    (folder / "dataset_info.json").write_text(json.dumps(info))
+    data = data_config(tmp_path, tok, path=None, dataset_dir=str(folder), dataset="hub,odd,nope")
+    with pytest.raises(PreferenceDataError) as e:
+        build_pairs(data)
+    text = str(e.value)
+    assert "hf_hub_url 'someone/pairs' is a Hugging Face Hub dataset" in text
+    assert "columns.answer: unknown" in text and "'nope' is not in" in text
+    half = dataclasses.replace(data, dataset="half")
+    with pytest.raises(PreferenceDataError, match=r"columns.chosen: missing; a columns mapping names every"):
+        build_pairs(half)
