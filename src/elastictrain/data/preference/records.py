@@ -23,12 +23,12 @@ from elastictrain.data.sft.records import (
     DEFAULT_TAGS,
     Layout,
     RecordProblem,
-    _kind,
-    _listish,
-    _message,
-    _tools,
     convert,
+    kind_of,
+    listish,
     make_layout,
+    message_of,
+    tools_of,
 )
 
 PAIR_FORMATTINGS = ("alpaca", "sharegpt", "trl")
@@ -75,7 +75,7 @@ def detect_pairs(record: Any) -> str | None:
 
 def to_pair(record: Any, layout: Layout, default_system: str | None = None) -> PreferencePair:
     if not isinstance(record, Mapping):
-        raise RecordProblem("record", f"got {_kind(record)}; expected a JSON object (a mapping of columns)")
+        raise RecordProblem("record", f"got {kind_of(record)}; expected a JSON object (a mapping of columns)")
     if layout.formatting == "trl":
         return _trl_pair(record, layout.columns, default_system)
     chosen_col, rejected_col = _col(layout, "chosen"), _col(layout, "rejected")
@@ -88,7 +88,7 @@ def to_pair(record: Any, layout: Layout, default_system: str | None = None) -> P
     chosen_turn = _answer_turn(record, chosen_col, layout, "the preferred answer")
     rejected_turn = _answer_turn(record, rejected_col, layout, "the dispreferred answer")
     col = str(layout.columns.get("messages"))
-    turns = _listish(record.get(col))
+    turns = listish(record.get(col))
     if isinstance(turns, list) and turns and isinstance(turns[-1], Mapping):
         tag, role_tag = turns[-1].get(layout.tags.get("role_tag") or "from"), layout.tags.get("role_tag")
         if tag in (layout.tags.get("assistant_tag"), layout.tags.get("function_tag")):
@@ -107,7 +107,7 @@ def to_kto(record: Any, layout: Layout, default_system: str | None = None) -> Kt
     """LLaMA-Factory's kto_tag on an sft-shaped record (layout: an sft one with columns.kto_tag), or
     TRL's prompt/completion/label (layout formatting trl)."""
     if not isinstance(record, Mapping):
-        raise RecordProblem("record", f"got {_kind(record)}; expected a JSON object (a mapping of columns)")
+        raise RecordProblem("record", f"got {kind_of(record)}; expected a JSON object (a mapping of columns)")
     if layout.formatting == "trl":
         label = _flag(record, "label")
         prompt = _trl_prompt(record, "prompt", default_system)
@@ -129,7 +129,7 @@ def _flag(record: Mapping[str, Any], col: str) -> bool:
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"  # a CSV cell
     if not isinstance(value, bool):
-        state = "missing" if value is None else f"got {_kind(value)}"
+        state = "missing" if value is None else f"got {kind_of(value)}"
         raise RecordProblem(col, f"{state}; expected true (a desirable answer) or false")
     return value
 
@@ -139,7 +139,7 @@ def _answer_text(record: Mapping[str, Any], col: str, what: str) -> dict[str, An
     if value is None:
         raise RecordProblem(col, f"missing; expected {what}")
     if not isinstance(value, str):
-        raise RecordProblem(col, f"got {_kind(value)}; expected {what} (text)")
+        raise RecordProblem(col, f"got {kind_of(value)}; expected {what} (text)")
     if not value.strip():
         raise RecordProblem(col, f"empty; expected {what}")
     return {"role": "assistant", "content": value}
@@ -151,7 +151,7 @@ def _answer_turn(record: Mapping[str, Any], col: str, layout: Layout, what: str)
     answers = {layout.tags.get("assistant_tag"): "assistant", layout.tags.get("function_tag"): "function"}
     answers.pop(None, None)
     if not isinstance(turn, Mapping):
-        state = "missing" if turn is None else f"got {_kind(turn)}"
+        state = "missing" if turn is None else f"got {kind_of(turn)}"
         raise RecordProblem(col, f"{state}; expected {what}: one turn with {role_tag} and {content_tag}")
     if turn.get(role_tag) not in answers:
         raise RecordProblem(
@@ -161,14 +161,14 @@ def _answer_turn(record: Mapping[str, Any], col: str, layout: Layout, what: str)
     if isinstance(content, str) and not content.strip():
         raise RecordProblem(f"{col}.{content_tag}", f"empty; expected {what}")
     role = answers[turn[role_tag]]
-    return _message(turn, role, content_tag, col, layout.formatting == "openai")
+    return message_of(turn, role, content_tag, col, layout.formatting == "openai")
 
 
 def _trl_pair(
     record: Mapping[str, Any], cols: Mapping[str, Any], default_system: str | None
 ) -> PreferencePair:
     p, c, r = (str(cols.get(k) or k) for k in ("prompt", "chosen", "rejected"))
-    tools = _tools(record, "tools")
+    tools = tools_of(record, "tools")
     if record.get(p) is not None:
         prompt = _trl_prompt(record, p, default_system)
         chosen = _trl_answer(record, c, "the preferred answer")
@@ -179,7 +179,7 @@ def _trl_pair(
         if full[k] is None or (isinstance(record.get(k), str) and not _json_messages(record[k])):
             raise RecordProblem(
                 k,
-                f"got {_kind(record.get(k))} and no {p} column; expected {p}, or {what} conversation as "
+                f"got {kind_of(record.get(k))} and no {p} column; expected {p}, or {what} conversation as "
                 "a list of {role, content} messages",
             )
     a, b = full[c] or [], full[r] or []
@@ -200,23 +200,23 @@ def _trl_pair(
 
 def _messages(record: Mapping[str, Any], col: str) -> list[dict[str, Any]] | None:
     """A list of {role, content} messages (None: the column is not a list)."""
-    value = _listish(record.get(col))
+    value = listish(record.get(col))
     if not isinstance(value, list):
         return None
     out = []
     for j, m in enumerate(value):
         if not isinstance(m, Mapping) or m.get("role") not in _ROLES:
-            got = m.get("role") if isinstance(m, Mapping) else _kind(m)
+            got = m.get("role") if isinstance(m, Mapping) else kind_of(m)
             raise RecordProblem(f"{col}[{j}].role", f"got {got!r}; expected one of {', '.join(_ROLES)}")
         if not isinstance(m.get("content"), str):
-            raise RecordProblem(f"{col}[{j}].content", f"got {_kind(m.get('content'))}; expected text")
+            raise RecordProblem(f"{col}[{j}].content", f"got {kind_of(m.get('content'))}; expected text")
         out.append(dict(m))
     return out
 
 
 def _json_messages(text: str) -> bool:
     """Text that is a JSON list of messages (a CSV cell); other text, "[1, 2]" included, is text."""
-    value = _listish(text)
+    value = listish(text)
     return isinstance(value, list) and bool(value) and all(isinstance(m, Mapping) for m in value)
 
 
@@ -228,7 +228,7 @@ def _trl_prompt(record: Mapping[str, Any], col: str, default_system: str | None)
         return _with_system([{"role": "user", "content": value}], default_system, col)
     msgs = _messages(record, col)
     if msgs is None:
-        state = "missing" if value is None else f"got {_kind(value)}"
+        state = "missing" if value is None else f"got {kind_of(value)}"
         raise RecordProblem(col, f"{state}; expected the prompt (text or a list of {{role, content}})")
     return _with_system(msgs, default_system, col)
 

@@ -13,13 +13,13 @@ from typing import Any
 
 from elastictrain.data.preference.records import PAIR_FORMATTINGS
 from elastictrain.data.sft.dataset_info import (
-    _DOWNLOADS,
-    _ENTRY_KEYS,
+    DOWNLOADS,
+    ENTRY_KEYS,
     INFO_FILE,
     Source,
-    _extension_problems,
-    _files_of,
     dataset_names,
+    extension_problems,
+    files_of,
     read_info,
 )
 from elastictrain.data.sft.records import COLUMN_KEYS, TAG_KEYS
@@ -58,10 +58,10 @@ def preference_entry(name: str, entry: Any, dataset_dir: str) -> tuple[Source | 
     p = [
         f"{where}: {key} {entry[key]!r} is {what}; elastictrain reads local files only: download it into "
         "data.dataset_dir and give its file_name"
-        for key, what in _DOWNLOADS.items()
+        for key, what in DOWNLOADS.items()
         if entry.get(key)
     ]
-    p += [f"{where}: key {k!r} is not supported" for k in entry if k not in _ENTRY_KEYS]
+    p += [f"{where}: key {k!r} is not supported" for k in entry if k not in ENTRY_KEYS]
     columns, tags = entry.get("columns") or {}, entry.get("tags") or {}
     p.extend(_mapping_problems(f"{where}: ", entry.get("columns"), entry.get("tags")))
     kto = isinstance(columns, Mapping) and bool(columns.get("kto_tag"))
@@ -75,12 +75,12 @@ def preference_entry(name: str, entry: Any, dataset_dir: str) -> tuple[Source | 
         p.append(f"{where}: formatting {formatting!r}; expected alpaca, sharegpt or openai")
     files: list[str] = []
     file_name = entry.get("file_name")
-    if not any(entry.get(k) for k in _DOWNLOADS):
+    if not any(entry.get(k) for k in DOWNLOADS):
         if not isinstance(file_name, str) or not file_name:
             p.append(f"{where}: file_name missing; expected a file or folder inside {dataset_dir}")
         else:
-            files = _files_of(Path(dataset_dir) / file_name)
-            p.extend(_extension_problems(files, None))
+            files = files_of(Path(dataset_dir) / file_name)
+            p.extend(extension_problems(files, None))
             if not files:
                 p.append(
                     f"{where}: file_name {file_name!r} is no file (nor a folder of them) in {dataset_dir}"
@@ -121,6 +121,6 @@ def preference_sources(data: Any) -> tuple[list[Source], list[str]]:
     if formatting is not None and formatting not in FORMATTINGS:
         p.append(f"data.formatting: got {formatting!r}; expected one of {', '.join(FORMATTINGS)} (or null)")
     p.extend(_mapping_problems("data.", data.columns, data.tags))
-    p.extend(_extension_problems(files, data.format))
+    p.extend(extension_problems(files, data.format))
     columns, tags = dict(data.columns or {}), dict(data.tags or {})
     return [Source(data.path, tuple(files), data.format, formatting, columns, tags)], p

@@ -18,7 +18,7 @@ from elastictrain.data.sft.files import EXTENSIONS, FORMATS
 from elastictrain.data.sft.records import COLUMN_KEYS, FORMATTINGS, TAG_KEYS
 
 INFO_FILE = "dataset_info.json"
-_DOWNLOADS = {
+DOWNLOADS = {
     "hf_hub_url": "a Hugging Face Hub dataset",
     "ms_hub_url": "a ModelScope dataset",
     "om_hub_url": "a Modelers (openmind) dataset",
@@ -34,7 +34,7 @@ _UNSUPPORTED_COLUMNS = {
     "kto_tag": "kto_tag (KTO preference data)",
 }
 _IGNORED_KEYS = {"file_sha1", "split"}  # LLaMA-Factory bookkeeping with no effect on local files
-_ENTRY_KEYS = {"file_name", "formatting", "ranking", "columns", "tags", *_DOWNLOADS, *_IGNORED_KEYS}
+ENTRY_KEYS = {"file_name", "formatting", "ranking", "columns", "tags", *DOWNLOADS, *_IGNORED_KEYS}
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def mapping_problems(prefix: str, columns: Any, tags: Any) -> list[str]:
     return p
 
 
-def _extension_problems(files: list[str], fmt: str | None) -> list[str]:
+def extension_problems(files: list[str], fmt: str | None) -> list[str]:
     unknown = [f for f in files if fmt is None and Path(f).suffix.lower() not in EXTENSIONS]
     if not unknown:
         return []
@@ -93,7 +93,7 @@ def _extension_problems(files: list[str], fmt: str | None) -> list[str]:
     ]
 
 
-def _files_of(target: Path) -> list[str]:
+def files_of(target: Path) -> list[str]:
     if target.is_dir():
         return sorted(str(f) for f in target.iterdir() if f.is_file() and f.suffix.lower() in EXTENSIONS)
     return [str(target)] if target.is_file() else []
@@ -124,7 +124,7 @@ def entry_source(name: str, entry: Any, dataset_dir: str) -> tuple[Source | None
     if not isinstance(entry, Mapping):
         return None, [f"{where}: got {entry!r}; expected a mapping with file_name"]
     p = []
-    for key, what in _DOWNLOADS.items():
+    for key, what in DOWNLOADS.items():
         if entry.get(key):
             p.append(
                 f"{where}: {key} {entry[key]!r} is {what}; elastictrain reads local files only: download it "
@@ -136,20 +136,20 @@ def entry_source(name: str, entry: Any, dataset_dir: str) -> tuple[Source | None
             "models); supervised fine-tuning needs one answer per prompt"
         )
     for key in entry:
-        if key not in _ENTRY_KEYS:
-            p.append(f"{where}: key {key!r} is not supported; expected only {', '.join(sorted(_ENTRY_KEYS))}")
+        if key not in ENTRY_KEYS:
+            p.append(f"{where}: key {key!r} is not supported; expected only {', '.join(sorted(ENTRY_KEYS))}")
     formatting = entry.get("formatting")
     if formatting is not None and formatting not in FORMATTINGS:
         p.append(f"{where}: formatting {formatting!r}; expected one of {', '.join(FORMATTINGS)}")
     p.extend(mapping_problems(f"{where}: ", entry.get("columns"), entry.get("tags")))
     files: list[str] = []
-    if not any(entry.get(k) for k in _DOWNLOADS):
+    if not any(entry.get(k) for k in DOWNLOADS):
         file_name = entry.get("file_name")
         if not isinstance(file_name, str) or not file_name:
             p.append(f"{where}: file_name missing; expected a file or folder inside {dataset_dir}")
         else:
-            files = _files_of(Path(dataset_dir) / file_name)
-            p.extend(_extension_problems(files, None))
+            files = files_of(Path(dataset_dir) / file_name)
+            p.extend(extension_problems(files, None))
             if not files:
                 p.append(
                     f"{where}: file_name {file_name!r} is no file (nor a folder of {', '.join(EXTENSIONS)} "
@@ -212,7 +212,7 @@ def sources_and_problems(data: Any) -> tuple[list[Source], list[str]]:
             "(or null: detected from the records)"
         )
     p.extend(mapping_problems("data.", data.columns, data.tags))
-    p.extend(_extension_problems(files, data.format))
+    p.extend(extension_problems(files, data.format))
     source = Source(
         data.path, tuple(files), data.format, data.formatting, data.columns or {}, data.tags or {}
     )

@@ -138,7 +138,7 @@ def detect(record: Any, columns: Mapping[str, Any] | None, tags: Mapping[str, An
     columns, tags = columns or {}, tags or {}
     names = [columns["messages"]] if columns.get("messages") else ["messages", "conversations"]
     for name in names:
-        turns = _listish(record.get(name))
+        turns = listish(record.get(name))
         if isinstance(turns, list):
             first = next((t for t in turns if isinstance(t, Mapping)), {})
             role = tags.get("role_tag")
@@ -156,23 +156,23 @@ def detect(record: Any, columns: Mapping[str, Any] | None, tags: Mapping[str, An
 def convert(record: Any, layout: Layout, default_system: str | None = None) -> Conversation:
     """One record as a message list (system first where there is one, else `default_system`)."""
     if not isinstance(record, Mapping):
-        raise RecordProblem("record", f"got {_kind(record)}; expected a JSON object (a mapping of columns)")
+        raise RecordProblem("record", f"got {kind_of(record)}; expected a JSON object (a mapping of columns)")
     messages = _alpaca(record, layout.columns) if layout.formatting == "alpaca" else _chat(record, layout)
     system = _text_column(record, layout.columns.get("system"))
     if messages and messages[0]["role"] == "system":
         system, messages = messages[0]["content"], messages[1:]
     system = system or default_system
     head = [{"role": "system", "content": system}] if system else []
-    return Conversation(head + messages, _tools(record, layout.columns.get("tools")))
+    return Conversation(head + messages, tools_of(record, layout.columns.get("tools")))
 
 
 def _alpaca(record: Mapping[str, Any], cols: Mapping[str, str | None]) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     history_col = cols.get("history")
-    history = _listish(record.get(history_col)) if history_col else None
+    history = listish(record.get(history_col)) if history_col else None
     if history is not None and not isinstance(history, list):
         raise RecordProblem(
-            str(history_col), f"got {_kind(history)}; expected a list of [user, assistant] pairs"
+            str(history_col), f"got {kind_of(history)}; expected a list of [user, assistant] pairs"
         )
     for j, pair in enumerate(history or []):
         if not (isinstance(pair, list | tuple) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
@@ -195,7 +195,7 @@ def _alpaca(record: Mapping[str, Any], cols: Mapping[str, str | None]) -> list[d
     if answer is None:
         raise RecordProblem(response, "missing; expected the answer text")
     if not isinstance(answer, str):
-        raise RecordProblem(response, f"got {_kind(answer)}; expected the answer text")
+        raise RecordProblem(response, f"got {kind_of(answer)}; expected the answer text")
     if not answer.strip():
         raise RecordProblem(response, "empty; expected the answer text")
     return [
@@ -207,11 +207,11 @@ def _alpaca(record: Mapping[str, Any], cols: Mapping[str, str | None]) -> list[d
 
 def _chat(record: Mapping[str, Any], layout: Layout) -> list[dict[str, Any]]:
     col, tags = str(layout.columns.get("messages")), layout.tags
-    turns = _listish(record.get(col))
+    turns = listish(record.get(col))
     if turns is None:
         raise RecordProblem(col, "missing; expected a list of turns")
     if not isinstance(turns, list):
-        raise RecordProblem(col, f"got {_kind(turns)}; expected a list of turns")
+        raise RecordProblem(col, f"got {kind_of(turns)}; expected a list of turns")
     if not turns:
         raise RecordProblem(col, "an empty conversation; expected turns ending with an answer")
     role_tag, content_tag = str(tags.get("role_tag")), str(tags.get("content_tag"))
@@ -221,14 +221,14 @@ def _chat(record: Mapping[str, Any], layout: Layout) -> list[dict[str, Any]]:
         where = f"{col}[{j}]"
         if not isinstance(turn, Mapping):
             raise RecordProblem(
-                where, f"got {_kind(turn)}; expected a mapping with {role_tag} and {content_tag}"
+                where, f"got {kind_of(turn)}; expected a mapping with {role_tag} and {content_tag}"
             )
         tag = turn.get(role_tag)
         if not isinstance(tag, str) or tag not in roles:
             raise RecordProblem(
                 f"{where}.{role_tag}", f"got {tag!r}; expected one of {', '.join(map(str, roles))}"
             )
-        message = _message(turn, roles[tag], content_tag, where, layout.formatting == "openai")
+        message = message_of(turn, roles[tag], content_tag, where, layout.formatting == "openai")
         if message["role"] == "system" and j > 0:
             raise RecordProblem(
                 f"{where}.{role_tag}", f"got {tag!r} at turn {j}; a system turn comes first only"
@@ -238,7 +238,7 @@ def _chat(record: Mapping[str, Any], layout: Layout) -> list[dict[str, Any]]:
     return [m for _, _, m in out]
 
 
-def _message(
+def message_of(
     turn: Mapping[str, Any], role: str, content_tag: str, where: str, openai: bool
 ) -> dict[str, Any]:
     content = turn.get(content_tag)
@@ -246,7 +246,7 @@ def _message(
     if content is None and calls:
         content = ""
     if not isinstance(content, str):
-        raise RecordProblem(f"{where}.{content_tag}", f"got {_kind(content)}; expected text")
+        raise RecordProblem(f"{where}.{content_tag}", f"got {kind_of(content)}; expected text")
     if role == "function":
         if not content.strip():
             raise RecordProblem(f"{where}.{content_tag}", "empty; a tool call is missing")
@@ -310,11 +310,11 @@ def _text_column(record: Mapping[str, Any], col: str | None) -> str | None:
         return None
     value = record[col]
     if not isinstance(value, str):
-        raise RecordProblem(col, f"got {_kind(value)}; expected text")
+        raise RecordProblem(col, f"got {kind_of(value)}; expected text")
     return value or None
 
 
-def _tools(record: Mapping[str, Any], col: str | None) -> list[Any] | None:
+def tools_of(record: Mapping[str, Any], col: str | None) -> list[Any] | None:
     value = record.get(col) if col else None
     if value is None or value == "":
         return None
@@ -328,11 +328,11 @@ def _tools(record: Mapping[str, Any], col: str | None) -> list[Any] | None:
     if isinstance(value, Mapping):
         value = [value]
     if not isinstance(value, list):
-        raise RecordProblem(str(col), f"got {_kind(value)}; expected a list of tool (function) schemas")
+        raise RecordProblem(str(col), f"got {kind_of(value)}; expected a list of tool (function) schemas")
     return value or None
 
 
-def _listish(value: Any) -> Any:
+def listish(value: Any) -> Any:
     """A list as such, or as JSON text (a CSV cell); anything else as it is."""
     if isinstance(value, str) and value.lstrip().startswith("["):
         try:
@@ -344,7 +344,7 @@ def _listish(value: Any) -> Any:
     return value
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
     names = {
         str: "text",
         list: "a list",
