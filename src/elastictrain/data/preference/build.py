@@ -9,6 +9,7 @@ the cut are dropped and counted in the report, never trained with no target.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,9 +18,8 @@ from typing import Any
 from elastictrain.data.preference.encode import EncodedKto, EncodedPair, cut, cut_kto, encode_many
 from elastictrain.data.preference.records import detect_pairs, pair_layout, to_kto, to_pair
 from elastictrain.data.preference.sources import is_kto, preference_sources
-from elastictrain.data.sft.dataset import CHUNK, SHOWN, BadRecord
+from elastictrain.data.sft.dataset import CHUNK, SHOWN, BadRecord, converted_records, reading
 from elastictrain.data.sft.dataset_info import Source
-from elastictrain.data.sft.files import FileProblem, file_format, read_records
 from elastictrain.data.sft.records import Layout, RecordProblem, detect, make_layout
 from elastictrain.data.sft.render import TemplateProblem, chat_tokenizer, template_origin
 
@@ -104,44 +104,27 @@ def _build(data: Any, pretrained: str | None, kto: bool) -> tuple[list[Any], Pre
     )
     trim: Callable[[Any, int], Any] = cut_kto if kto else cut
     out: list[Any] = []
-    for source in sources:
-        left = getattr(data, "max_samples", None)
-        for path in source.files:
-            if left is not None and left <= 0:
-                break
+    layout_of = functools.partial(_layout, kto=kto)
+    files = converted_records(sources, getattr(data, "max_samples", None), layout_of, convert, report.bad)
+    for path, read, items in reading(files, PreferenceDataError):
+        report.records += read
+        for start in range(0, len(items), CHUNK):
+            chunk = items[start : start + CHUNK]
+            names = [f"{path} record {i}" for i, _ in chunk]
             try:
-                records = read_records(path, file_format(path, source.fmt), left)
-            except FileProblem as e:
-                raise PreferenceDataError(f"data: {e}") from e
-            left = None if left is None else left - len(records)
-            report.records += len(records)
-            layout = _layout(source, path, records, kto) if records else None
-            items: list[tuple[int, Any]] = []
-            for i, record in enumerate(records):
-                try:
-                    if isinstance(record, RecordProblem):
-                        raise record
-                    assert layout is not None
-                    items.append((i, convert(record, layout)))
-                except RecordProblem as e:
-                    report.bad.append(BadRecord(path, i, e.field, e.reason))
-            for start in range(0, len(items), CHUNK):
-                chunk = items[start : start + CHUNK]
-                names = [f"{path} record {i}" for i, _ in chunk]
-                try:
-                    encoded = encode_many(tokenizer, [x for _, x in chunk], names, origin)
-                except TemplateProblem as e:
-                    raise PreferenceDataError(str(e)) from e
-                for (i, _), enc in zip(chunk, encoded, strict=True):
-                    if isinstance(enc, RecordProblem):
-                        report.bad.append(BadRecord(path, i, enc.field, enc.reason))
-                        continue
-                    kept = trim(enc, seq_len)
-                    if kept is None:
-                        report.dropped.append((path, i, len(enc.prompt_ids)))
-                        continue
-                    out.append(kept)
-                    report.origins.append((path, i))
+                encoded = encode_many(tokenizer, [x for _, x in chunk], names, origin)
+            except TemplateProblem as e:
+                raise PreferenceDataError(str(e)) from e
+            for (i, _), enc in zip(chunk, encoded, strict=True):
+                if isinstance(enc, RecordProblem):
+                    report.bad.append(BadRecord(path, i, enc.field, enc.reason))
+                    continue
+                kept = trim(enc, seq_len)
+                if kept is None:
+                    report.dropped.append((path, i, len(enc.prompt_ids)))
+                    continue
+                out.append(kept)
+                report.origins.append((path, i))
     report.bad.sort(key=lambda b: (b.file, b.index))
     if report.bad and getattr(data, "on_bad_record", "error") != "skip":
         raise PreferenceDataError(report.bad_message())

@@ -18,7 +18,7 @@ is what needs changing, and skipping would drop every such record.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +29,6 @@ from elastictrain.data.sft.dataset_info import Source, sources_and_problems
 from elastictrain.data.sft.files import FileProblem, file_format, read_records
 from elastictrain.data.sft.records import (
     FORMATTINGS,
-    Conversation,
     Layout,
     RecordProblem,
     convert,
@@ -174,6 +173,46 @@ def _layout(source: Source, path: str, records: Sequence[Any]) -> Layout:
     return layout
 
 
+def converted_records(
+    sources: Sequence[Source],
+    max_samples: int | None,
+    layout_of: Callable[[Source, str, Sequence[Any]], Any],
+    convert: Callable[[Any, Any], Any],
+    bad: list[BadRecord],
+) -> Iterator[tuple[str, int, list[tuple[int, Any]]]]:
+    """Each file of `sources` in training order: (path, records read, [(record index, converted)]).
+
+    At most `max_samples` records of each source; a record that does not convert is added to `bad`.
+    Raises FileProblem for a file that does not read (`reading` turns it into the caller's error).
+    """
+    for source in sources:
+        left = max_samples
+        for path in source.files:
+            if left is not None and left <= 0:
+                break
+            records = read_records(path, file_format(path, source.fmt), left)
+            left = None if left is None else left - len(records)
+            layout = layout_of(source, path, records) if records else None
+            converted: list[tuple[int, Any]] = []
+            for i, record in enumerate(records):
+                try:
+                    if isinstance(record, RecordProblem):
+                        raise record
+                    assert layout is not None
+                    converted.append((i, convert(record, layout)))
+                except RecordProblem as e:
+                    bad.append(BadRecord(path, i, e.field, e.reason))
+            yield path, len(records), converted
+
+
+def reading(files: Iterator[Any], error: type[Exception]) -> Iterator[Any]:
+    """`files` (converted_records), a file that does not read raised as `error` ("data: ...")."""
+    try:
+        yield from files
+    except FileProblem as e:
+        raise error(f"data: {e}") from e
+
+
 def build_sft_dataset(data: Any, pretrained: str | None = None) -> SftDataset:
     """The dataset of `data` (a DataConfig, source sft); raises SftDataError naming what is wrong."""
     sources, problems = sources_and_problems(data)
@@ -194,54 +233,42 @@ def build_sft_dataset(data: Any, pretrained: str | None = None) -> SftDataset:
     ids: list[int] = []
     labels: list[int] = []
     offsets, origins = [0], []
-    for source in sources:
-        left = data.max_samples
-        for path in source.files:
-            if left is not None and left <= 0:
-                break
+    files = converted_records(
+        sources,
+        data.max_samples,
+        _layout,
+        lambda record, layout: convert(record, layout, data.system),
+        report.bad,
+    )
+    for path, read, convs in reading(files, SftDataError):
+        report.records += read
+        for start in range(0, len(convs), CHUNK):
+            chunk = convs[start : start + CHUNK]
+            names = [f"{path} record {i}" for i, _ in chunk]
             try:
-                records = read_records(path, file_format(path, source.fmt), left)
-            except FileProblem as e:
-                raise SftDataError(f"data: {e}") from e
-            left = None if left is None else left - len(records)
-            report.records += len(records)
-            convs: list[tuple[int, Conversation]] = []
-            layout = _layout(source, path, records) if records else None
-            for i, record in enumerate(records):
-                try:
-                    if isinstance(record, RecordProblem):
-                        raise record
-                    assert layout is not None
-                    convs.append((i, convert(record, layout, data.system)))
-                except RecordProblem as e:
-                    report.bad.append(BadRecord(path, i, e.field, e.reason))
-            for start in range(0, len(convs), CHUNK):
-                chunk = convs[start : start + CHUNK]
-                names = [f"{path} record {i}" for i, _ in chunk]
-                try:
-                    encoded = encode(tokenizer, [c for _, c in chunk], names, origin, tool_format, facts)
-                except TemplateProblem as e:
-                    raise SftDataError(str(e)) from e
-                for (i, _), enc in zip(chunk, encoded, strict=True):
-                    if isinstance(enc, RecordProblem):
-                        report.bad.append(BadRecord(path, i, enc.field, enc.reason))
-                        continue
-                    if enc.lost:
-                        report.lost.append((path, i, enc.lost))
-                        continue
-                    kept = kept_length(len(enc.ids), enc.answers, seq_len, data.mask_history)
-                    if kept is None:
-                        report.overlong.append((path, i, enc.answers[0][0]))
-                        continue
-                    ids += enc.ids[:kept]
-                    labels += labels_for(
-                        enc.ids,
-                        enc.answers,
-                        train_on_prompt=data.train_on_prompt,
-                        mask_history=data.mask_history,
-                    )[:kept]
-                    offsets.append(len(ids))
-                    origins.append((path, i))
+                encoded = encode(tokenizer, [c for _, c in chunk], names, origin, tool_format, facts)
+            except TemplateProblem as e:
+                raise SftDataError(str(e)) from e
+            for (i, _), enc in zip(chunk, encoded, strict=True):
+                if isinstance(enc, RecordProblem):
+                    report.bad.append(BadRecord(path, i, enc.field, enc.reason))
+                    continue
+                if enc.lost:
+                    report.lost.append((path, i, enc.lost))
+                    continue
+                kept = kept_length(len(enc.ids), enc.answers, seq_len, data.mask_history)
+                if kept is None:
+                    report.overlong.append((path, i, enc.answers[0][0]))
+                    continue
+                ids += enc.ids[:kept]
+                labels += labels_for(
+                    enc.ids,
+                    enc.answers,
+                    train_on_prompt=data.train_on_prompt,
+                    mask_history=data.mask_history,
+                )[:kept]
+                offsets.append(len(ids))
+                origins.append((path, i))
     report.bad.sort(key=lambda b: (b.file, b.index))
     if report.lost:
         raise SftDataError(report.lost_message(origin, tool_format))
