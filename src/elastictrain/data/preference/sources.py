@@ -13,13 +13,13 @@ from typing import Any
 
 from elastictrain.data.preference.records import PAIR_FORMATTINGS
 from elastictrain.data.sft.dataset_info import (
-    DOWNLOADS,
     ENTRY_KEYS,
     INFO_FILE,
     Source,
     dataset_names,
+    download_problems,
+    entry_files,
     extension_problems,
-    files_of,
     read_info,
 )
 from elastictrain.data.sft.records import COLUMN_KEYS, TAG_KEYS
@@ -55,12 +55,7 @@ def preference_entry(name: str, entry: Any, dataset_dir: str) -> tuple[Source | 
     where = f"data.dataset: {name!r} ({Path(dataset_dir) / INFO_FILE})"
     if not isinstance(entry, Mapping):
         return None, [f"{where}: got {entry!r}; expected a mapping with file_name"]
-    p = [
-        f"{where}: {key} {entry[key]!r} is {what}; elastictrain reads local files only: download it into "
-        "data.dataset_dir and give its file_name"
-        for key, what in DOWNLOADS.items()
-        if entry.get(key)
-    ]
+    p = download_problems(where, entry)
     p += [f"{where}: key {k!r} is not supported" for k in entry if k not in ENTRY_KEYS]
     columns, tags = entry.get("columns") or {}, entry.get("tags") or {}
     p.extend(_mapping_problems(f"{where}: ", entry.get("columns"), entry.get("tags")))
@@ -73,18 +68,7 @@ def preference_entry(name: str, entry: Any, dataset_dir: str) -> tuple[Source | 
     formatting = entry.get("formatting", "alpaca")  # LLaMA-Factory's default
     if formatting not in FORMATTINGS or formatting == "trl":
         p.append(f"{where}: formatting {formatting!r}; expected alpaca, sharegpt or openai")
-    files: list[str] = []
-    file_name = entry.get("file_name")
-    if not any(entry.get(k) for k in DOWNLOADS):
-        if not isinstance(file_name, str) or not file_name:
-            p.append(f"{where}: file_name missing; expected a file or folder inside {dataset_dir}")
-        else:
-            files = files_of(Path(dataset_dir) / file_name)
-            p.extend(extension_problems(files, None))
-            if not files:
-                p.append(
-                    f"{where}: file_name {file_name!r} is no file (nor a folder of them) in {dataset_dir}"
-                )
+    files = entry_files(where, entry, dataset_dir, p)
     if p:
         return None, p
     return Source(name, tuple(files), None, formatting, dict(columns), dict(tags), entry=True), []

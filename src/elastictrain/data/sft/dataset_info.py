@@ -118,18 +118,41 @@ def read_info(dataset_dir: str) -> tuple[dict[str, Any] | None, str | None]:
     return info, None
 
 
+def download_problems(where: str, entry: Mapping[str, Any]) -> list[str]:
+    """An entry that names a download (a hub dataset, a script, a cloud file): refused, naming it."""
+    return [
+        f"{where}: {key} {entry[key]!r} is {what}; elastictrain reads local files only: download it into "
+        "data.dataset_dir and give its file_name"
+        for key, what in DOWNLOADS.items()
+        if entry.get(key)
+    ]
+
+
+def entry_files(where: str, entry: Mapping[str, Any], dataset_dir: str, problems: list[str]) -> list[str]:
+    """The files an entry's file_name names inside `dataset_dir` (none for a download); what is wrong
+    with it is added to `problems`."""
+    if any(entry.get(k) for k in DOWNLOADS):
+        return []
+    file_name = entry.get("file_name")
+    if not isinstance(file_name, str) or not file_name:
+        problems.append(f"{where}: file_name missing; expected a file or folder inside {dataset_dir}")
+        return []
+    files = files_of(Path(dataset_dir) / file_name)
+    problems.extend(extension_problems(files, None))
+    if not files:
+        problems.append(
+            f"{where}: file_name {file_name!r} is no file (nor a folder of {', '.join(EXTENSIONS)} files) "
+            f"in {dataset_dir}"
+        )
+    return files
+
+
 def entry_source(name: str, entry: Any, dataset_dir: str) -> tuple[Source | None, list[str]]:
     """One dataset_info.json entry as a Source, or the reasons it is refused."""
     where = f"data.dataset: {name!r} ({Path(dataset_dir) / INFO_FILE})"
     if not isinstance(entry, Mapping):
         return None, [f"{where}: got {entry!r}; expected a mapping with file_name"]
-    p = []
-    for key, what in DOWNLOADS.items():
-        if entry.get(key):
-            p.append(
-                f"{where}: {key} {entry[key]!r} is {what}; elastictrain reads local files only: download it "
-                "into data.dataset_dir and give its file_name"
-            )
+    p = download_problems(where, entry)
     if entry.get("ranking"):
         p.append(
             f"{where}: ranking: true is a preference dataset (chosen and rejected answers, for DPO or reward "
@@ -142,19 +165,7 @@ def entry_source(name: str, entry: Any, dataset_dir: str) -> tuple[Source | None
     if formatting is not None and formatting not in FORMATTINGS:
         p.append(f"{where}: formatting {formatting!r}; expected one of {', '.join(FORMATTINGS)}")
     p.extend(mapping_problems(f"{where}: ", entry.get("columns"), entry.get("tags")))
-    files: list[str] = []
-    if not any(entry.get(k) for k in DOWNLOADS):
-        file_name = entry.get("file_name")
-        if not isinstance(file_name, str) or not file_name:
-            p.append(f"{where}: file_name missing; expected a file or folder inside {dataset_dir}")
-        else:
-            files = files_of(Path(dataset_dir) / file_name)
-            p.extend(extension_problems(files, None))
-            if not files:
-                p.append(
-                    f"{where}: file_name {file_name!r} is no file (nor a folder of {', '.join(EXTENSIONS)} "
-                    f"files) in {dataset_dir}"
-                )
+    files = entry_files(where, entry, dataset_dir, p)
     if p:
         return None, p
     columns, tags = entry.get("columns") or {}, entry.get("tags") or {}
