@@ -76,8 +76,7 @@ def export_command(
         fail("expected CHECKPOINT and --out DIR (or --config FILE, a LLaMA-Factory merge file)")
     path = choose(checkpoint)
     if config is not None:
-        merge_lora = _is_lora(path)
-        _same_base(path, request.base)
+        merge_lora = _merges_lora_of_base(path, request.base)
     options = ExportOptions(
         dtype, max_shard_size, merge_lora, progress=lambda line: out.print(line, markup=False)
     )
@@ -144,28 +143,22 @@ def _merge_adapter(request) -> None:  # noqa: ANN001 - MergeRequest
     out.print(f"load it with {_how_to_load(result.kind, out_dir)}", markup=False)
 
 
-def _is_lora(checkpoint: Path) -> bool:
+def _merges_lora_of_base(checkpoint: Path, base: str | None) -> bool:
+    """Whether the run of `checkpoint` is a LoRA run (its adapter then merged); a merge file's
+    model_name_or_path must be the base it trained (both read from the manifest's model record)."""
     import json
 
     from elastictrain.checkpoint.model_record import model_record
     from elastictrain.checkpoint.store import MANIFEST
 
-    return model_record(json.loads((checkpoint / MANIFEST).read_text())).peft is not None
-
-
-def _same_base(checkpoint: Path, base: str | None) -> None:
-    """A merge file's model_name_or_path must be the base the run trained (its manifest's record)."""
-    import json
-
-    from elastictrain.checkpoint.model_record import model_record
-    from elastictrain.checkpoint.store import MANIFEST
-
-    trained = model_record(json.loads((checkpoint / MANIFEST).read_text())).pretrained
+    record = model_record(json.loads((checkpoint / MANIFEST).read_text()))
+    trained = record.pretrained
     if base and trained and Path(base).resolve() != Path(trained).resolve():
         fail(
             f"model_name_or_path: got {base}; the run of {checkpoint} trained {trained}: give that base "
             "(or leave the adapter's own base to the run: its checkpoint holds it)"
         )
+    return record.peft is not None
 
 
 def _how_to_load(kind: str, folder: Path) -> str:
