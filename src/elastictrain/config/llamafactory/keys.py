@@ -120,9 +120,10 @@ KEYS: tuple[Key, ...] = (
         "stage",
         "sft",
         _M,
-        "data.source",
-        "sft: instruction records (data.source sft); pt: plain text "
-        "(data.source hf, packed); rm, ppo, dpo and kto are refused",
+        "data.source, training.objective",
+        "sft: instruction records (data.source sft); pt: plain text (data.source hf, packed); dpo, kto: "
+        "preference records (data.source sft; training.objective from pref_loss, or kto); rm and ppo are "
+        "refused",
     ),
     Key(
         "do_train", False, _M, "(required)", "must be true: it is what `elastictrain train` does", c.do_train
@@ -132,7 +133,14 @@ KEYS: tuple[Key, ...] = (
     Key("finetuning_type", "lora", _M, "model.lora.enabled", "lora or full", c.finetuning),
     Key("lora_rank", 8, _M, "model.lora.r", apply=c.to("model.lora.r")),
     Key("lora_alpha", None, _M, "model.lora.alpha", "default twice lora_rank", c.lora_alpha),
-    Key("lora_dropout", 0.0, _M, "model.lora.dropout", apply=c.to("model.lora.dropout")),
+    Key(
+        "lora_dropout",
+        0.0,
+        _M,
+        "model.lora.dropout",
+        "0 at stage dpo and kto, which LLaMA-Factory trains with dropout off",
+        c.lora_dropout,
+    ),
     Key(
         "lora_target",
         "all",
@@ -163,19 +171,58 @@ KEYS: tuple[Key, ...] = (
         "PNGs of every metric in RUN_DIR/plots",
         c.to("tracking.plots"),
     ),
-    *(
-        Key(name, None, NO_EFFECT, note="preference training (stage dpo, kto) is not supported yet")
-        for name in (
-            "pref_beta",
-            "pref_ftx",
-            "pref_loss",
-            "dpo_label_smoothing",
-            "simpo_gamma",
-            "kto_chosen_weight",
-            "kto_rejected_weight",
-            "pref_bco_weight",
-            "ld_alpha",
-        )
+    # --- preference training (stage dpo, kto; read at those stages only)
+    Key(
+        "pref_loss",
+        "sigmoid",
+        _M,
+        "training.objective, preference.dpo_loss",
+        "sigmoid, hinge, ipo: objective dpo with that dpo_loss; orpo, simpo: that objective (kto_pair and "
+        "others are refused)",
+        c.preference,
+    ),
+    Key("pref_beta", 0.1, _M, "preference.beta", "every objective's beta"),
+    Key(
+        "pref_ftx",
+        0.0,
+        _M,
+        "preference.ftx",
+        "pref_loss sigmoid, hinge, ipo, simpo; above 0 refused with orpo and stage kto",
+    ),
+    Key(
+        "dpo_label_smoothing",
+        0.0,
+        _M,
+        "preference.label_smoothing",
+        "pref_loss sigmoid only (as LLaMA-Factory checks)",
+    ),
+    Key("simpo_gamma", 0.5, _M, "preference.simpo_gamma", "pref_loss simpo"),
+    Key("kto_chosen_weight", 1.0, _M, "preference.kto_desirable_weight", "stage kto"),
+    Key("kto_rejected_weight", 1.0, _M, "preference.kto_undesirable_weight", "stage kto"),
+    Key(
+        "ref_model",
+        None,
+        _M,
+        "(the starting model: preference.reference)",
+        "unset or model_name_or_path: the starting model is the reference (LoRA: its adapters off; "
+        "full: log-probabilities computed before the first step); another model is refused",
+        c.reference,
+    ),
+    Key("ref_model_adapters", None, _M, "(with ref_model: refused)", "a reference with adapters is refused"),
+    Key(
+        "ref_model_quantization_bit",
+        None,
+        _M,
+        "(with ref_model: refused)",
+        "a quantized reference is refused",
+    ),
+    Key("pref_bco_weight", 0.0, REFUSED, note="BCO (Binary Classifier Optimization); leave it 0"),
+    Key(
+        "ld_alpha",
+        None,
+        REFUSED,
+        note="LD-DPO (the longer answer's tokens past the shorter's length weighted by ld_alpha); "
+        "leave it out",
     ),
     # --- data
     Key("dataset", None, _M, "data.dataset", "names in dataset_dir's dataset_info.json"),
@@ -191,8 +238,22 @@ KEYS: tuple[Key, ...] = (
         "checked against LLaMA-Factory's names (the start says what differs); data.template=FILE for another",
     ),
     Key("cutoff_len", 2048, _M, "data.seq_len", "a record's end is cut, its prompt kept first", c.cutoff),
-    Key("train_on_prompt", False, _M, "data.train_on_prompt", apply=c.to("data.train_on_prompt")),
-    Key("mask_history", False, _M, "data.mask_history", apply=c.to("data.mask_history")),
+    Key(
+        "train_on_prompt",
+        False,
+        _M,
+        "data.train_on_prompt",
+        "no effect at stage dpo and kto (answers only)",
+        c.answer_only("train_on_prompt"),
+    ),
+    Key(
+        "mask_history",
+        False,
+        _M,
+        "data.mask_history",
+        "no effect at stage dpo and kto (answers only)",
+        c.answer_only("mask_history"),
+    ),
     Key(
         "max_samples",
         None,
@@ -206,7 +267,7 @@ KEYS: tuple[Key, ...] = (
         None,
         _M,
         "data.packing",
-        "default: true for stage pt, false otherwise; packed records "
+        "default: true for stage pt, false otherwise (never at stage dpo, kto); packed records "
         "never attend to each other (LLaMA-Factory's neat_packing)",
         c.packing,
     ),

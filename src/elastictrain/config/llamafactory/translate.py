@@ -17,18 +17,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastictrain.config.llamafactory.convert import PREFERENCE_STAGES
 from elastictrain.config.llamafactory.keys import BY_NAME, KEYS, MARKERS, NO_EFFECT, REFUSED
 from elastictrain.config.llamafactory.reading import Reading, comma_list
 from elastictrain.config.llamafactory.templates import read_template
 
-STAGES = {"sft": "sft", "pt": "hf"}  # LLaMA-Factory's stage -> data.source
-LATER_STAGES = {
-    "dpo": "preference training (DPO)",
-    "kto": "preference training (KTO)",
-    "rm": "reward modelling",
-    "ppo": "PPO",
-}
-SECTIONS = ("run", "model", "data", "eval", "training", "deepspeed", "scaling", "checkpoint", "tracking")
+# LLaMA-Factory's stage -> data.source (dpo and kto: preference records; training.objective: convert.py)
+STAGES = {"sft": "sft", "pt": "hf", "dpo": "sft", "kto": "sft"}
+CHAT_STAGES = ("sft", *PREFERENCE_STAGES)  # records rendered with a chat template
+LATER_STAGES = {"rm": "reward modelling", "ppo": "PPO"}
+SECTIONS = (
+    "run",
+    "model",
+    "data",
+    "eval",
+    "training",
+    "preference",
+    "deepspeed",
+    "scaling",
+    "checkpoint",
+    "tracking",
+)
 
 
 @dataclass
@@ -86,7 +95,7 @@ def translate(
     _output(r)
     _deepspeed(r)
     _data(r)
-    read_template(r.get("template") if r.get("stage") == "sft" else None, r)
+    read_template(r.get("template") if r.get("stage") in CHAT_STAGES else None, r)
     fresh = bool(r.get("overwrite_output_dir"))
     if fresh:
         r.note(
@@ -118,9 +127,11 @@ def _split_overrides(
 def _stage(r: Reading) -> None:
     stage = r.get("stage")
     if stage in LATER_STAGES:
-        r.refuse("stage", f"{LATER_STAGES[stage]} is not supported yet; elastictrain trains stage sft and pt")
+        trained = ", ".join(STAGES)
+        r.refuse("stage", f"{LATER_STAGES[stage]} is not supported yet; elastictrain trains stage {trained}")
     elif stage not in STAGES:
-        r.refuse("stage", f"expected one of {', '.join(STAGES)} (supervised fine-tuning, pre-training)")
+        kinds = "supervised fine-tuning, pre-training, preference training"
+        r.refuse("stage", f"expected one of {', '.join(STAGES)} ({kinds})")
     else:
         r.set("data.source", STAGES[stage])
 
@@ -211,7 +222,7 @@ def _data(r: Reading) -> None:
     if not names:
         r.problems.append("dataset: missing; expected names of dataset_dir's dataset_info.json ('a,b')")
         return
-    if r.get("stage") == "sft":
+    if r.get("stage") in CHAT_STAGES:
         r.set("data.dataset_dir", r.path(dataset_dir))
         r.set("data.dataset", names)
     elif r.get("stage") == "pt":
