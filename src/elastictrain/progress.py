@@ -59,6 +59,10 @@ class Reporter:
             f"loss {m['loss']:.4f} lr {m['lr']:.2e} {m['samples_per_s']:.1f} samples/s "
             f"{m['tokens_per_s']:.0f} tok/s world {int(m['world_size'])}"
         )
+        if "rewards/margins" in m:  # a preference objective: what TRL users watch
+            text += f" margin {m['rewards/margins']:.3f} acc {m['rewards/accuracies']:.2f}"
+        elif "kl" in m:
+            text += f" kl {m['kl']:.3f}"
         if self._progress is not None:
             self._progress.update(self._task, completed=step, metrics=text)
         elif log_line:

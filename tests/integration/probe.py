@@ -86,9 +86,11 @@ class ProbeGroup:
         checkpoint_dir: str | None = None,
         step: int = 0,
         snapshot_every: int = 0,
+        reference: Any = None,
     ) -> None:
         """Join the first `world_size` actors into a fresh attempt, exactly as a run's workers join one
-        (in-memory snapshots every `snapshot_every` steps, no buddies)."""
+        (in-memory snapshots every `snapshot_every` steps, no buddies; a preference run's reference
+        table)."""
         import ray
 
         from elastictrain.config.deepspeed_config import build_deepspeed_config
@@ -116,6 +118,7 @@ class ProbeGroup:
                 checkpoint_dir=checkpoint_dir,
                 start_step=step,
                 snapshot_every=snapshot_every,
+                reference=reference,
             )
             for rank in range(world_size)
         ]

@@ -35,7 +35,12 @@ def sft_problems(config: Any) -> list[str]:
     if d.dataset is not None and not isinstance(d.dataset, str | list):
         p.append(f"data.dataset: got {d.dataset!r}; expected names of dataset_info.json: 'a,b' or a list")
         return p
-    p.extend(sources_and_problems(d)[1])
+    if getattr(config.training, "objective", "lm") == "lm":
+        p.extend(sources_and_problems(d)[1])
+    else:  # ranking: true and kto_tag entries, refused above for supervised fine-tuning
+        from elastictrain.data.preference.sources import preference_sources
+
+        p.extend(preference_sources(d)[1])
     if d.on_bad_record not in ON_BAD_RECORD:
         p.append(
             f"data.on_bad_record: got {d.on_bad_record!r}; expected error (name bad records and refuse to "

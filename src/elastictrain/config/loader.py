@@ -25,6 +25,7 @@ from elastictrain.config.eval_check import eval_problems, pop_eval_data, set_eva
 from elastictrain.config.length import layer_length, length_pending, length_problems
 from elastictrain.config.llamafactory import is_llamafactory, translate
 from elastictrain.config.lora_check import lora_problems
+from elastictrain.config.objective_check import objective_problems
 from elastictrain.config.schema import Config, DataConfig
 from elastictrain.config.tensor_parallel_check import (
     adopt_user_json_tensor_parallel,
@@ -245,6 +246,7 @@ def validate(config: Config) -> Config:
         )
     _choice(p, "training.lr_schedule", t.lr_schedule, ["cosine", "linear", "constant"])
     p.extend(_code_path_problems("training.loss", t.loss))
+    p.extend(objective_problems(config))
     _at_least(p, "training.weight_decay", t.weight_decay, 0)
     for key, value in (("training.adam_beta1", t.adam_beta1), ("training.adam_beta2", t.adam_beta2)):
         if not 0 <= value < 1:

@@ -174,6 +174,34 @@ class TrainingConfig:
     # "module:attr": loss(model, batch) -> scalar tensor. Default: the causal LM loss of a transformers
     # model (labels = input_ids unless the batch has labels).
     loss: str | None = None
+    # What a step optimizes: lm (the causal LM loss: pre-training, supervised fine-tuning) | dpo (pairs
+    # against a reference: preference.dpo_loss) | orpo | simpo (pairs, no reference) | kto (unpaired
+    # answers marked desirable or not, against a reference). Every objective but lm reads preference
+    # records with data.source sft's keys (docs/preference.md).
+    objective: str = "lm"
+
+
+@dataclass
+class PreferenceConfig:
+    """Preference objectives (training.objective dpo, orpo, simpo, kto): the published losses, as TRL
+    computes them, on each answer's summed token log-probabilities; a step's loss is the mean over the
+    global batch's pairs (or KTO records) at any world size. docs/preference.md: LLaMA-Factory's names."""
+
+    dpo_loss: str = "sigmoid"  # dpo: sigmoid (DPO) | hinge (SLiC) | ipo (IPO, on mean token log-probs)
+    # The strength of the reference's pull (DPO, IPO, hinge, KTO), the odds-ratio weight (ORPO), the
+    # reward scale (SimPO): LLaMA-Factory's pref_beta
+    beta: float = 0.1
+    label_smoothing: float = 0.0  # dpo sigmoid and simpo: conservative DPO's assumed share of flipped labels
+    # Adds ftx x the chosen answer's mean token NLL to each pair's loss (dpo, simpo; LLaMA-Factory's pref_ftx)
+    ftx: float = 0.0
+    simpo_gamma: float = 0.5  # simpo: the target reward margin
+    kto_desirable_weight: float = 1.0  # kto: the weight of desirable answers' losses
+    kto_undesirable_weight: float = 1.0  # kto: the weight of undesirable answers' losses
+    # dpo and kto: where the reference's log-probabilities come from. auto: adapters (LoRA runs) else
+    # precomputed | adapters: the model with its LoRA adapters off, in the step (no second copy) |
+    # precomputed: the starting model's, computed once before the first step on the workers and kept in
+    # RUN_DIR/reference/ (every restart, resize and resume reads them)
+    reference: str = "auto"
 
 
 @dataclass
@@ -294,6 +322,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -29,6 +29,7 @@ from elastictrain.control.manifest import manifest_for
 from elastictrain.control.memory_recovery import MemoryRecovery
 from elastictrain.control.pipeline import Ahead, StepPipeline
 from elastictrain.control.record import RunRecorder
+from elastictrain.control.reference_pass import ReferencePass
 from elastictrain.control.resume import ResumePoints
 from elastictrain.control.saves import SaveCoordinator
 from elastictrain.control.specs import (
@@ -91,6 +92,7 @@ class Controller:
         self.memory = MemoryRecovery(
             config, group, self.pipeline.snapshots
         )  # in-memory snapshots: buddies, and loading from them
+        self.reference = ReferencePass(config, group, self.recorder)  # a full fine-tune's DPO/KTO reference
         self.attempt = 0
         self.failure_history: list[Failure] = []  # what recurs unchanged after a restart is not retried
         self.plan: BatchPlan | None = None
@@ -251,6 +253,7 @@ class Controller:
             buddies=[None if b is None else active[b].actor for b in buddies],
             memory=memory,
             node_ids=[w.node_id for w in active],
+            reference=self.reference.table,
         )
         with self.resume.verified_beside(resume, self.step) as verdict:
             calls = self.group.call_each(active, "setup", [(spec,) for spec in specs])
@@ -292,6 +295,8 @@ class Controller:
     def _train(self) -> None:
         every = self.cfg.checkpoint.every_steps
         max_steps = self.cfg.training.max_steps
+        if self.reference.due():  # before the first update: the workers hold the starting model
+            self.reference.run(self.active, self.step)
         ahead: Ahead = deque()
         if self._committed_step() < self.step and (self.step % every == 0 or self.step == max_steps):
             # Restarted from memory at a checkpoint step whose save the failure dropped: save it now.

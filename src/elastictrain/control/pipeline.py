@@ -16,7 +16,7 @@ from elastictrain.control.failures import gather_results
 from elastictrain.control.record import RunRecorder
 from elastictrain.control.saves import QueuedSave, SaveCoordinator
 from elastictrain.control.snapshot_schedule import SnapshotSchedule
-from elastictrain.core.losses import replica_results, step_loss
+from elastictrain.core.losses import preference_figures, replica_results, step_loss
 
 PIPELINE_DEPTH = 2  # steps queued per actor, so no rank idles while the driver reads results
 
@@ -143,6 +143,7 @@ class StepPipeline:
             "samples_per_s": gbs / wall if wall > 0 else 0.0,
             "tokens_per_s": gbs * self.cfg.data.seq_len / wall if wall > 0 else 0.0,
             "world_size": float(self.world_size),
+            **preference_figures(replicas),  # a preference objective's rewards and log-probabilities
         }
         changed = self.snapshots.observe(step, results, wall)
         if self.snapshots.window is not None:  # a window of snapshots measured: its figures, moved or not

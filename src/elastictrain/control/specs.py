@@ -9,6 +9,7 @@ from typing import Any
 from elastictrain.config.deepspeed_config import build_deepspeed_config, for_rank
 from elastictrain.control.memory_recovery import MemoryLoad
 from elastictrain.core.batch import BatchPlan, plan_batch
+from elastictrain.data.preference.reference import ReferenceTable
 from elastictrain.worker.attempt import AttemptSpec, MemorySource
 
 
@@ -24,6 +25,7 @@ def attempt_specs(
     buddies: Sequence[Any],
     memory: MemoryLoad | None,
     node_ids: Sequence[str],
+    reference: ReferenceTable | None = None,
 ) -> list[AttemptSpec]:
     """One spec per rank; `memory` (the old ranks' in-memory snapshots) replaces the checkpoint load.
     Rank r runs on node_ids[r]: ranks sharing a node share its host memory."""
@@ -56,6 +58,7 @@ def attempt_specs(
             buddy=buddies[rank],
             memory=source,
             ranks_on_node=list(node_ids).count(node_ids[rank]),
+            reference=reference,
         )
         for rank in range(size)
     ]

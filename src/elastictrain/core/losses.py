@@ -20,11 +20,27 @@ def replica_results(results: Sequence[Mapping[str, Any]]) -> list[Mapping[str, A
 
 
 def step_loss(results: Sequence[Mapping[str, Any]]) -> float:
-    """A step's loss: per target token of the global batch when ranks count them, else the ranks' mean."""
+    """A step's loss: per target token of the global batch when ranks count them (per item under a
+    preference objective), else the ranks' mean."""
+    if results and all(r.get("items") is not None for r in results):
+        return sum(float(r["loss_sum"]) for r in results) / max(sum(int(r["items"]) for r in results), 1)
     if results and all(r.get("target_tokens") is not None for r in results):
         tokens = sum(int(r["target_tokens"]) for r in results)
         return sum(float(r["loss_sum"]) for r in results) / max(tokens, 1)
     return sum(float(r["loss"]) for r in results) / len(results)
+
+
+def preference_figures(results: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """rewards/chosen, rewards/margins, logps/rejected, ... over the global batch: every rank's
+    [sum, count] of each figure added up (a figure no item counted, e.g. KTO's rewards/rejected in a
+    batch of desirable answers only, is left out)."""
+    totals: dict[str, list[float]] = {}
+    for r in results:
+        for name, (s, n) in (r.get("preference") or {}).items():
+            acc = totals.setdefault(name, [0.0, 0.0])
+            acc[0] += float(s)
+            acc[1] += float(n)
+    return {name: s / n for name, (s, n) in sorted(totals.items()) if n > 0}
 
 
 def perplexity(loss: float) -> float:
@@ -42,6 +58,11 @@ def eval_summary(results: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     loss of your own: each micro-batch's mean weighed by its samples.
     """
     samples = sum(int(r["samples"]) for r in results)
+    if results and all(r.get("items") is not None for r in results):  # a preference objective
+        items = sum(int(r["items"]) for r in results)
+        loss = sum(float(r["loss_sum"]) for r in results) / max(items, 1)
+        figures = {f"eval_{k}": v for k, v in preference_figures(results).items()}
+        return {"eval_loss": loss, "eval_samples": float(samples), **figures}
     if results and all(r.get("target_tokens") is not None for r in results):
         tokens = sum(int(r["target_tokens"]) for r in results)
         loss = sum(float(r["loss_sum"]) for r in results) / max(tokens, 1)

@@ -139,6 +139,12 @@ def dataset_from_config(config: Any) -> Any:
         from elastictrain.data.hf_files import build_hf_dataset
 
         return build_hf_dataset(d)
+    objective = getattr(config.training, "objective", "lm")
+    if d.source == "sft" and objective != "lm":
+        from elastictrain.data.preference.dataset import build_preference_dataset
+
+        # Two rows per item (chosen and rejected, or a KTO answer and its mismatched one); never packed.
+        return build_preference_dataset(d, config.model.pretrained, objective)
     if d.source == "sft":
         from elastictrain.data.sft.dataset import build_sft_dataset
 
@@ -186,10 +192,17 @@ def collate_items(items: Sequence[Any], collate: Callable[[list[Any]], Any] | No
 
 
 def run_collate(dataset: Any, collate: Callable[[list[Any]], Any] | None) -> Callable[[list[Any]], Any]:
-    """`data.collate`, else the default collate padding with the dataset's pad id (its tokenizer's)."""
+    """`data.collate`, else the dataset's own (preference rows), else the default collate padding with
+    the dataset's pad id (its tokenizer's)."""
     if collate is not None:
         return collate
     from functools import partial
+
+    from elastictrain.data.preference.dataset import base_rows
+
+    rows = base_rows(dataset)
+    if rows is not None:
+        return rows.collate
 
     from elastictrain.data.sft.packing import pad_token_id
 

@@ -149,6 +149,10 @@ def build_model(
         from elastictrain.model.lora import apply_lora
 
         model = apply_lora(model, m.lora, activation_checkpointing=checkpointing)
+    if config.training.objective != "lm":
+        from elastictrain.model.objective import disable_dropout
+
+        disable_dropout(model)
     return model
 
 
@@ -236,6 +240,8 @@ def causal_lm_loss(model: Any, batch: Any) -> torch.Tensor:
 
 
 def loss_function(config: Any) -> Any:
+    """training.loss, else the preference objective (model/objective.py), else the causal LM loss."""
+    from elastictrain.model.objective import PreferenceObjective
     from elastictrain.user_code import user_callable
 
-    return user_callable(config, "training.loss") or causal_lm_loss
+    return user_callable(config, "training.loss") or PreferenceObjective.from_config(config) or causal_lm_loss

@@ -47,6 +47,7 @@ from elastictrain.worker.dist import (
 from elastictrain.worker.faults import FaultHooks
 from elastictrain.worker.memory import WorkerMemory
 from elastictrain.worker.ray_calls import actor_identity, local_identity
+from elastictrain.worker.reference_share import ReferenceShare
 from elastictrain.worker.shard_saves import ShardSaves
 from elastictrain.worker.snapshot_peer import SnapshotPeer
 
@@ -66,7 +67,7 @@ class StepFailed(RuntimeError):
     """A training step raised on this rank; the message holds the original error and traceback."""
 
 
-class TrainWorker(SnapshotPeer, ShardSaves, FaultHooks):
+class TrainWorker(SnapshotPeer, ShardSaves, FaultHooks, ReferenceShare):
     def __init__(self, worker_id: str, use_gpu: bool, *, in_ray: bool = True) -> None:
         prefer_environment_tools()  # the ninja that built DeepSpeed's ops, before any op loads
         remember_cpu_info()  # each op load and CPU Adam would probe the CPU again (1.1 s each)
@@ -223,6 +224,7 @@ class TrainWorker(SnapshotPeer, ShardSaves, FaultHooks):
         t1 = time.perf_counter()
         cfg = spec.config
         self._ensure_dataset(cfg)
+        self.use_reference(spec.reference)  # a preference run's precomputed reference, once computed
         from elastictrain.model.build import loss_function, new_engine
 
         reset_zero_counters()

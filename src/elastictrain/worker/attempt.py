@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastictrain.core.batch import BatchPlan
+from elastictrain.data.preference.reference import ReferenceTable
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class AttemptSpec:
     snapshot_every: int = 0  # copy the state to host memory after every this many steps (0: never)
     buddy: Any = None  # the actor that holds this rank's in-memory snapshots too (None: nobody)
     memory: MemorySource | None = None  # load from the old ranks' in-memory snapshots instead of disk
+    # A full fine-tune's precomputed reference log-probabilities (preference objectives), once computed
+    reference: ReferenceTable | None = None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from elastictrain.data.eval_data import source_ids
 from elastictrain.data.sources import collate_items, to_device
 from elastictrain.model.build import causal_lm_loss
 from elastictrain.model.loss import causal_lm_loss_sum
+from elastictrain.model.objective import PreferenceObjective
 from elastictrain.worker.attempt import AttemptSpec
 
 
@@ -38,6 +39,8 @@ def evaluate_share(
         raise ValueError(
             "evaluate: the validation set is empty; raise eval.split or give eval.data more data"
         )
+    if isinstance(loss_fn, PreferenceObjective):
+        return _evaluate_preference(engine, dataset, collate, loss_fn, spec, t0)
     module = engine.module
     was_training = module.training
     module.eval()
@@ -63,6 +66,52 @@ def evaluate_share(
         "tensor_parallel": plan.tensor_parallel,
         "loss_sum": loss_sum,
         "target_tokens": tokens if builtin else None,
+        "samples": len(read),
+        "sample_ids": source_ids(dataset, read),
+        "eval_s": time.perf_counter() - t0,
+    }
+
+
+def _evaluate_preference(
+    engine: Any,
+    dataset: Any,
+    collate: Callable[[list[Any]], Any] | None,
+    objective: PreferenceObjective,
+    spec: AttemptSpec,
+    t0: float,
+) -> dict[str, Any]:
+    """The preference loss and figures of `eval.steps` global batches, each computed as a step's."""
+    from elastictrain.worker.preference_steps import run_preference_batches
+
+    plan, rank, n = spec.plan, spec.rank, len(dataset)
+    loss_sum, items, read = 0.0, 0, []
+    figures: dict[str, list[float]] = {}
+    module = engine.module
+    was_training = module.training
+    module.eval()
+    try:
+        for b in range(spec.config.eval.steps):
+            batches = []
+            for micro in range(plan.grad_accum_steps):
+                indices = eval_positions(b, plan, rank, micro, n)
+                read.extend(indices)
+                batch = to_device(collate_items([dataset[i] for i in indices], collate), engine.device)
+                batches.append((batch, 0))
+            # Per global batch, as a step: KTO's KL estimate is that batch's.
+            out = run_preference_batches(engine, objective, batches, world_size=spec.world_size, train=False)
+            loss_sum += out["loss_sum"]
+            items += out["items"]
+            for name, (s, c) in out["preference"].items():
+                acc = figures.setdefault(name, [0.0, 0.0])
+                acc[0], acc[1] = acc[0] + s, acc[1] + c
+    finally:
+        module.train(was_training)
+    return {
+        "rank": rank,
+        "tensor_parallel": plan.tensor_parallel,
+        "loss_sum": loss_sum,
+        "items": items,
+        "preference": figures,
         "samples": len(read),
         "sample_ids": source_ids(dataset, read),
         "eval_s": time.perf_counter() - t0,

@@ -2,8 +2,9 @@
 
 With the built-in causal LM loss every micro-batch's summed token loss is divided by the target tokens
 of the whole global batch (model/loss.py), so padding and masked labels weigh the same at any
-world size. A loss of your own (`training.loss`) returns a scalar per micro-batch, averaged as before:
-exact across world sizes when every micro-batch weighs the same.
+world size; a preference objective's items weigh the same (worker/preference_steps.py). A loss of your
+own (`training.loss`) returns a scalar per micro-batch, averaged as before: exact across world sizes when
+every micro-batch weighs the same.
 """
 
 from __future__ import annotations
@@ -16,20 +17,26 @@ import torch
 
 from elastictrain.model.build import causal_lm_loss
 from elastictrain.model.loss import causal_lm_token_loss_sum, global_count, target_token_count
+from elastictrain.model.objective import PreferenceObjective
+from elastictrain.worker.preference_steps import run_preference_batches
 
 
 @dataclass
 class StepLoss:
     """What a rank reports of its share of a step's loss."""
 
-    loss: float  # this rank's mean (per target token with the built-in loss)
+    loss: float  # this rank's mean (per target token with the built-in loss, per item for preferences)
     loss_sum: float | None = None  # built-in loss: summed token losses of this rank
     target_tokens: int | None = None  # built-in loss: target tokens of this rank
+    items: int | None = None  # a preference objective: pairs (KTO records) of this rank
+    preference: dict[str, list[float]] | None = None  # its figures: name -> [sum, count]
 
     def fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {"loss": self.loss}
         if self.target_tokens is not None:
             out.update(loss_sum=self.loss_sum, target_tokens=self.target_tokens)
+        if self.items is not None:
+            out.update(loss_sum=self.loss_sum, items=self.items, preference=self.preference)
         return out
 
 
@@ -47,6 +54,20 @@ def run_micro_batches(
     Nothing here waits for the device until the step is queued: losses and token counts stay tensors
     and are read once, at the end (one synchronisation per step, not one per micro-batch).
     """
+    if isinstance(loss_fn, PreferenceObjective):
+        sums = run_preference_batches(
+            engine,
+            loss_fn,
+            batches,
+            world_size=world_size,
+            train=True,
+            on_micro=on_micro,
+            before_update=before_update,
+        )
+        items = int(sums["items"])
+        return StepLoss(
+            sums["loss_sum"] / max(items, 1), sums["loss_sum"], items=items, preference=sums["preference"]
+        )
     last = len(batches) - 1
 
     def step(i: int) -> None:

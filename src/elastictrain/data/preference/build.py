@@ -38,6 +38,7 @@ class PreferenceReport:
     bad: list[BadRecord] = field(default_factory=list)
     dropped: list[tuple[str, int, int]] = field(default_factory=list)  # (file, record, prompt tokens)
     origins: list[tuple[str, int]] = field(default_factory=list)  # of each kept example, in order
+    pad_token_id: int = 0  # the tokenizer's pad id (else its end of sequence): what rows are padded with
 
     def bad_message(self) -> str:
         shown = "\n".join(f"  {b.line()}" for b in self.bad[:SHOWN])
@@ -98,6 +99,8 @@ def _build(data: Any, pretrained: str | None, kto: bool) -> tuple[list[Any], Pre
     except ValueError as e:
         raise PreferenceDataError(str(e)) from e
     origin, seq_len, report = template_origin(data, pretrained), int(data.seq_len), PreferenceReport()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    report.pad_token_id = int(pad) if pad is not None else 0
     system = getattr(data, "system", None)
     convert: Callable[[Any, Layout], Any] = (
         (lambda r, lay: to_kto(r, lay, system)) if kto else (lambda r, lay: to_pair(r, lay, system))
