@@ -118,11 +118,14 @@ def check_sft_records(config: Any) -> None:
     for prefix, data in (("data", config.data), ("eval.data", config.eval.data)):
         if data is None or data.source != "sft" or (prefix == "eval.data" and data == config.data):
             continue
+        from elastictrain.data.preference.build import PreferenceDataError, build_kto, build_pairs
         from elastictrain.data.sft.dataset import SftDataError, build_sft_dataset  # imports torch
 
+        objective = config.training.objective
+        build = build_sft_dataset if objective == "lm" else build_kto if objective == "kto" else build_pairs
         try:
-            build_sft_dataset(data, config.model.pretrained)
-        except SftDataError as e:
+            build(data, config.model.pretrained)
+        except (SftDataError, PreferenceDataError) as e:
             # Each line opens with the field (data.x: ...); file names further on stay as they are.
             raise UserCodeError(re.sub(r"(?m)^data([.:])", prefix + r"\1", str(e))) from e
 

@@ -68,10 +68,9 @@ class Evaluations:
         if step_done <= self.logged_step:  # repeated after a restart: logged the first time
             return summary
         self.logged_step = step_done
-        loss, ppl = summary["eval_loss"], summary["eval_perplexity"]
         self.recorder.metrics(summary, step=step_done)
         entry = {"step": step_done, **{k: round(v, 6) for k, v in summary.items()}}
-        if not self.best or loss < float(self.best["eval_loss"]):
+        if not self.best or summary["eval_loss"] < float(self.best["eval_loss"]):
             self.best = entry
         for key, value in (("last_eval", entry), ("best_eval", self.best)):
             try:
@@ -80,8 +79,7 @@ class Evaluations:
                 log.warning("could not record %s in run.json: %s", key, e)
         self.recorder.event(
             "eval",
-            f"eval at step {step_done}: loss {loss:.4f}, perplexity {ppl:.2f} "
-            f"({int(summary['eval_tokens'])} tokens, {int(summary['eval_samples'])} samples)",
+            f"eval at step {step_done}: {eval_text(summary)}",
             "magenta",
             step=step_done,
             **summary,
@@ -89,3 +87,19 @@ class Evaluations:
         if self.completions is not None:
             self.completions.record(step_done, results)
         return summary
+
+
+def eval_text(summary: dict[str, float]) -> str:
+    """A validation's line: loss and perplexity, or a preference objective's loss and reward figures."""
+    loss, samples = summary["eval_loss"], int(summary["eval_samples"])
+    if "eval_perplexity" in summary:
+        return (
+            f"loss {loss:.4f}, perplexity {summary['eval_perplexity']:.2f} "
+            f"({int(summary['eval_tokens'])} tokens, {samples} samples)"
+        )
+    figures = ", ".join(
+        f"{name} {summary[f'eval_{name}']:.3f}"
+        for name in ("rewards/margins", "rewards/accuracies", "kl")
+        if f"eval_{name}" in summary
+    )
+    return f"loss {loss:.4f}, {figures} ({samples} items)"

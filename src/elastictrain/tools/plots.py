@@ -19,10 +19,24 @@ from elastictrain.rundir.run_dir import RunDir
 log = logging.getLogger("elastictrain.plots")
 
 PLOTS = "plots"
-METRICS = ("loss", "eval_loss", "lr", "samples_per_s", "tokens_per_s")
+# A preference objective's figures (TRL's names), drawn where the run logged them.
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "eval_rewards/margins")
+METRICS = (
+    "loss", "eval_loss", "lr", "samples_per_s", "tokens_per_s", *REWARDS,
+    "rewards/accuracies", "eval_rewards/accuracies", "logps/chosen", "logps/rejected", "kl",
+)  # fmt: skip
 # (file, title, y label, metrics drawn)
 FIGURES = (
-    ("loss.png", "loss", "loss (per target token)", ("loss", "eval_loss")),
+    ("loss.png", "loss", "loss (per target token; per pair for preferences)", ("loss", "eval_loss")),
+    ("rewards.png", "preference rewards", "beta x log-ratio", REWARDS),
+    (
+        "accuracy.png",
+        "preference accuracy",
+        "share of pairs chosen > rejected",
+        ("rewards/accuracies", "eval_rewards/accuracies"),
+    ),  # fmt: skip
+    ("logps.png", "answers' log-probabilities", "summed log-probability", ("logps/chosen", "logps/rejected")),
+    ("kl.png", "KTO's KL estimate", "mean log-ratio", ("kl",)),
     ("lr.png", "learning rate", "lr", ("lr",)),
     ("throughput.png", "throughput", "samples/s", ("samples_per_s",)),
     ("world_size.png", "world size", "workers", ("world_size",)),
@@ -97,9 +111,8 @@ def make_plots(histories: dict[str, list[tuple[int, float]]], marks: list[Marker
         for key, points in series.items():
             steps, values = zip(*points, strict=True)
             style = {"drawstyle": "steps-post"} if key == "world_size" else {}
-            ax.plot(
-                steps, values, marker="o" if key == "eval_loss" else None, markersize=3, label=key, **style
-            )
+            marker = "o" if key.startswith("eval_") else None
+            ax.plot(steps, values, marker=marker, markersize=3, label=key, **style)
         seen: set[str] = set()
         for m in marks:
             ax.axvline(m.step, color=COLORS[m.kind], linestyle="--", linewidth=1, alpha=0.7,
