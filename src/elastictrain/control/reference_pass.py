@@ -32,6 +32,7 @@ class ReferencePass:
         self.folder = recorder.run_dir.path / "reference"
         self.wanted = run_reference(config) == "precomputed"
         self.table: ReferenceTable | None = None
+        self.chunk_items = store.CHUNK_ITEMS  # items per chunk: what a failure mid-pass can cost again
         if self.wanted:  # a run resumed after its pass: the table is known before any worker asks
             manifest = store.read_manifest(self.folder)
             if manifest is not None:
@@ -73,8 +74,8 @@ class ReferencePass:
         )
 
     def _compute(self, active: Sequence[Any], step: int, items: int, digest: str) -> ReferenceTable:
-        done = store.done_chunks(self.folder, items)
-        todo = [c for c in store.chunks(items) if c not in done]
+        done = store.done_chunks(self.folder, items, self.chunk_items)
+        todo = [c for c in store.chunks(items, self.chunk_items) if c not in done]
         t0, computed = time.perf_counter(), 0
         self.recorder.event(
             "reference_pass",
@@ -99,7 +100,7 @@ class ReferencePass:
             computed += stop - start
             rate = computed / max(time.perf_counter() - t0, 1e-9)
             self.recorder.reporter.event(f"reference pass: {stop}/{items} items ({rate:.1f}/s)")
-        table = store.finish(self.folder, items, digest)
+        table = store.finish(self.folder, items, digest, self.chunk_items)
         elapsed = time.perf_counter() - t0
         self.recorder.event(
             "reference_done",

@@ -6,7 +6,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-PHASES = ("start", "backward", "update", "replica")
+PHASES = ("start", "backward", "update", "replica", "reference")
 
 
 class WorkerFault(RuntimeError):
@@ -31,7 +31,8 @@ class FaultHooks:
         """Chaos hook: at `at_step`, "crash" (process exits), "raise" (step raises) or "hang" (stops), at
         one of PHASES of that step: its start (before any forward), inside its first micro-batch's
         backward pass, right before its optimizer update, or right before the replica of the snapshot
-        taken beside it is sent to the buddy (the buddy then never gets that replica)."""
+        taken beside it is sent to the buddy (the buddy then never gets that replica); "reference": at the
+        start of the reference pass's chunk that starts at item `at_step`."""
         if kind not in ("crash", "raise", "hang"):
             raise ValueError(f"fault kind: got {kind!r}; expected crash, raise or hang")
         if phase not in PHASES:

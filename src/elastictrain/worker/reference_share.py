@@ -52,6 +52,7 @@ class ReferenceShare:
         from elastictrain.model.objective import PreferenceObjective
 
         assert self.spec is not None and self.engine is not None, "reference_logps before setup"
+        self._maybe_fault(start, "reference")  # type: ignore[attr-defined]  # chaos runs and tests
         objective = PreferenceObjective.from_config(self.spec.config)
         assert objective is not None
         rows = self._rows()
