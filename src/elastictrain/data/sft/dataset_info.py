@@ -156,7 +156,8 @@ def entry_source(name: str, entry: Any, dataset_dir: str) -> tuple[Source | None
     if entry.get("ranking"):
         p.append(
             f"{where}: ranking: true is a preference dataset (chosen and rejected answers, for DPO or reward "
-            "models); supervised fine-tuning needs one answer per prompt"
+            "models); supervised fine-tuning needs one answer per prompt. Train pairs with "
+            "training.objective=dpo (or orpo, simpo)"
         )
     for key in entry:
         if key not in ENTRY_KEYS:
