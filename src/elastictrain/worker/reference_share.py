@@ -9,12 +9,14 @@ without gradients and without dropout, micro_batch_size items (2 rows each) at a
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from elastictrain.data.preference.dataset import PreferenceRows, base_rows
 from elastictrain.data.preference.reference import ReferenceTable, load_table
+
+if TYPE_CHECKING:  # the actor module is imported on the driver, which must not import torch for it
+    from elastictrain.data.preference.dataset import PreferenceRows
 
 
 def rows_digest(rows: PreferenceRows) -> str:
@@ -34,6 +36,8 @@ class ReferenceShare:
     spec: Any
 
     def _rows(self) -> PreferenceRows:
+        from elastictrain.data.preference.dataset import base_rows
+
         rows = base_rows(self.dataset)
         if rows is None:
             raise RuntimeError("the reference pass needs preference data (training.objective dpo or kto)")
