@@ -1,7 +1,9 @@
 """A LLaMA-Factory working folder made in a test, as a user coming from it has one (no downloads):
 
 folder/
-  data/dataset_info.json   identity, alpaca_en_demo (alpaca), c4_demo (text, columns.prompt: text)
+  data/dataset_info.json   identity, alpaca_en_demo (alpaca), c4_demo (text, columns.prompt: text),
+                           dpo_en_demo (sharegpt ranking pairs), kto_en_demo (sharegpt, kto_tag), each
+                           entry as LLaMA-Factory's own dataset_info.json spells it
   examples/...             LLaMA-Factory's own example YAMLs and DeepSpeed JSONs, copied from
                            tests/llamafactory_files/ (its repository, Apache-2.0) with only sizes
                            made small (`shrink`)
@@ -79,9 +81,45 @@ def write_data(data: Path, records: int = 24) -> Path:
         "identity": {"file_name": "identity.json"},
         "alpaca_en_demo": {"file_name": "alpaca_en_demo.json"},
         "c4_demo": {"file_name": "c4_demo.jsonl", "columns": {"prompt": "text"}},
+        **write_preference_data(data, records),
     }
     (data / "dataset_info.json").write_text(json.dumps(info, indent=1))
     return data
+
+
+def write_preference_data(data: Path, records: int) -> dict[str, Any]:
+    """dpo_en_demo and kto_en_demo in the shapes of LLaMA-Factory's demo files; their dataset_info entries."""
+    pairs, kto = [], []
+    for i, c in enumerate(make_conversations(2 * records, seed=7)):
+        (question, answer), (_, other) = c["turns"][0], c["turns"][-1] if len(c["turns"]) > 1 else ("", "no")
+        if i < records:
+            pairs.append(
+                {
+                    "conversations": [{"from": "human", "value": question}],
+                    "chosen": {"from": "gpt", "value": answer},
+                    "rejected": {"from": "gpt", "value": other + " " + answer[::-1]},
+                }
+            )
+        else:
+            messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+            kto.append({"messages": messages, "label": i % 3 != 0})
+    (data / "dpo_en_demo.json").write_text(json.dumps(pairs, indent=1))
+    (data / "kto_en_demo.json").write_text(json.dumps(kto, indent=1))
+    roles = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}
+    return {
+        "dpo_en_demo": {
+            "file_name": "dpo_en_demo.json",
+            "ranking": True,
+            "formatting": "sharegpt",
+            "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected"},
+        },
+        "kto_en_demo": {
+            "file_name": "kto_en_demo.json",
+            "formatting": "sharegpt",
+            "columns": {"messages": "messages", "kto_tag": "label"},
+            "tags": roles,
+        },
+    }
 
 
 def shrink(path: Path, **changes: Any) -> dict[str, Any]:

@@ -23,6 +23,8 @@ LORA = "examples/train_lora/qwen3_lora_sft.yaml"
 FULL = "examples/train_full/qwen3_full_sft.yaml"
 PRETRAIN = "examples/train_lora/qwen3_lora_pretrain.yaml"
 MERGE = "examples/merge_lora/qwen3_lora_sft.yaml"
+DPO = "examples/train_lora/qwen3_lora_dpo.yaml"
+KTO = "examples/train_lora/qwen3_lora_kto.yaml"
 # elastictrain's own keys beside the file's: two workers, bounded waits, warm workers for the next run.
 AT_TWO = (
     "ray_num_workers=2",
@@ -38,7 +40,7 @@ def work(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     root = tmp_path_factory.mktemp("llamafactory")
     base = make_pretrained(root / "model", "qwen2")
     folder, hub = make_workdir(root, base)
-    for name in (LORA, FULL, PRETRAIN):
+    for name in (LORA, FULL, PRETRAIN, DPO, KTO):
         shrink(folder / name, plot_loss=False)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HUB_CACHE", str(hub))
@@ -136,3 +138,16 @@ def test_the_merge_example_exports_base_plus_adapter(lora_run, work):
     with torch.no_grad():
         diff = (from_peft(input_ids=ids).logits - with_adapter(input_ids=ids).logits).abs().max().item()
     assert diff < 1e-4, diff  # float32 base (the base folder's dtype) + adapter, merged
+
+
+@pytest.mark.parametrize(("name", "objective"), [(DPO, "dpo"), (KTO, "kto")], ids=["dpo", "kto"])
+def test_the_preference_examples_train_their_objective_with_the_adapters_off_as_reference(
+    work, name, objective
+):
+    cfg, run_dir = train(work / name)
+    assert cfg.training.objective == objective and cfg.model.lora.enabled
+    assert (run_dir.path / "adapter_model.safetensors").is_file()
+    losses = logged_losses(run_dir)
+    assert len(losses) == cfg.training.max_steps and all(torch.isfinite(torch.tensor(losses)))
+    # Before the first update the policy is its reference: DPO's loss is ln 2, KTO's 0.5 (its KL is 0).
+    assert losses[0] == pytest.approx(0.6931472 if objective == "dpo" else 0.5, abs=1e-6)
