@@ -86,3 +86,24 @@ def test_train_refuses_bad_records_naming_them_before_any_worker_starts(tmp_path
     assert preview.exit_code == 2 and "data.on_bad_record=skip" in preview.output
     skipped = CliRunner().invoke(app, ["preview-data", *args(tok, path, "data.on_bad_record=skip")])
     assert skipped.exit_code == 0 and "1 of 1 samples" in skipped.output
+
+
+def test_preview_of_preference_pairs_shows_both_rows_with_only_the_answers_trained(tmp_path, tok):
+    from preference_fixtures import write_pairs
+
+    folder = write_pairs(tmp_path / "data", 4)
+    records = json.loads((folder / "pairs.json").read_text())
+    common = ["-c", str(TINY), "data.source=sft", f"data.dataset_dir={folder}", "data.dataset=pairs"]
+    common += [f"data.tokenizer={tok}", "training.objective=dpo"]
+    text = CliRunner().invoke(app, ["preview-data", *common, "--first", "1"])
+    assert text.exit_code == 0, text.output
+    assert "sample 0  chosen" in text.output and "sample 0  rejected" in text.output
+    assert f"[[{records[0]['chosen']['value']}<|im_end|>" in text.output
+    assert f"[[{records[0]['rejected']['value']}<|im_end|>" in text.output
+    lines = CliRunner().invoke(app, ["preview-data", *common, "--first", "2", "--json"]).output.splitlines()
+    first = json.loads(lines[0])
+    assert first["index"] == 0 and set(first) == {"index", "chosen", "rejected"}
+    chosen, rejected = first["chosen"], first["rejected"]
+    prompt = next(i for i, t in enumerate(chosen["labels"]) if t != -100)
+    assert chosen["input_ids"][:prompt] == rejected["input_ids"][:prompt], "one prompt, two answers"
+    assert chosen["labels"][prompt:] == chosen["input_ids"][prompt:]

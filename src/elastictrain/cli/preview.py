@@ -3,7 +3,9 @@
 Text: each sample decoded, its trained tokens (labels other than -100) marked, in colour on a terminal,
 between [[ and ]] otherwise. --json: one object per sample, in dataset order:
 {"index": i, "input_ids": [...], "labels": [...]} (labels unshifted, -100 where not trained), plus
-every other per-token key a sample carries (position_ids of packed bins).
+every other per-token key a sample carries (position_ids of packed bins). A preference objective's
+sample is two rows: {"index": i, "chosen": {...}, "rejected": {...}} (KTO: "answer" and "mismatched",
+the row its KL estimate reads, and "desirable").
 """
 
 from __future__ import annotations
@@ -50,19 +52,44 @@ def preview_data_command(
     shown = min(first, len(dataset))
     if as_json:
         for i in range(shown):
-            typer.echo(json.dumps(json_sample(i, dataset[i])))
+            item = dataset[i]
+            rows = preference_rows(item)
+            if rows is None:
+                typer.echo(json.dumps(json_sample(i, item)))
+                continue
+            record: dict[str, Any] = {"index": i}
+            record.update({name: {"input_ids": ids, "labels": labels} for name, ids, labels in rows})
+            if "desirable" in item:
+                record["desirable"] = bool(item["desirable"])
+            typer.echo(json.dumps(record))
         return
     codec = _codec(cfg)
     for i in range(shown):
-        ids, labels = sample_tokens(dataset[i])
-        trained = sum(1 for t in labels[1:] if t != IGNORE_INDEX)
-        origin = sample_origin(dataset, i)
-        out.print(
-            Text(f"--- sample {i}  {origin}  {len(ids)} tokens, {trained} trained", style="bold"),
-            markup=False,
-        )
-        out.print(marked_text(ids, labels, codec.decode, colour=out.is_terminal), markup=False)
+        item, origin = dataset[i], sample_origin(dataset, i)
+        rows = preference_rows(item) or [("", *sample_tokens(item))]
+        for name, ids, labels in rows:
+            trained = sum(1 for t in labels[1:] if t != IGNORE_INDEX)
+            kind = f"{name}  " if name else ""
+            if name == "answer" and "desirable" in item:
+                kind = f"answer ({'desirable' if item['desirable'] else 'undesirable'})  "
+            out.print(
+                Text(f"--- sample {i}  {kind}{origin}  {len(ids)} tokens, {trained} trained", style="bold"),
+                markup=False,
+            )
+            out.print(marked_text(ids, labels, codec.decode, colour=out.is_terminal), markup=False)
     err.print(f"{shown} of {len(dataset)} samples")
+
+
+def preference_rows(item: Any) -> list[tuple[str, list[int], list[int]]] | None:
+    """A preference item's two rows as (name, input_ids, labels), the answers trained; None for others."""
+    if not isinstance(item, Mapping) or "first" not in item:
+        return None
+    names = ("answer", "mismatched") if "desirable" in item else ("chosen", "rejected")
+    prompt = list(item["prompt"])
+    return [
+        (name, prompt + list(answer), [IGNORE_INDEX] * len(prompt) + list(answer))
+        for name, answer in zip(names, (item["first"], item["second"]), strict=True)
+    ]
 
 
 def sample_origin(dataset: Any, index: int) -> str:
