@@ -87,3 +87,11 @@ def test_precision_may_change_between_fp32_and_bf16_only():
         assert "training.precision: cannot change when resuming; it changes fp16's loss scale" in (
             changes.refusal()
         )
+
+
+def test_a_preference_setting_is_refused_on_resume_naming_the_loss():
+    changes = classify_changes({"preference.beta": 0.1}, {"preference.beta": 0.5})
+    assert changes.refused == {
+        "preference.beta": "the preference loss, and what the kept reference log-probabilities mean"
+    }
+    assert classify_changes({"training.objective": "lm"}, {"training.objective": "dpo"}).refused

@@ -49,6 +49,7 @@ REFUSED_PREFIXES = {
     "training.seed": "the data order",
     "training.precision": "fp16's loss scale, which fp32 and bf16 do not carry (fp32 <-> bf16 may change)",
     "training.": "what the optimizer computes",
+    "preference.": "the preference loss, and what the kept reference log-probabilities mean",
     "deepspeed.": "what the optimizer computes",
     "run.": "the run's identity and folder",
 }
