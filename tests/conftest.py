@@ -228,6 +228,8 @@ LONGEST_FIRST = (  # seconds of test time in a run of the whole suite on 2 cores
     "test_zero_stages.py",  # 100 s
     "test_lora_options.py",  # 72 s
     "test_scale_preset.py",  # 66 s
+    "test_preference_exact_losses.py",  # 63 s (2026-12-06, alone)
+    "test_preference_elastic.py",  # 58 s (2026-12-06, alone, on the three one-CPU nodes)
     "test_train_end_to_end.py",  # 65 s
     "test_sft_run.py",  # 59 s
     "test_tracker_mlflow.py",  # 59 s
@@ -252,6 +254,7 @@ ONE_WORKER = {
     "test_memory_recovery.py": "three one-CPU nodes",
     "test_user_code.py": "three one-CPU nodes",
     "test_nvme_path_on_nodes.py": "three one-CPU nodes",
+    "test_preference_elastic.py": "three one-CPU nodes",
 }
 
 
