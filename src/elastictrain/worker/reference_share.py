@@ -1,8 +1,9 @@
 """The worker's part of a full fine-tune's reference pass (data/preference/reference.py): the starting
 model's log-probabilities of a chunk's items, this rank's share of them, before the first update.
 
-Rank r of W takes the chunk's items r, r + W, ...; every rank runs the same number of forwards (ZeRO-3
-gathers parameters collectively), repeating its last item where its share is shorter. Forwards run
+Data-parallel replica d of D takes the chunk's items d, d + D, ... (the ranks of a tensor-parallel
+replica the same ones, as in training); every rank runs the same number of forwards (ZeRO-3 gathers
+parameters collectively), repeating its last item where its share is shorter. Forwards run
 without gradients and without dropout, micro_batch_size items (2 rows each) at a time.
 """
 
@@ -60,10 +61,11 @@ class ReferenceShare:
         objective = PreferenceObjective.from_config(self.spec.config)
         assert objective is not None
         rows = self._rows()
-        rank, world = self.spec.rank, self.spec.world_size
-        mine = list(range(start + rank, stop, world))
-        per_forward = self.spec.plan.micro_batch_size
-        longest = -(-len(range(start, stop, world)) // per_forward)  # rank 0 has the most items
+        plan, rank = self.spec.plan, self.spec.rank
+        replicas = plan.data_parallel
+        mine = list(range(start + plan.data_rank(rank), stop, replicas))
+        per_forward = plan.micro_batch_size
+        longest = -(-len(range(start, stop, replicas)) // per_forward)  # replica 0 has the most items
         values: list[list[float]] = []
         module = self.engine.module
         was_training = module.training
