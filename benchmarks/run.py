@@ -7,7 +7,8 @@
 Benchmarks: throughput, checkpoint_stall, memory, reshard, recovery, memory_recovery, controller_scale,
 zero_stages, warm_rerun; and, only when named with --only: goodput (a long run with failures injected),
 memory_presets (in-memory snapshots at the 30M and 125M presets, default settings), sft (one
-epoch of instruction records against Hugging Face's Trainer) and scale (30M to 1B parameters: hours
+epoch of instruction records against Hugging Face's Trainer), dpo (one epoch of preference pairs
+against TRL's DPOTrainer, LoRA and full fine-tune) and scale (30M to 1B parameters: hours
 on 2 cores; `--sizes` picks sizes, and sizes already in results/scale.json are skipped unless
 `--redo`). Runs that several benchmarks read (the plain training runs of each system) happen once per
 repetition.
@@ -27,6 +28,7 @@ from benchmarks import (
     baselines,
     checkpoint_stall,
     controller_scale,
+    dpo,
     goodput,
     memory,
     memory_presets,
@@ -56,9 +58,10 @@ MODULES = {
     "memory_presets": memory_presets,
     "scale": scale,
     "sft": sft,
+    "dpo": dpo,
 }
 # Long: run with --only (GOODPUT_MINUTES sets goodput's length).
-OPT_IN = {"goodput", "memory_presets", "scale", "sft"}
+OPT_IN = {"goodput", "memory_presets", "scale", "sft", "dpo"}
 DEFAULT_REPS = 1  # the full run stays under 25 minutes on 2 cores; more with --reps
 
 

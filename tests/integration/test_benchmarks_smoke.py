@@ -170,3 +170,30 @@ def test_memory_presets_benchmark_at_smoke_size(tmp_path: Path) -> None:
         assert isinstance(value, int | float) and math.isfinite(value), (key, value)
     assert data["metrics"]["smoke"]["recovered_from"] == ["memory"]
     assert (results / "memory_presets.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(420)
+def test_dpo_benchmark_at_smoke_size(tmp_path: Path) -> None:
+    """The opt-in dpo benchmark (elastictrain's `training.objective: dpo` against TRL's DPOTrainer under
+    torchrun, LoRA and full fine-tune), on its own: about 2 minutes on 2 cores. TRL is installed beside the
+    environment (.bench-peers/trl) when missing; where it cannot be, the result says so and this skips."""
+    results = _smoke_only("dpo", tmp_path, timeout=400)
+    data = json.loads((results / "dpo.json").read_text())
+    assert data["benchmark"] == "dpo" and data["smoke"] is True
+    if "trl_unavailable" in data["metrics"]:
+        pytest.skip(f"TRL unavailable: {data['metrics']['trl_unavailable']}")
+    for mode in ("lora", "full"):
+        for key in ("pairs_per_s", "final_loss"):
+            for system in ("elastictrain", "trl"):
+                value = _get(data["metrics"], f"{mode}.ws2.{key}.{system}")
+                assert isinstance(value, float) and math.isfinite(value) and value > 0, (mode, key, system)
+        # The same pairs, model and optimizer: the two systems' losses agree step for step.
+        assert data["metrics"][mode]["ws2"]["max_loss_difference"] < 1e-3
+    # Both trained every pair once, in the same micro-batches: the same epoch, step for step.
+    assert data["metrics"]["trl_same_batches"] is True
+    from benchmarks.dpo import SMOKE
+
+    assert {r["steps"] for r in data["runs"]} == {SMOKE.steps}
+    full = [r for r in data["runs"] if r["mode"] == "full"]
+    assert all(r["ref_s"] > 0 for r in full)  # each system's reference pass, timed beside the epoch
+    assert (results / "dpo.png").stat().st_size > 0
