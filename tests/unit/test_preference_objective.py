@@ -114,11 +114,13 @@ CASES = [
     ("dpo", {"dpo_loss": "hinge", "beta": 0.3}),
     ("dpo", {"dpo_loss": "ipo", "beta": 0.4}),
     ("simpo", {"beta": 2.0, "simpo_gamma": 0.7, "reference": "none"}),
-    ("orpo", {"beta": 0.25, "reference": "none"}),
+    ("orpo", {"beta": 0.25, "ftx": 0.3, "reference": "none"}),
 ]
 
 
-@pytest.mark.parametrize(("name", "kw"), CASES, ids=["dpo-sigmoid-ls-ftx", "hinge", "ipo", "simpo", "orpo"])
+@pytest.mark.parametrize(
+    ("name", "kw"), CASES, ids=["dpo-sigmoid-ls-ftx", "hinge", "ipo", "simpo", "orpo-ftx"]
+)
 def test_each_pair_objective_is_its_formula_on_every_pair_alone(model, name, kw):
     rows = pairs()
     batch = with_reference(rows, model)
@@ -135,7 +137,6 @@ def test_each_pair_objective_is_its_formula_on_every_pair_alone(model, name, kw)
             m = b * ((c - rc) - (r - rr))
             ls = kw["label_smoothing"]
             want = -math.log(1 / (1 + math.exp(-m))) * (1 - ls) - math.log(1 / (1 + math.exp(m))) * ls
-            want += kw["ftx"] * (-c / nc)
         elif name == "dpo" and kw["dpo_loss"] == "hinge":
             want = max(0.0, 1 - b * ((c - rc) - (r - rr)))
         elif name == "dpo":
@@ -147,6 +148,7 @@ def test_each_pair_objective_is_its_formula_on_every_pair_alone(model, name, kw)
             mc, mr = c / nc, r / nr
             odds = (mc - mr) - (math.log1p(-math.exp(mc)) - math.log1p(-math.exp(mr)))
             want = -mc - b * math.log(1 / (1 + math.exp(-odds)))
+        want += kw.get("ftx", 0.0) * (-c / nc)  # the SFT term, on top of any objective's own
         assert float(terms.losses[i]) == pytest.approx(want, rel=2e-4, abs=2e-5), (name, i)
     assert set(terms.stats) == {
         "rewards/chosen",
@@ -162,7 +164,7 @@ def test_each_pair_objective_is_its_formula_on_every_pair_alone(model, name, kw)
 def test_kto_is_its_formula_with_the_kl_estimate_given_and_figures_split_by_label(model):
     rows = kto_rows()
     batch = with_reference(rows, model, scale=1.1)
-    obj = objective("kto", beta=0.3, kto_desirable_weight=1.5, kto_undesirable_weight=0.5)
+    obj = objective("kto", beta=0.3, kto_desirable_weight=1.5, kto_undesirable_weight=0.5, ftx=0.2)
     kl = obj.kl_sum(model, batch) / 3
     want_kl = sum(
         alone_logps(model, rows.rows(i)[0], rows.rows(i)[2])[0] - float(rows.reference[i, 1])
@@ -173,9 +175,10 @@ def test_kto_is_its_formula_with_the_kl_estimate_given_and_figures_split_by_labe
         terms = obj.terms(model, batch, kl)
     z = max(float(kl), 0.0)
     for i, good in enumerate((True, False, True)):
-        ratio = alone_logps(model, *rows.rows(i)[:2])[0] - float(rows.reference[i, 0])
+        logp, n = alone_logps(model, *rows.rows(i)[:2])
+        ratio = logp - float(rows.reference[i, 0])
         sig = 1 / (1 + math.exp(-0.3 * ((ratio - z) if good else (z - ratio))))
-        want = (1.5 if good else 0.5) * (1 - sig)
+        want = (1.5 if good else 0.5) * (1 - sig) + (0.2 * -logp / n if good else 0.0)
         assert float(terms.losses[i]) == pytest.approx(want, rel=2e-4, abs=2e-5)
     assert float(terms.stats["rewards/chosen"][1]) == 2 and float(terms.stats["rewards/rejected"][1]) == 1
 

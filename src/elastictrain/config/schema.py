@@ -192,7 +192,8 @@ class PreferenceConfig:
     # reward scale (SimPO): LLaMA-Factory's pref_beta
     beta: float = 0.1
     label_smoothing: float = 0.0  # dpo sigmoid and simpo: conservative DPO's assumed share of flipped labels
-    # Adds ftx x the chosen answer's mean token NLL to each pair's loss (dpo, simpo; LLaMA-Factory's pref_ftx)
+    # Adds ftx x the chosen answer's mean token NLL to each pair's loss (KTO: each desirable answer's);
+    # LLaMA-Factory's pref_ftx
     ftx: float = 0.0
     simpo_gamma: float = 0.5  # simpo: the target reward margin
     kto_desirable_weight: float = 1.0  # kto: the weight of desirable answers' losses

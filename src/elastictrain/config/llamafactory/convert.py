@@ -194,7 +194,7 @@ PREF_LOSSES: dict[str, tuple[str, str | None]] = {
 # dpo) or "kto" (stage kto), as LLaMA-Factory's trainers read it.
 PREFERENCE_NUMBERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "pref_beta": ("preference.beta", (*PREF_LOSSES, "kto")),
-    "pref_ftx": ("preference.ftx", ("sigmoid", "hinge", "ipo", "simpo")),
+    "pref_ftx": ("preference.ftx", (*PREF_LOSSES, "kto")),  # KTO: on desirable answers
     "dpo_label_smoothing": ("preference.label_smoothing", ("sigmoid",)),
     "simpo_gamma": ("preference.simpo_gamma", ("simpo",)),
     "kto_chosen_weight": ("preference.kto_desirable_weight", ("kto",)),
@@ -262,13 +262,7 @@ def _preference_number(name: str, r: Reading) -> None:
 def _not_read(name: str, r: Reading) -> None:
     """A preference number given where elastictrain's objective does not read it."""
     where = "stage kto" if r.get("stage") == "kto" else f"pref_loss {r.get('pref_loss')}"
-    if name == "pref_ftx":  # LLaMA-Factory adds it at every objective
-        r.refuse(
-            name,
-            f"with {where} elastictrain adds no supervised term (preference.ftx is read with pref_loss "
-            "sigmoid, hinge, ipo and simpo); leave it 0",
-        )
-    elif name == "dpo_label_smoothing" and r.get("stage") == "dpo":  # as LLaMA-Factory's own check
+    if name == "dpo_label_smoothing" and r.get("stage") == "dpo":  # as LLaMA-Factory's own check
         r.refuse(name, "valid with pref_loss sigmoid only (LLaMA-Factory refuses it with other losses too)")
     else:
         r.note(f"{name}: no effect with {where} (LLaMA-Factory does not read it there either)")

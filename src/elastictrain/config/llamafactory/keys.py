@@ -187,7 +187,7 @@ KEYS: tuple[Key, ...] = (
         0.0,
         _M,
         "preference.ftx",
-        "pref_loss sigmoid, hinge, ipo, simpo; above 0 refused with orpo and stage kto",
+        "every objective (orpo: beside its own NLL term; stage kto: on desirable answers)",
     ),
     Key(
         "dpo_label_smoothing",
