@@ -8,7 +8,7 @@ at any world size and micro-batch split.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 
@@ -30,16 +30,22 @@ def step_loss(results: Sequence[Mapping[str, Any]]) -> float:
     return sum(float(r["loss"]) for r in results) / len(results)
 
 
+def add_figures(shares: Iterable[Mapping[str, Sequence[float]]]) -> dict[str, list[float]]:
+    """Each figure's [sum, count] added up over `shares` ({figure: [sum, count]} each)."""
+    totals: dict[str, list[float]] = {}
+    for share in shares:
+        for name, (s, n) in share.items():
+            acc = totals.setdefault(name, [0.0, 0.0])
+            acc[0] += float(s)
+            acc[1] += float(n)
+    return totals
+
+
 def preference_figures(results: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """rewards/chosen, rewards/margins, logps/rejected, ... over the global batch: every rank's
     [sum, count] of each figure added up (a figure no item counted, e.g. KTO's rewards/rejected in a
     batch of desirable answers only, is left out)."""
-    totals: dict[str, list[float]] = {}
-    for r in results:
-        for name, (s, n) in (r.get("preference") or {}).items():
-            acc = totals.setdefault(name, [0.0, 0.0])
-            acc[0] += float(s)
-            acc[1] += float(n)
+    totals = add_figures(r.get("preference") or {} for r in results)
     return {name: s / n for name, (s, n) in sorted(totals.items()) if n > 0}
 
 

@@ -70,8 +70,9 @@ def causal_lm_loss_sum(model: Any, batch: Any) -> tuple[torch.Tensor, int]:
 
 
 def global_count(local: torch.Tensor) -> torch.Tensor:
-    """The sum of the 0-dim int64 tensor `local` over every rank of the process group (itself without
-    one), left on its device: the all-reduce is queued, nobody waits for it here."""
+    """The sum of the 0-dim tensor `local` (a count, or a preference objective's float64 sum) over every
+    rank of the process group (itself without one), left on its device: the all-reduce is queued, nobody
+    waits for it here."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

@@ -8,12 +8,13 @@ not depend on the world size or the micro-batch size.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from elastictrain.core.data_order import eval_positions
+from elastictrain.core.losses import add_figures
 from elastictrain.data.eval_data import source_ids
 from elastictrain.data.sources import collate_items, to_device
 from elastictrain.model.build import causal_lm_loss
@@ -31,88 +32,84 @@ def evaluate_share(
 ) -> dict[str, Any]:
     """`eval.steps` global batches of the validation set, this rank's micro-batches of each."""
     t0 = time.perf_counter()
-    plan, rank, batches = spec.plan, spec.rank, spec.config.eval.steps
     if dataset is None:
         raise ValueError("evaluate: this run has no validation set (set eval.split or eval.data)")
-    n = len(dataset)
-    if n == 0:
+    if len(dataset) == 0:
         raise ValueError(
             "evaluate: the validation set is empty; raise eval.split or give eval.data more data"
         )
-    if isinstance(loss_fn, PreferenceObjective):
-        return _evaluate_preference(engine, dataset, collate, loss_fn, spec, t0)
     module = engine.module
     was_training = module.training
     module.eval()
-    builtin = loss_fn is causal_lm_loss
-    loss_sum, tokens, read = 0.0, 0, []
+    read: list[int] = []
     try:
-        with torch.no_grad():
-            for b in range(batches):
-                for micro in range(plan.grad_accum_steps):
-                    indices = eval_positions(b, plan, rank, micro, n)
-                    read.extend(indices)
-                    batch = to_device(collate_items([dataset[i] for i in indices], collate), engine.device)
-                    if builtin:
-                        summed, count = causal_lm_loss_sum(engine, batch)
-                        loss_sum += float(summed.item())
-                        tokens += count
-                    else:  # a loss of your own: its mean, weighed by the micro-batch's samples
-                        loss_sum += float(loss_fn(engine, batch).float().item()) * len(indices)
+        batches = _eval_batches(engine, dataset, collate, spec, read)
+        if isinstance(loss_fn, PreferenceObjective):
+            share = _preference_share(engine, loss_fn, batches, spec.world_size)
+        else:
+            share = _loss_share(engine, loss_fn, batches)
     finally:
         module.train(was_training)
     return {
-        "rank": rank,
-        "tensor_parallel": plan.tensor_parallel,
-        "loss_sum": loss_sum,
-        "target_tokens": tokens if builtin else None,
+        "rank": spec.rank,
+        "tensor_parallel": spec.plan.tensor_parallel,
+        **share,
         "samples": len(read),
         "sample_ids": source_ids(dataset, read),
         "eval_s": time.perf_counter() - t0,
     }
 
 
-def _evaluate_preference(
-    engine: Any,
-    dataset: Any,
-    collate: Callable[[list[Any]], Any] | None,
-    objective: PreferenceObjective,
-    spec: AttemptSpec,
-    t0: float,
+def _eval_batches(
+    engine: Any, dataset: Any, collate: Callable[[list[Any]], Any] | None, spec: AttemptSpec, read: list[int]
+) -> Iterator[list[tuple[list[int], Any]]]:
+    """Each global batch: this rank's micro-batches as (indices, batch on the device); `read` gets the
+    indices as they are read."""
+    plan, n = spec.plan, len(dataset)
+    for b in range(spec.config.eval.steps):
+        micro_batches = []
+        for micro in range(plan.grad_accum_steps):
+            indices = eval_positions(b, plan, spec.rank, micro, n)
+            read.extend(indices)
+            batch = to_device(collate_items([dataset[i] for i in indices], collate), engine.device)
+            micro_batches.append((indices, batch))
+        yield micro_batches
+
+
+def _loss_share(
+    engine: Any, loss_fn: Callable[[Any, Any], torch.Tensor], batches: Iterator[list[tuple[list[int], Any]]]
 ) -> dict[str, Any]:
-    """The preference loss and figures of `eval.steps` global batches, each computed as a step's."""
+    """Summed token losses and target tokens (the built-in loss), else each micro-batch's mean weighed by
+    its samples (a loss of your own)."""
+    builtin = loss_fn is causal_lm_loss
+    loss_sum, tokens = 0.0, 0
+    with torch.no_grad():
+        for micro_batches in batches:
+            for indices, batch in micro_batches:
+                if builtin:
+                    summed, count = causal_lm_loss_sum(engine, batch)
+                    loss_sum += float(summed.item())
+                    tokens += count
+                else:
+                    loss_sum += float(loss_fn(engine, batch).float().item()) * len(indices)
+    return {"loss_sum": loss_sum, "target_tokens": tokens if builtin else None}
+
+
+def _preference_share(
+    engine: Any,
+    objective: PreferenceObjective,
+    batches: Iterator[list[tuple[list[int], Any]]],
+    world_size: int,
+) -> dict[str, Any]:
+    """The preference loss and figures, each global batch computed as a step's (KTO: its own KL estimate)."""
     from elastictrain.worker.preference_steps import run_preference_batches
 
-    plan, rank, n = spec.plan, spec.rank, len(dataset)
-    loss_sum, items, read = 0.0, 0, []
-    figures: dict[str, list[float]] = {}
-    module = engine.module
-    was_training = module.training
-    module.eval()
-    try:
-        for b in range(spec.config.eval.steps):
-            batches = []
-            for micro in range(plan.grad_accum_steps):
-                indices = eval_positions(b, plan, rank, micro, n)
-                read.extend(indices)
-                batch = to_device(collate_items([dataset[i] for i in indices], collate), engine.device)
-                batches.append((batch, 0))
-            # Per global batch, as a step: KTO's KL estimate is that batch's.
-            out = run_preference_batches(engine, objective, batches, world_size=spec.world_size, train=False)
-            loss_sum += out["loss_sum"]
-            items += out["items"]
-            for name, (s, c) in out["preference"].items():
-                acc = figures.setdefault(name, [0.0, 0.0])
-                acc[0], acc[1] = acc[0] + s, acc[1] + c
-    finally:
-        module.train(was_training)
+    outs = []
+    for micro_batches in batches:
+        seeded = [(batch, 0) for _, batch in micro_batches]
+        outs.append(run_preference_batches(engine, objective, seeded, world_size=world_size))
     return {
-        "rank": rank,
-        "tensor_parallel": plan.tensor_parallel,
-        "loss_sum": loss_sum,
-        "items": items,
-        "preference": figures,
-        "samples": len(read),
-        "sample_ids": source_ids(dataset, read),
-        "eval_s": time.perf_counter() - t0,
+        "loss_sum": sum(out["loss_sum"] for out in outs),
+        "items": sum(out["items"] for out in outs),
+        "preference": add_figures(out["preference"] for out in outs),
     }

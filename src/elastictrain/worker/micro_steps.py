@@ -54,20 +54,6 @@ def run_micro_batches(
     Nothing here waits for the device until the step is queued: losses and token counts stay tensors
     and are read once, at the end (one synchronisation per step, not one per micro-batch).
     """
-    if isinstance(loss_fn, PreferenceObjective):
-        sums = run_preference_batches(
-            engine,
-            loss_fn,
-            batches,
-            world_size=world_size,
-            train=True,
-            on_micro=on_micro,
-            before_update=before_update,
-        )
-        items = int(sums["items"])
-        return StepLoss(
-            sums["loss_sum"] / max(items, 1), sums["loss_sum"], items=items, preference=sums["preference"]
-        )
     last = len(batches) - 1
 
     def step(i: int) -> None:
@@ -79,6 +65,12 @@ def run_micro_batches(
         engine.step()
         on_micro()
 
+    if isinstance(loss_fn, PreferenceObjective):
+        sums = run_preference_batches(engine, loss_fn, batches, world_size=world_size, step=step)
+        items = int(sums["items"])
+        return StepLoss(
+            sums["loss_sum"] / max(items, 1), sums["loss_sum"], items=items, preference=sums["preference"]
+        )
     if loss_fn is not causal_lm_loss:
         acc = torch.zeros((), dtype=torch.float64, device=engine.device)
         for i, (batch, seed) in enumerate(batches):

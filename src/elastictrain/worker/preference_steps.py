@@ -20,16 +20,6 @@ from elastictrain.model.loss import global_count
 from elastictrain.model.objective import PreferenceObjective
 
 
-def _global_sum(value: torch.Tensor) -> torch.Tensor:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    total = value.detach().clone().reshape(1)
-    dist.all_reduce(total)
-    return total[0]
-
-
 def kto_estimate(
     engine: Any, objective: PreferenceObjective, batches: Sequence[Any], items: torch.Tensor
 ) -> Any:
@@ -38,7 +28,7 @@ def kto_estimate(
     for batch in batches:
         local = local + objective.kl_sum(engine, batch)
     # Every rank of a tensor-parallel replica adds the same sums, as `items` counts them: the ratio holds.
-    return _global_sum(local) / items.clamp(min=1).double()
+    return global_count(local) / items.clamp(min=1).double()
 
 
 def run_preference_batches(
@@ -47,11 +37,10 @@ def run_preference_batches(
     batches: Sequence[tuple[Any, int]],
     *,
     world_size: int,
-    train: bool,
-    on_micro: Callable[[], None] = lambda: None,
-    before_update: Callable[[], None] = lambda: None,
+    step: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
-    """Forward (and, with `train`, backward and DeepSpeed's step) each (batch, seed); this rank's sums.
+    """Forward each (batch, seed); with `step` (training: DeepSpeed's step after micro-batch i, as
+    worker/micro_steps.py orders it), backward it and call step(i). This rank's sums.
 
     Returns loss_sum, items and `preference`: {figure: [sum, count]} over this rank's items."""
     counts = [torch.tensor(b["input_ids"].shape[0] // 2, device=engine.device) for b, _ in batches]
@@ -63,17 +52,13 @@ def run_preference_batches(
     scale = ((world_size * len(batches)) / total.clamp(min=1).double()).float()
     loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
     sums: dict[str, list[torch.Tensor]] = {}
-    last = len(batches) - 1
     for i, (batch, seed) in enumerate(batches):
         torch.manual_seed(seed)  # any randomness follows the data position, not the rank
-        if train:
+        if step is not None:
             terms = objective.terms(engine, batch, kl)
             summed = terms.losses.sum()
             engine.backward(summed * scale.to(summed.device))
-            if i == last:
-                before_update()
-            engine.step()
-            on_micro()
+            step(i)
         else:
             with torch.no_grad():
                 terms = objective.terms(engine, batch, kl)

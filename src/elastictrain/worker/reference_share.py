@@ -35,6 +35,7 @@ class ReferenceShare:
     dataset: Any
     collate: Any
     spec: Any
+    loss_fn: Any
 
     def _rows(self) -> PreferenceRows:
         from elastictrain.data.preference.dataset import base_rows
@@ -58,8 +59,8 @@ class ReferenceShare:
 
         assert self.spec is not None and self.engine is not None, "reference_logps before setup"
         self._maybe_fault(start, "reference")  # type: ignore[attr-defined]  # chaos runs and tests
-        objective = PreferenceObjective.from_config(self.spec.config)
-        assert objective is not None
+        objective = self.loss_fn  # the attempt's (model/build.py loss_function)
+        assert isinstance(objective, PreferenceObjective)
         rows = self._rows()
         plan, rank = self.spec.plan, self.spec.rank
         replicas = plan.data_parallel

@@ -21,7 +21,7 @@ from elastictrain.data.preference.sources import is_kto, preference_sources
 from elastictrain.data.sft.dataset import CHUNK, SHOWN, BadRecord, converted_records, reading
 from elastictrain.data.sft.dataset_info import Source
 from elastictrain.data.sft.records import Layout, RecordProblem, detect, make_layout
-from elastictrain.data.sft.render import TemplateProblem, chat_tokenizer, template_origin
+from elastictrain.data.sft.render import TemplateProblem, chat_tokenizer, pad_id, template_origin
 
 log = logging.getLogger("elastictrain.data")
 
@@ -99,8 +99,7 @@ def _build(data: Any, pretrained: str | None, kto: bool) -> tuple[list[Any], Pre
     except ValueError as e:
         raise PreferenceDataError(str(e)) from e
     origin, seq_len, report = template_origin(data, pretrained), int(data.seq_len), PreferenceReport()
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    report.pad_token_id = int(pad) if pad is not None else 0
+    report.pad_token_id = pad_id(tokenizer)
     system = getattr(data, "system", None)
     convert: Callable[[Any, Layout], Any] = (
         (lambda r, lay: to_kto(r, lay, system)) if kto else (lambda r, lay: to_pair(r, lay, system))

@@ -40,6 +40,7 @@ from elastictrain.data.sft.render import (
     TemplateProblem,
     chat_tokenizer,
     encode,
+    pad_id,
     template_facts,
     template_origin,
 )
@@ -285,12 +286,11 @@ def build_sft_dataset(data: Any, pretrained: str | None = None) -> SftDataset:
             f"data: no trainable record among the {report.records} read"
             + (f"; {report.dropped_message(seq_len)}" if report.overlong else "")
         )
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return SftDataset(
         torch.tensor(ids, dtype=torch.int32),
         torch.tensor(labels, dtype=torch.int32),
         torch.tensor(offsets, dtype=torch.long),
         origins,
-        int(pad) if pad is not None else 0,
+        pad_id(tokenizer),
         report,
     )

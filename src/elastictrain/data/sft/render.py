@@ -101,6 +101,12 @@ def chat_tokenizer(data: Any, pretrained: str | None) -> Any:
     return tokenizer
 
 
+def pad_id(tokenizer: Any) -> int:
+    """What records are padded with: the tokenizer's pad token, else its end of sequence, else 0."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return int(pad) if pad is not None else 0
+
+
 def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, prompt: bool) -> str:
     return str(
         tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=prompt, tokenize=False)
