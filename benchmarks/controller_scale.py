@@ -1,7 +1,7 @@
 """Controller scale: what the control loop does per check of its workers, at 64 to 4,096 simulated workers.
 
 The loop checks its workers by gathering a step's replies from every rank (control/failures.py
-`gather_results`, over the worker group). Here the group is the fake one (cluster/fake.py), so the
+`gather_results`, over the worker group). Here the group is the fake one (testing/fake_group.py), so the
 time measured is the loop's own: reading the replies, reducing the step's results, and on a failure
 classifying it (one node query for the whole group; for a hang, every worker's progress and
 `stalled_workers`) and deciding what follows (`decide_after_failure`). The workers' side (making the
@@ -22,6 +22,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from benchmarks.common import Result, Target, median
+from elastictrain.cluster.worker_api import WorkerApi
 
 HANG_TIMEOUT_S = 120.0
 STEP = 100
@@ -42,14 +43,14 @@ def _rules(n: int) -> Any:
 
 def _group(n: int) -> Any:
     """n fake workers on n // 8 nodes, set up for an attempt at world size n."""
-    from elastictrain.cluster.fake import FakeGroup
+    from elastictrain.testing.fake_group import FakeGroup
 
     group = FakeGroup(n, nodes=max(1, n // 8), warmup_polls=0)
     group.request(n)
     workers = group.start_workers(n, None)
     group.poll_warm()
     specs = [(SimpleNamespace(rank=r, world_size=n, start_step=STEP),) for r in range(n)]
-    group.gather(group.call_each(workers, "setup", specs), 1.0)
+    group.gather(group.call_each(workers, WorkerApi.setup, specs), 1.0)
     return group
 
 
@@ -78,7 +79,7 @@ def time_case(n: int, case: str, iterations: int) -> float:
             group.die_at_step(rank=n // 3, step=STEP)
         elif case == "hang":
             group.hang_at_step(rank=n // 3, step=STEP)
-        calls = group.call(group.workers, "train_step", STEP)  # the workers' side: not timed
+        calls = group.call(group.workers, WorkerApi.train_step, STEP)  # the workers' side: not timed
         t0 = time.perf_counter()
         check(group, calls, rules, 1000.0)
         samples.append(time.perf_counter() - t0)
@@ -101,7 +102,7 @@ def detection_latency(n: int, trials: int) -> float:
         th.start()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            calls = group.call(group.workers, "train_step", STEP)
+            calls = group.call(group.workers, WorkerApi.train_step, STEP)
             if check(group, calls, rules, time.monotonic()) is not None:
                 latencies.append(time.perf_counter() - died[0])
                 break
@@ -139,7 +140,7 @@ def run(reps: int, smoke: bool) -> Result:
     ]
     notes = [
         "A check is what the loop does per step with every rank's reply in hand (fake worker group, "
-        "cluster/fake.py): gather, reduce, and on a failure classify (one node query; for a hang every "
+        "testing/fake_group.py): gather, reduce, and on a failure classify (one node query; for a hang every "
         "worker's progress and stalled_workers) and decide. Waiting for Ray's replies and writing run.json "
         "are not in it: on a real cluster the loop waits on step results and learns of a death from Ray "
         "(see the recovery benchmark's detection time).",

@@ -134,21 +134,23 @@ def run_training(
     reporter: Reporter | None = None,
     controller_hook: Any = None,
     local: bool = False,
+    worker_class: type | None = None,
 ) -> RunSummary:
     """Run (or continue) a run. Check its user code first: `check_before_start`.
 
     `local`: one worker in this process (cluster/local_group.py) instead of Ray actors, under the same
-    control loop; nothing on that path imports Ray.
+    control loop; nothing on that path imports Ray. `worker_class`: what hosts each worker instead of
+    TrainWorker (a test's or chaos run's FaultyTrainWorker, testing/faulty_worker.py).
     """
     from elastictrain.control.loop import Controller
 
     reporter = reporter or Reporter(config.training.max_steps)
     degrees = None
     if local:
-        group: Any = _local_group(config)
+        group: Any = _local_group(config, worker_class)
         config = local_config(config)
     else:
-        group, degrees = _ray_group(config, run_dir, address, reporter)
+        group, degrees = _ray_group(config, run_dir, address, reporter, worker_class)
     tracker = make_tracker(config, run_dir, tracking)
     take_over(run_dir, reporter)
     system = SystemMetrics(config, run_dir) if tracking else None
@@ -175,7 +177,9 @@ def run_training(
         _end_tracking(config, run_dir, tracker, system, status, reporter if summary is not None else None)
 
 
-def _ray_group(config: Config, run_dir: RunDir, address: str | None, reporter: Reporter) -> tuple[Any, Any]:
+def _ray_group(
+    config: Config, run_dir: RunDir, address: str | None, reporter: Reporter, worker_class: type | None
+) -> tuple[Any, Any]:
     """Connect to Ray, check every node can run the config (PreflightError if not): the worker group,
     and with `tensor_parallel: auto` what chose the degree (the control loop asks it again)."""
     from elastictrain.cluster.connect import connect_ray
@@ -208,18 +212,21 @@ def _ray_group(config: Config, run_dir: RunDir, address: str | None, reporter: R
         name_prefix=run_dir.read_info().run_id[:6],
         keep_warm_s=0.0 if fresh else s.keep_warm_s,
         reuse_warm=not fresh,
+        worker_class=worker_class,
     )
     return group, degrees
 
 
-def _local_group(config: Config) -> Any:
+def _local_group(config: Config, worker_class: type | None) -> Any:
     from elastictrain.cluster.local_group import LocalGroup
 
     # Ray workers' output is not shown; here, DeepSpeed's per-micro-step deprecation notice would be.
     warnings.filterwarnings(
         "ignore", message=r".*reduce_scatter_tensor.* is deprecated", category=FutureWarning
     )
-    return LocalGroup(config.scaling.use_gpu)
+    if worker_class is None:
+        return LocalGroup(config.scaling.use_gpu)
+    return LocalGroup(config.scaling.use_gpu, lambda wid, gpu: worker_class(wid, gpu, in_ray=False))
 
 
 def local_config(config: Config) -> Config:

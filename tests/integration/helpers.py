@@ -69,12 +69,21 @@ def quiet_reporter(total: int):  # noqa: ANN201
 
 
 def run(config, *, tracking: bool = True, hook=None):  # noqa: ANN001, ANN201
-    """Train a config in this process (the driver), on the Ray cluster already connected."""
+    """Train a config in this process (the driver), on the Ray cluster already connected, with workers
+    that take injected faults."""
     from elastictrain.launch import prepare_run_dir, run_training
+    from elastictrain.testing.faulty_worker import FaultyTrainWorker
 
     run_dir, _ = prepare_run_dir(config, fresh=False)
     reporter = quiet_reporter(config.training.max_steps)
-    summary = run_training(config, run_dir, tracking=tracking, reporter=reporter, controller_hook=hook)
+    summary = run_training(
+        config,
+        run_dir,
+        tracking=tracking,
+        reporter=reporter,
+        controller_hook=hook,
+        worker_class=FaultyTrainWorker,  # a hook may inject faults into the workers
+    )
     return summary, run_dir, reporter.stream.getvalue()
 
 

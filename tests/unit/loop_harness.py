@@ -1,4 +1,4 @@
-"""A control loop on the fake worker group (cluster/fake.py): a whole run in milliseconds, without Ray."""
+"""A control loop on the fake worker group (testing/fake_group.py): a whole run in milliseconds, no Ray."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from elastictrain.checkpoint.store import CheckpointStore
-from elastictrain.cluster.fake import FakeGroup
 from elastictrain.config import config_digest, load_config, to_yaml
 from elastictrain.control.loop import Controller, RunSummary
 from elastictrain.progress import Reporter
 from elastictrain.rundir.run_dir import RunDir
+from elastictrain.testing.fake_group import FakeGroup
 from elastictrain.tracking.tracker import NullTracker
 
 TINY = Path(__file__).resolve().parents[2] / "conf" / "tiny-cpu.yaml"

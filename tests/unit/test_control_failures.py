@@ -6,10 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from elastictrain.cluster.fake import FakeGroup
+from elastictrain.cluster.worker_api import WorkerApi
 from elastictrain.control.errors import AttemptFailed
 from elastictrain.control.failures import gather_results
 from elastictrain.core.policy import Restart, ScalingRules, decide_after_failure
+from elastictrain.testing.fake_group import FakeGroup
 
 
 def set_up(n: int, *, nodes: int | None = None, spares: int = 0) -> FakeGroup:
@@ -19,12 +20,12 @@ def set_up(n: int, *, nodes: int | None = None, spares: int = 0) -> FakeGroup:
     workers = group.start_workers(n + spares, None)[:n]
     group.poll_warm()
     specs = [(SimpleNamespace(rank=r, world_size=n, start_step=100),) for r in range(n)]
-    gather_results(group, group.call_each(workers, "setup", specs), 100, timeout_s=1, phase="setup")
+    gather_results(group, group.call_each(workers, WorkerApi.setup, specs), 100, timeout_s=1, phase="setup")
     return group
 
 
 def step(group: FakeGroup, at: int = 100) -> dict:
-    calls = group.call(group.workers, "train_step", at)
+    calls = group.call(group.workers, WorkerApi.train_step, at)
     return gather_results(group, calls, at, timeout_s=120, phase="step")
 
 
@@ -74,7 +75,7 @@ def test_an_idle_spare_outside_the_attempt_is_not_blamed_for_its_hang():
     spare = group.workers[4]  # warm, in no attempt: in no collective either
     group.hang_at_step(rank=2, step=100)
     with pytest.raises(AttemptFailed) as e:
-        calls = group.call(group.workers[:4], "train_step", 100)
+        calls = group.call(group.workers[:4], WorkerApi.train_step, 100)
         gather_results(group, calls, 100, timeout_s=120, phase="step")
     assert e.value.failure.kind == "hang" and e.value.failure.worker_ids == ("fw2",)
     assert spare.worker_id not in e.value.failure.message

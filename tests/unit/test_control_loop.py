@@ -40,7 +40,7 @@ def test_a_restart_checkpoint_that_fails_its_check_beside_the_set_up_is_rejected
     import threading
 
     import elastictrain.control.resume as resume
-    from elastictrain.cluster.fake import FakeGroup
+    from elastictrain.testing.fake_group import FakeGroup
 
     r = make_run(tmp_path, "scaling.min_workers=1", "checkpoint.memory_every_steps=0")
     # Each check waits (a bounded time) for the set-up it runs beside: run before it, it would time out.

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from loop_harness import at_step, make_run
 
-from elastictrain.cluster.fake import FakeWorker
 from elastictrain.control.memory_recovery import MemoryRecovery
+from elastictrain.testing.fake_group import FakeWorker
 
 
 def test_a_rank_dying_restarts_from_memory_at_the_last_reported_step_losing_nothing(tmp_path: Path):

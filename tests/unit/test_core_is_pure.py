@@ -17,7 +17,7 @@ for package in (core, control):
     for m in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         importlib.import_module(m.name)
 importlib.import_module("elastictrain.cluster.calls")
-importlib.import_module("elastictrain.cluster.fake")
+importlib.import_module("elastictrain.testing.fake_group")
 print("core is pure")
 """
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from elastictrain.cluster.calls import RAISED, TIMED_OUT
 from elastictrain.cluster.local_group import LocalGroup
+from elastictrain.cluster.worker_api import WorkerApi
 
 
 class ScriptedWorker:
@@ -58,7 +59,7 @@ def test_the_group_has_one_slot_and_its_worker_warms_up_with_an_identity():
 
 def test_calls_run_in_order_and_a_raising_step_replies_raised_with_its_traceback():
     group, w = _warm_group()
-    calls = [group.call([w], "train_step", step) for step in (11, 12, 13)]
+    calls = [group.call([w], WorkerApi.train_step, step) for step in (11, 12, 13)]
     replies = [group.gather(c, timeout_s=5.0)[w.worker_id] for c in calls]
     assert w.actor.order == ["step 11", "step 12", "step 13"]
     assert [r.value for r in replies[:2]] == [{"step": 11}, {"step": 12}]
@@ -69,7 +70,7 @@ def test_calls_run_in_order_and_a_raising_step_replies_raised_with_its_traceback
 
 def test_progress_answers_while_a_step_runs_and_an_unfinished_call_times_out():
     group, w = _warm_group()
-    held = group.call([w], "train_step", 99)
+    held = group.call([w], WorkerApi.train_step, 99)
     # Behind the held step (5 s) the answer would come too late: None. The control lane answers now.
     assert group.progress(timeout_s=2.0) == {w.worker_id: {"mark": "step"}}
     assert group.gather(held, timeout_s=0.1)[w.worker_id].error == TIMED_OUT
@@ -80,7 +81,7 @@ def test_progress_answers_while_a_step_runs_and_an_unfinished_call_times_out():
 
 def test_shutdown_tears_the_worker_down_after_its_running_step():
     group, w = _warm_group()
-    group.call([w], "train_step", 99)
+    group.call([w], WorkerApi.train_step, 99)
     assert w.actor.started.wait(5.0)
     threading.Timer(0.2, w.actor.release.set).start()
     group.shutdown()

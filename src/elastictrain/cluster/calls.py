@@ -1,6 +1,6 @@
 """What the control loop sees of the worker group: replies with typed errors, and the group's interface.
 
-Ray-free, so the loop (and its unit tests, with the fake group of cluster/fake.py) never import Ray.
+Ray-free, so the loop (and its unit tests, with the fake group of testing/fake_group.py) never import Ray.
 """
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from elastictrain.cluster.worker_api import WorkerMethod
 
 # A call's outcome when it has no value: the actor's process died, its whole node went away, the
 # method raised, or no answer came within the gather's timeout.
@@ -71,13 +73,21 @@ class Group(Protocol):
     def shutdown(self) -> None: ...
 
     def call(
-        self, workers: Sequence[Any], method: str, *args: Any, control: bool = False, watch: bool = False
+        self,
+        workers: Sequence[Any],
+        method: WorkerMethod,
+        *args: Any,
+        control: bool = False,
+        watch: bool = False,
     ) -> Calls:
-        """`method(*args)` on every worker; `control` answers even mid-step (a separate thread);
-        `watch` too, on threads of its own, for calls that wait long (a write's end)."""
+        """`method(*args)` on every worker (`method` is one of WorkerApi's, worker_api.py); `control`
+        answers even mid-step (a separate thread); `watch` too, on threads of its own, for calls that
+        wait long (a write's end)."""
         ...
 
-    def call_each(self, workers: Sequence[Any], method: str, args: Sequence[tuple[Any, ...]]) -> Calls:
+    def call_each(
+        self, workers: Sequence[Any], method: WorkerMethod, args: Sequence[tuple[Any, ...]]
+    ) -> Calls:
         """`method(*args[i])` on workers[i]."""
         ...
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastictrain.cluster.calls import RAISED, TIMED_OUT, Calls, Reply
+from elastictrain.cluster.worker_api import WorkerApi, WorkerMethod, method_name
 
 log = logging.getLogger("elastictrain.workers")
 TICK_S = 0.2
@@ -125,27 +126,28 @@ class LocalGroup:
                 log.debug("teardown of %s: %s", handle.worker_id, e)
 
     def progress(self, timeout_s: float = 5.0) -> dict[str, dict[str, Any] | None]:
-        calls = self.call(self.workers, "progress", control=True)
+        calls = self.call(self.workers, WorkerApi.progress, control=True)
         return {wid: (r.value if r.ok else None) for wid, r in self.gather(calls, timeout_s).items()}
 
     # -- calls --
     def call(
         self,
         workers: Sequence[LocalHandle],
-        method: str,
+        method: WorkerMethod,
         *args: Any,
         control: bool = False,
         watch: bool = False,
     ) -> Calls:
         lane = self._lanes["control" if control else "watch" if watch else "default"]
-        return {w.worker_id: lane.submit(_traced, getattr(w.actor, method), args) for w in workers}
+        name = method_name(method)
+        return {w.worker_id: lane.submit(_traced, getattr(w.actor, name), args) for w in workers}
 
     def call_each(
-        self, workers: Sequence[LocalHandle], method: str, args: Sequence[tuple[Any, ...]]
+        self, workers: Sequence[LocalHandle], method: WorkerMethod, args: Sequence[tuple[Any, ...]]
     ) -> Calls:
-        lane = self._lanes["default"]
+        lane, name = self._lanes["default"], method_name(method)
         return {
-            w.worker_id: lane.submit(_traced, getattr(w.actor, method), a)
+            w.worker_id: lane.submit(_traced, getattr(w.actor, name), a)
             for w, a in zip(workers, args, strict=True)
         }
 

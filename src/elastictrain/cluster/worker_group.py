@@ -27,6 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from elastictrain.cluster import warm_pool
 from elastictrain.cluster.allocator import allocator_env, jemalloc_library
 from elastictrain.cluster.calls import DIED, NODE_LOST, OUT_OF_MEMORY, RAISED, TIMED_OUT, Calls, Reply
+from elastictrain.cluster.worker_api import WorkerApi, WorkerMethod, method_name
 from elastictrain.worker.actor import TrainWorker
 
 # How often gather runs its `tick` while it waits: a checkpoint whose write ended is committed within
@@ -103,17 +104,24 @@ class WorkerGroup:
         *,
         keep_warm_s: float = 0.0,
         reuse_warm: bool = True,
+        worker_class: type | None = None,
     ) -> None:
         """Workers start from those an earlier run of this driver left warm, started alike, unless
         `reuse_warm` is False (cluster/warm_pool.py); `keep_warm_s` > 0: they are left warm at the end
-        for that long."""
+        for that long. `worker_class`: what each actor hosts instead of TrainWorker (tests' and chaos
+        runs' FaultyTrainWorker); parked workers serve only a group that hosts the same class."""
         self.resources = resources
         self.keep_warm_s = keep_warm_s
         self.reuse_warm = reuse_warm
         # Who may take parked workers: what decides a worker process's start (resources, environment).
         # Parked reservations of any tensor-parallel degree may serve this group (warm_pool.take).
         started_alike = replace(resources, ranks_per_reservation=1)
-        self._pool_key = warm_pool.pool_key(started_alike, tuple(sorted(resources.env_vars().items())))
+        hosted = worker_class or TrainWorker
+        self._pool_key = warm_pool.pool_key(
+            started_alike,
+            tuple(sorted(resources.env_vars().items())),
+            f"{hosted.__module__}.{hosted.__qualname__}",
+        )
         self._parked: dict[tuple[str, int], Any] = {}  # (placement group, bundle) -> a parked actor
         self.workers: list[WorkerHandle] = []
         self.pending: list[Slot] = []
@@ -121,7 +129,7 @@ class WorkerGroup:
         self._ids = itertools.count()
         self._prefix = name_prefix
         # "replica" (worker/ray_calls.py): buddies' snapshots arrive and are served beside training.
-        self._actor_cls = ray.remote(concurrency_groups={"control": 2, "replica": 2, "watch": 2})(TrainWorker)
+        self._actor_cls = ray.remote(concurrency_groups={"control": 2, "replica": 2, "watch": 2})(hosted)
         self.warmup_errors: list[tuple[str, str]] = []  # warm-ups that raised (the loop may end the run)
         self._allocator_warned = False
 
@@ -292,22 +300,24 @@ class WorkerGroup:
     def call(
         self,
         workers: Sequence[WorkerHandle],
-        method: str,
+        method: WorkerMethod,
         *args: Any,
         control: bool = False,
         watch: bool = False,
     ) -> Calls:
         calls: Calls = {}
         lane = "control" if control else "watch" if watch else None
+        name = method_name(method)
         for w in workers:
-            fn = getattr(w.actor, method)
+            fn = getattr(w.actor, name)
             calls[w.worker_id] = (fn.options(concurrency_group=lane) if lane else fn).remote(*args)
         return calls
 
     def call_each(
-        self, workers: Sequence[WorkerHandle], method: str, args: Sequence[tuple[Any, ...]]
+        self, workers: Sequence[WorkerHandle], method: WorkerMethod, args: Sequence[tuple[Any, ...]]
     ) -> Calls:
-        return {w.worker_id: getattr(w.actor, method).remote(*a) for w, a in zip(workers, args, strict=True)}
+        name = method_name(method)
+        return {w.worker_id: getattr(w.actor, name).remote(*a) for w, a in zip(workers, args, strict=True)}
 
     def gather(
         self,
@@ -372,7 +382,7 @@ class WorkerGroup:
         """Leave the warm workers' reservations to this driver's next run (cluster/warm_pool.py): each
         whole placement group whose every worker left the run in time, with no slot of it pending."""
         warm = self.warm_workers
-        left = self.gather(self.call(warm, "leave_run"), LEAVE_RUN_TIMEOUT_S)
+        left = self.gather(self.call(warm, WorkerApi.leave_run), LEAVE_RUN_TIMEOUT_S)
         by_pg: dict[str, list[WorkerHandle]] = {}
         for w in self.workers:
             by_pg.setdefault(w.pg.id.hex(), []).append(w)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from elastictrain.cluster.calls import Calls, Group
+from elastictrain.cluster.worker_api import WorkerApi
 from elastictrain.config.eval_check import evaluates
 from elastictrain.control.completions import Completions
 from elastictrain.control.failures import gather_results
@@ -49,7 +50,7 @@ class Evaluations:
 
     def submit(self, group: Group, workers: Sequence[Any], step: int) -> None:
         if self.due(step):
-            self.pending[step] = group.call(workers, "evaluate", step)
+            self.pending[step] = group.call(workers, WorkerApi.evaluate, step)
 
     def forget(self) -> None:
         """A new attempt: what the last one queued will not answer."""

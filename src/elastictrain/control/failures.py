@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from elastictrain.cluster.calls import DIED, NODE_LOST, OUT_OF_MEMORY, RAISED, TIMED_OUT, Calls, Group, Reply
+from elastictrain.cluster.worker_api import WorkerApi
 from elastictrain.control.errors import AttemptFailed
 from elastictrain.control.record import RunRecorder
 from elastictrain.core.membership import WorkerObservation, stalled_workers
@@ -136,8 +137,8 @@ def teardown(
     """
     survivors = [w for w in group.workers if w in active]
     if abort and survivors:
-        group.gather(group.call(survivors, "abort_collectives", control=True), ABORT_TIMEOUT_S)
-    replies = group.gather(group.call(survivors, "teardown"), TEARDOWN_TIMEOUT_S)
+        group.gather(group.call(survivors, WorkerApi.abort_collectives, control=True), ABORT_TIMEOUT_S)
+    replies = group.gather(group.call(survivors, WorkerApi.teardown), TEARDOWN_TIMEOUT_S)
     stuck: dict[str, str] = {}
     for w in survivors:
         r = replies[w.worker_id]
@@ -151,7 +152,7 @@ def teardown(
     leaving = [w for w in survivors if w.worker_id in stuck]
     clean = [w for w in survivors if w.worker_id not in stuck]
     if hand_off and clean:
-        calls = group.call(leaving, "hand_off_snapshots", clean[0].actor, control=True)
+        calls = group.call(leaving, WorkerApi.hand_off_snapshots, clean[0].actor, control=True)
         for wid, r in group.gather(calls, HAND_OFF_TIMEOUT_S).items():
             stuck[wid] += f"; its in-memory snapshots {'handed to ' + clean[0].worker_id if r.ok else 'lost'}"
     for w in leaving:

@@ -21,6 +21,7 @@ from typing import Any
 from elastictrain.checkpoint.model_record import configured_model
 from elastictrain.checkpoint.store import CheckpointStore
 from elastictrain.cluster.calls import Group
+from elastictrain.cluster.worker_api import WorkerApi
 from elastictrain.control.callbacks import Callbacks
 from elastictrain.control.capacity import Capacity
 from elastictrain.control.errors import AttemptFailed, RunFailed
@@ -237,7 +238,11 @@ class Controller:
         self.pipeline.attach(active, start)
         self.saves.attach(active, manifest_for(self.cfg, self.recorder.run_dir, size, plan))
         port = gather_results(
-            self.group, self.group.call(active[:1], "free_port"), self.step, timeout_s=60.0, phase="setup"
+            self.group,
+            self.group.call(active[:1], WorkerApi.free_port),
+            self.step,
+            timeout_s=60.0,
+            phase="setup",
         )[active[0].worker_id]
         master_addr = active[0].info["node_ip"]
         t0 = self.clock()
@@ -256,7 +261,7 @@ class Controller:
             reference=self.reference.table,
         )
         with self.resume.verified_beside(resume, self.step) as verdict:
-            calls = self.group.call_each(active, "setup", [(spec,) for spec in specs])
+            calls = self.group.call_each(active, WorkerApi.setup, [(spec,) for spec in specs])
             timings = gather_results(
                 self.group, calls, self.step, timeout_s=self.cfg.failure.collective_timeout_s, phase="setup"
             )

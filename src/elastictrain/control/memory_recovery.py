@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastictrain.cluster.calls import Group
+from elastictrain.cluster.worker_api import WorkerApi
 from elastictrain.control.snapshot_schedule import SnapshotSchedule
 from elastictrain.core.memory_snapshots import Held, MemoryChoice, MemoryPlan, assign_buddies, off_node
 
@@ -53,7 +54,7 @@ class MemoryRecovery:
 
         workers = self.group.warm_workers
         replies = self.group.gather(
-            self.group.call(workers, "memory_holdings", control=True), HOLDINGS_TIMEOUT_S
+            self.group.call(workers, WorkerApi.memory_holdings, control=True), HOLDINGS_TIMEOUT_S
         )
         held = [Held(worker_id=wid, **h) for wid, r in replies.items() if r.ok for h in r.value]
         choice = choose_memory_snapshot(held, max_step=max_step, disk_step=disk_step)
@@ -69,7 +70,7 @@ class MemoryRecovery:
     def snapshot_now(self, active: Sequence[Any], step: int) -> bool:
         """Every rank copies the state after `step` steps to memory (unless it just did) and replicates it;
         whether all of them hold it now (a grow at this step then loads it, losing nothing)."""
-        replies = self.group.gather(self.group.call(active, "snapshot_now"), SNAPSHOT_NOW_TIMEOUT_S)
+        replies = self.group.gather(self.group.call(active, WorkerApi.snapshot_now), SNAPSHOT_NOW_TIMEOUT_S)
         return all(r.ok and r.value.get("held") and r.value.get("step") == step for r in replies.values())
 
     def take(self) -> MemoryLoad | None:

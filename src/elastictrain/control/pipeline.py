@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from elastictrain.cluster.calls import Calls, Group
+from elastictrain.cluster.worker_api import WorkerApi
 from elastictrain.control.capacity import Capacity
 from elastictrain.control.evaluation import Evaluations
 from elastictrain.control.failures import gather_results
@@ -121,7 +122,7 @@ class StepPipeline:
     def _submit(self, step: int, checkpoint_at: int) -> Calls:
         # The checkpoint's step is copied to memory too: its save then writes that copy (no pause for it).
         due = self.snapshots.due(step + 1, checkpoint=step + 1 == checkpoint_at)
-        calls = self.group.call(self.workers, "train_step", step, due, self.snapshots.probe(step + 1))
+        calls = self.group.call(self.workers, WorkerApi.train_step, step, due, self.snapshots.probe(step + 1))
         self.evals.submit(self.group, self.workers, step)  # queued behind the step on every rank
         return calls
 

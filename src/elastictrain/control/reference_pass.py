@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from elastictrain.cluster.calls import Group
+from elastictrain.cluster.worker_api import WorkerApi
 from elastictrain.control.errors import RunFailed
 from elastictrain.control.failures import gather_results
 from elastictrain.control.record import RunRecorder
@@ -52,7 +53,7 @@ class ReferencePass:
         timeout = self.cfg.failure.collective_timeout_s
         (first,) = gather_results(
             self.group,
-            self.group.call(active[:1], "reference_items"),
+            self.group.call(active[:1], WorkerApi.reference_items),
             step,
             timeout_s=timeout,
             phase="reference",
@@ -67,7 +68,7 @@ class ReferencePass:
         self.table = found
         gather_results(
             self.group,
-            self.group.call(active, "use_reference", found),
+            self.group.call(active, WorkerApi.use_reference, found),
             step,
             timeout_s=timeout,
             phase="reference",
@@ -88,7 +89,7 @@ class ReferencePass:
             chunks_todo=len(todo),
         )
         for start, stop in todo:
-            calls = self.group.call(active, "reference_logps", start, stop)
+            calls = self.group.call(active, WorkerApi.reference_logps, start, stop)
             shares = gather_results(
                 self.group, calls, step, timeout_s=self.cfg.failure.hang_timeout_s, phase="reference"
             )

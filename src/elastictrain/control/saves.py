@@ -19,6 +19,7 @@ from typing import Any
 
 from elastictrain.checkpoint.store import CheckpointError, CheckpointStore, Committed, verify
 from elastictrain.cluster.calls import TIMED_OUT, Calls, Group
+from elastictrain.cluster.worker_api import WorkerApi
 from elastictrain.control.errors import AttemptFailed
 from elastictrain.control.evaluation import best_checkpoint
 from elastictrain.control.failures import gather_results, is_disk_full, short
@@ -103,7 +104,7 @@ class SaveCoordinator:
         except OSError as e:
             return QueuedSave(step, None, {}, str(e))
         background = bool(self.cfg.checkpoint.background_write)
-        calls = self.group.call(self._workers, "save_shard", str(staging), background)
+        calls = self.group.call(self._workers, WorkerApi.save_shard, str(staging), background)
         return QueuedSave(step, staging, calls)
 
     def collect(self, save: QueuedSave, step: int) -> None:
@@ -149,7 +150,7 @@ class SaveCoordinator:
     def _watch_writes(self, workers: Sequence[Any]) -> None:
         assert self.pending is not None
         staging = str(self.pending.staging)
-        self._watch.update(self.group.call(workers, "save_status", staging, WATCH_WAIT_S, watch=True))
+        self._watch.update(self.group.call(workers, WorkerApi.save_status, staging, WATCH_WAIT_S, watch=True))
 
     def poll_writes(self, step: int) -> None:
         """Writes that ended since the last look (without waiting): the checkpoint commits as soon as
@@ -277,7 +278,7 @@ class SaveCoordinator:
     # -- helpers --
     def _ask_status(self, workers: Sequence[Any], staging: Path, wait_s: float) -> Calls:
         """Each worker's background write into `staging`, waited for up to wait_s (answered mid-step)."""
-        return self.group.call(workers, "save_status", str(staging), wait_s, control=True)
+        return self.group.call(workers, WorkerApi.save_status, str(staging), wait_s, control=True)
 
     def _write_failed(self, rank: int | None, error: str, step: int) -> None:
         """A rank's background write raised: a full disk skips this save; anything else fails the attempt."""

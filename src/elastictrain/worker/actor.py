@@ -44,7 +44,6 @@ from elastictrain.worker.dist import (
     remove_shm_buffers,
     zero_stage,
 )
-from elastictrain.worker.faults import FaultHooks
 from elastictrain.worker.memory import WorkerMemory
 from elastictrain.worker.ray_calls import actor_identity, local_identity
 from elastictrain.worker.reference_share import ReferenceShare
@@ -67,7 +66,7 @@ class StepFailed(RuntimeError):
     """A training step raised on this rank; the message holds the original error and traceback."""
 
 
-class TrainWorker(SnapshotPeer, ShardSaves, FaultHooks, ReferenceShare):
+class TrainWorker(SnapshotPeer, ShardSaves, ReferenceShare):
     def __init__(self, worker_id: str, use_gpu: bool, *, in_ray: bool = True) -> None:
         prefer_environment_tools()  # the ninja that built DeepSpeed's ops, before any op loads
         remember_cpu_info()  # each op load and CPU Adam would probe the CPU again (1.1 s each)
@@ -96,12 +95,10 @@ class TrainWorker(SnapshotPeer, ShardSaves, FaultHooks, ReferenceShare):
         self._prompts_key: tuple[Any, ...] | None = None
         self.built_model: dict[str, Any] | None = None  # rank 0 reports it with each save (model_record.py)
         self._dataset_key: tuple[Any, ...] | None = None
-        self._faults: dict[tuple[int, str], str] = {}
-        self._hung: tuple[int, float] | None = None
         # Progress marks, read by `progress` from the control thread while a step runs.
         self._mark = ("idle", -1, time.time())
         self._writer: Any = None  # the last checkpoint's ShardWrite (checkpoint/writer.py)
-        self._write_delay_s = 0.0  # tests and chaos runs: a slow disk
+        self._write_delay_s = 0.0  # a slow disk: testing/faulty_worker.py sets it
         self._idle_since = time.time()  # when this actor's last step or save ended
         self.memory = WorkerMemory(worker_id)  # in-memory snapshots: own, and the buddy's replicas
         self.memory.before_replica = lambda step: self._maybe_fault(step, "replica")
@@ -156,8 +153,6 @@ class TrainWorker(SnapshotPeer, ShardSaves, FaultHooks, ReferenceShare):
         """
         with self._lock:
             phase, step, since = self._mark
-        if self._hung is not None:  # an injected hang (worker/faults.py)
-            phase, (step, since) = "hung", self._hung
         frame = sys._current_frames().get(self._train_thread) if self._train_thread else None
         stack = traceback.extract_stack(frame) if frame is not None else []
         in_collective = any(any(m in f.filename for m in _COLLECTIVE_MODULES) for f in stack)
@@ -181,6 +176,13 @@ class TrainWorker(SnapshotPeer, ShardSaves, FaultHooks, ReferenceShare):
         with self._lock:
             self._mark = (phase, step, time.time())
             self._train_thread = threading.get_ident()
+
+    # Fault points: nothing here; testing/faulty_worker.py fires what a test or chaos run injected.
+    def _maybe_fault(self, step: int, phase: str = "start") -> None:
+        pass
+
+    def _arm_backward_fault(self, step: int) -> None:
+        pass
 
     def free_port(self) -> int:
         """A port that is free on this node now: each attempt's rendezvous gets a fresh one."""

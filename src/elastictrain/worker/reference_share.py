@@ -58,7 +58,7 @@ class ReferenceShare:
         from elastictrain.model.objective import PreferenceObjective
 
         assert self.spec is not None and self.engine is not None, "reference_logps before setup"
-        self._maybe_fault(start, "reference")  # type: ignore[attr-defined]  # chaos runs and tests
+        self._maybe_fault(start, "reference")  # type: ignore[attr-defined]  # a fault point (tests, chaos)
         objective = self.loss_fn  # the attempt's (model/build.py loss_function)
         assert isinstance(objective, PreferenceObjective)
         rows = self._rows()

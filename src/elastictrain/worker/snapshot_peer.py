@@ -54,7 +54,3 @@ class SnapshotPeer:
     def memory_holdings(self) -> list[dict[str, Any]]:
         """Every complete snapshot this worker holds: its own rank's and its buddy's."""
         return self.memory.store.holdings()
-
-    def inject_snapshot_delay(self, seconds: float) -> None:
-        """Tests: every later copy starts `seconds` late, so a failure can strike in the middle of one."""
-        self.memory.delay_s = float(seconds)

@@ -30,7 +30,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from elastictrain.cluster.calls import DIED, NODE_LOST, OUT_OF_MEMORY, RAISED, TIMED_OUT, Calls, Reply
-from elastictrain.cluster.fake_worker import (
+from elastictrain.cluster.worker_api import WorkerMethod, method_name
+from elastictrain.testing.fake_worker import (
     ENOSPC,
     FakeDied,
     FakeFault,
@@ -45,6 +46,17 @@ __all__ = ["ENOSPC", "FakeGroup", "FakeWorker"]
 
 class FakeGroup:
     """Implements cluster.calls.Group for `capacity` worker slots, all placed at once."""
+
+    # WorkerApi methods the fake's workers do not answer, and why (a call to one raises).
+    NOT_MODELLED = {
+        "info": "a fake worker's identity is its FakeWorker.info",
+        "progress": "FakeGroup.progress answers for the group",
+        "warmup": "poll_warm warms fake workers",
+        "leave_run": "a fake group is never handed to a next run",
+        "reference_items": "the loop's unit tests train language-model objectives only",
+        "reference_logps": "the loop's unit tests train language-model objectives only",
+        "use_reference": "the loop's unit tests train language-model objectives only",
+    }
 
     def __init__(self, capacity: int, *, nodes: int | None = None, warmup_polls: int = 1) -> None:
         self.capacity = capacity
@@ -192,14 +204,23 @@ class FakeGroup:
 
     # -- calls --
     def call(
-        self, workers: Sequence[Any], method: str, *args: Any, control: bool = False, watch: bool = False
+        self,
+        workers: Sequence[Any],
+        method: WorkerMethod,
+        *args: Any,
+        control: bool = False,
+        watch: bool = False,
     ) -> Calls:
+        name = self._modelled(method_name(method))
         if watch:  # a long wait's reply, as it stands when the call is made (see _watch_save_status)
-            return {w.worker_id: self._run(w, f"watch_{method}", args, True) for w in workers}
-        return {w.worker_id: self._run(w, method, args, control) for w in workers}
+            return {w.worker_id: self._run(w, f"watch_{name}", args, True) for w in workers}
+        return {w.worker_id: self._run(w, name, args, control) for w in workers}
 
-    def call_each(self, workers: Sequence[Any], method: str, args: Sequence[tuple[Any, ...]]) -> Calls:
-        return {w.worker_id: self._run(w, method, a, False) for w, a in zip(workers, args, strict=True)}
+    def call_each(
+        self, workers: Sequence[Any], method: WorkerMethod, args: Sequence[tuple[Any, ...]]
+    ) -> Calls:
+        name = self._modelled(method_name(method))
+        return {w.worker_id: self._run(w, name, a, False) for w, a in zip(workers, args, strict=True)}
 
     def gather(
         self,
@@ -220,6 +241,11 @@ class FakeGroup:
                 if r.error == DIED and wid in node_of and node_of[wid] not in alive:
                     replies[wid] = Reply(wid, error=NODE_LOST, detail=r.detail, node_id=node_of[wid])
         return replies
+
+    def _modelled(self, name: str) -> str:
+        if name in self.NOT_MODELLED:
+            raise NotImplementedError(f"the fake group does not answer {name}: {self.NOT_MODELLED[name]}")
+        return name
 
     def _run(self, w: FakeWorker, method: str, args: tuple[Any, ...], control: bool) -> Reply:
         w.calls.append(method)
@@ -299,7 +325,8 @@ class FakeGroup:
             "samples": 12 // size,
         }
 
-    def _save_shard(self, w: FakeWorker, staging: str, background: bool = False) -> dict[str, Any]:
+    def _save_shard(self, w: FakeWorker, staging_dir: str, background: bool = False) -> dict[str, Any]:
+        staging = staging_dir
         rank = w.spec.rank
         if self._take("die_in_save", rank):
             raise FakeDied
@@ -325,7 +352,8 @@ class FakeGroup:
             out["file"] = write.file
         return out
 
-    def _save_status(self, w: FakeWorker, staging: str, wait_s: float = 0.0) -> dict[str, Any]:
+    def _save_status(self, w: FakeWorker, staging_dir: str, wait_s: float = 0.0) -> dict[str, Any]:
+        staging = staging_dir
         if w.writer is not None and w.writer.staging == staging:
             w.writer.finish()  # waiting for it lets it end
         return self._watch_save_status(w, staging)

@@ -1,0 +1,85 @@
+"""The worker with faults a test, benchmark or chaos run injects: a crash, an error or a hang at a step,
+a slow disk, a slow copy. Hosted instead of TrainWorker where they ask for it (`worker_class`)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from elastictrain.worker.actor import TrainWorker
+
+PHASES = ("start", "backward", "update", "replica", "reference")
+
+
+class WorkerFault(RuntimeError):
+    """Raised by an injected fault."""
+
+
+class FaultyTrainWorker(TrainWorker):
+    """TrainWorker whose fault points (`_maybe_fault`, `_arm_backward_fault`) fire what was injected."""
+
+    def _start_run_state(self, worker_id: str) -> None:
+        """Faults belong to one run: a warm worker handed to the next run (`leave_run`) drops them."""
+        super()._start_run_state(worker_id)
+        self._faults: dict[tuple[int, str], str] = {}
+        # An injected hang that fired (step, time): the worker reports itself hung from then on, though a
+        # hang off the training thread (before a replica is sent) lets that thread mark a few more moves.
+        self._hung: tuple[int, float] | None = None
+
+    def inject_fault(self, kind: str, at_step: int, phase: str = "start") -> None:
+        """At `at_step`, "crash" (process exits), "raise" (step raises) or "hang" (stops), at one of
+        PHASES of that step: its start (before any forward), inside its first micro-batch's backward
+        pass, right before its optimizer update, or right before the replica of the snapshot taken beside
+        it is sent to the buddy (the buddy then never gets that replica); "reference": at the start of the
+        reference pass's chunk that starts at item `at_step`."""
+        if kind not in ("crash", "raise", "hang"):
+            raise ValueError(f"fault kind: got {kind!r}; expected crash, raise or hang")
+        if phase not in PHASES:
+            raise ValueError(f"fault phase: got {phase!r}; expected one of {', '.join(PHASES)}")
+        self._faults[(at_step, phase)] = kind
+
+    def inject_write_delay(self, seconds: float) -> None:
+        """Every later checkpoint write starts `seconds` late, as on a slow disk."""
+        self._write_delay_s = float(seconds)
+
+    def inject_snapshot_delay(self, seconds: float) -> None:
+        """Every later in-memory copy starts `seconds` late, so a failure can strike in the middle of one."""
+        self.memory.delay_s = float(seconds)
+
+    def progress(self) -> dict[str, Any]:
+        out = super().progress()
+        if self._hung is not None:
+            out["phase"], (out["step"], out["since"]) = "hung", self._hung
+        return out
+
+    def _maybe_fault(self, step: int, phase: str = "start") -> None:
+        kind = self._faults.pop((step, phase), None)
+        if kind == "crash":
+            os._exit(17)
+        if kind == "raise":
+            raise WorkerFault(f"injected fault in worker {self.worker_id} at step {step}")
+        if kind == "hang":
+            self._hung = (step, time.time())
+            self._set_mark("hung", step)
+            while True:  # stops stepping without dying, holding no lock the control thread needs
+                time.sleep(3600)
+
+    def _arm_backward_fault(self, step: int) -> None:
+        """A fault injected at (`step`, "backward") fires inside the first micro-batch's backward pass:
+        from a backward hook on the module whose gradients come first (the one registered last)."""
+        if (step, "backward") not in self._faults:
+            return
+        trainable = [
+            m
+            for m in self.engine.module.modules()
+            if any(p.requires_grad for p in m.parameters(recurse=False))
+        ]
+        handles: list[Any] = []
+
+        def fire(*_: Any) -> None:
+            for h in handles:
+                h.remove()
+            self._maybe_fault(step, "backward")
+
+        handles.append(trainable[-1].register_full_backward_hook(fire))
