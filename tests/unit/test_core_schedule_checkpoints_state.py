@@ -82,6 +82,32 @@ def test_run_state_transitions():
         transition(RunStatus.FINISHED, RunStatus.RUNNING)
 
 
+@pytest.mark.parametrize(
+    ("current", "target"),
+    [
+        ("RECOVERING", "RESIZING"),  # a grow decided while a failure is being handled
+        ("WAITING", "RESIZING"),
+        ("RUNNING", "STARTING"),  # a driver taking up a run it already holds
+        ("CREATED", "RUNNING"),  # training before any attempt started
+        ("RECOVERING", "FINISHED"),  # finished without a step after the failure
+        ("FAILED", "RUNNING"),
+        ("STOPPED", "FAILED"),
+    ],
+)
+def test_a_move_the_table_does_not_list_is_refused_naming_the_moves_allowed(current: str, target: str):
+    with pytest.raises(InvalidTransition, match=f"{current} cannot become {target}; allowed: "):
+        transition(RunStatus(current), RunStatus(target))
+
+
+def test_every_move_in_the_table_says_why_and_every_state_can_be_left_but_the_ends():
+    from elastictrain.core.state import TRANSITIONS, allowed_from
+
+    assert all(why for why in TRANSITIONS.values())
+    for status in RunStatus:
+        assert allowed_from(status), status  # FINISHED, FAILED and STOPPED runs can be resumed
+    assert transition(RunStatus.RUNNING, RunStatus.RUNNING) is RunStatus.RUNNING  # staying is no move
+
+
 def test_a_new_checkpoint_is_read_back_only_when_pruning_would_leave_no_fallback():
     from elastictrain.core.checkpoints import prune_leaves_no_fallback
 

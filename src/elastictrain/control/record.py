@@ -61,8 +61,12 @@ class RunRecorder:
             self.set_status(RunStatus.STARTING, step=step)
 
     def record_end(self, status: RunStatus, message: str, *, step: int) -> None:
-        """How the run ended (failed, stopped), whatever state it was in when that struck."""
-        self._write_status(status, message, step)
+        """How the run ended (failed, stopped), whatever state a driver held it in when that struck; a
+        run whose last checkpoint committed stays FINISHED."""
+        if self.status is RunStatus.FINISHED:
+            log.warning("run finished before it %s: %s", status.value.lower(), message)
+            return
+        self.set_status(status, message, step=step)
 
     def _write_status(self, status: RunStatus, message: str | None, step: int) -> None:
         self.status = status
