@@ -9,7 +9,7 @@ IN_VENV = PATH="$(abspath $(BIN)):$$PATH"
 TORCH  ?= torch==2.13.0
 
 .PHONY: install system-deps run test test-unit test-bench test-compat lint bench clean image image-test gpu-kit \
-	gpu-check docs docs-reference
+	gpu-check docs docs-reference suite-timing
 
 install: system-deps $(BIN)/elastictrain
 	$(IN_VENV) $(BIN)/elastictrain build-ops
@@ -99,6 +99,12 @@ lint: $(BIN)/elastictrain
 
 bench: $(BIN)/elastictrain
 	$(IN_VENV) $(BIN)/python -m benchmarks.run $(ARGS)
+
+# How long a test target takes (SUITE: test, test-unit, test-bench or test-compat): runs it and writes
+# benchmarks/results/suite-timing.md and .json (wall and CPU time, per tier, the slowest tests).
+SUITE ?= test-unit
+suite-timing: $(BIN)/elastictrain
+	$(IN_VENV) $(BIN)/python -m benchmarks.suite_timing $(SUITE)
 
 # The manual (docs/, mkdocs.yml) as a site in site/; --strict: a broken link or a page missing from the
 # nav fails. docs-reference regenerates the pages made from the config schema and the CLI.
