@@ -28,7 +28,7 @@ from typing import Any
 
 from benchmarks.validity import judge
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on loopback (launch.py)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on loopback (driver/launch.py)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -456,8 +456,8 @@ def worker_peak_rss(controller: Any) -> list[dict[str, Any]]:
 
 def run_elastictrain(cfg: Any, hook: Any = None) -> Any:
     """Train `cfg` through elastictrain's API on the Ray cluster already connected; returns the RunDir."""
-    from elastictrain.launch import prepare_run_dir, run_training
-    from elastictrain.progress import Reporter
+    from elastictrain.control.progress import Reporter
+    from elastictrain.driver.launch import prepare_run_dir, run_training
 
     run_dir, _ = prepare_run_dir(cfg, fresh=False)
     summary = run_training(

@@ -97,7 +97,7 @@ def _elastictrain_outcome(run_dir: Any, t_fail: float) -> dict[str, Any]:
 def elastictrain_worker_killed(w: Workload, tmp: Path, *extra: str) -> dict[str, Any]:
     import ray
 
-    from elastictrain.chaos import at_step, chain, wait_until_replacements_are_warm
+    from elastictrain.testing.chaos import at_step, chain, wait_until_replacements_are_warm
 
     baselines.ensure_local_ray()
     s = schedule(w)
@@ -128,7 +128,7 @@ def elastictrain_node_lost(w: Workload, tmp: Path) -> dict[str, Any]:
     import ray
     from ray.cluster_utils import Cluster
 
-    from elastictrain.chaos import at_step, chain, wait_until_replacements_are_warm
+    from elastictrain.testing.chaos import at_step, chain, wait_until_replacements_are_warm
 
     if ray.is_initialized():
         ray.shutdown()

@@ -43,7 +43,7 @@ def elastictrain_recovery(w: Workload, tmp: Path, size: str = "") -> dict[str, A
     """A checkpoint at step 2, the last worker killed after step 3: kill to first step at one fewer."""
     import ray
 
-    from elastictrain.chaos import at_step, chain
+    from elastictrain.testing.chaos import at_step, chain
 
     baselines.ensure_local_ray()
     t_fail: list[float] = []
@@ -99,7 +99,7 @@ def memory_modes(w: Workload, tmp: Path, preset_peak: int | None, smoke: bool) -
     so the peak is training's own (the snapshots' memory is the memory_recovery benchmark's); a
     configuration elastictrain's preflight refuses is recorded with its message, not run.
     """
-    from elastictrain.preflight import PreflightError, check_memory_on_nodes
+    from elastictrain.driver.preflight import PreflightError, check_memory_on_nodes
 
     baselines.ensure_local_ray()
     short = Workload(f"{w.name}-memory", w.overrides, warmup_steps=0, measured_steps=2, peer_timeout_s=3600)

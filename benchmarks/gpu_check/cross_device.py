@@ -106,9 +106,9 @@ def resume(path: Path, *overrides: str) -> dict[str, Any]:
     """`elastictrain resume PATH key=value...` from Python as cli.resume does it (the run's lock, its
     config.yaml with the changes a resume allows, recorded), tracking off; each completed step's loss."""
     from elastictrain.config import load_config
+    from elastictrain.control.progress import Reporter
     from elastictrain.core.losses import step_loss
-    from elastictrain.launch import apply_resume_changes, check_before_start, run_training
-    from elastictrain.progress import Reporter
+    from elastictrain.driver.launch import apply_resume_changes, check_before_start, run_training
     from elastictrain.rundir.lock import RunLock
     from elastictrain.rundir.run_dir import RunDir
 

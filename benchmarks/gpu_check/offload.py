@@ -35,7 +35,7 @@ def wait_for_ops(work: Path, timeout_s: float) -> float:
 
 
 def run(ctx: Any) -> None:
-    from elastictrain.preflight import memory_estimate
+    from elastictrain.driver.preflight import memory_estimate
 
     p = ctx.profile
     steps = p.offload_steps

@@ -30,9 +30,9 @@ def config(profile: Profile, base: Path, run_dir: Path, *extra: str, workers: in
 
 def train(cfg: Any, *, local: bool = False) -> dict[str, Any]:
     """Train `cfg` to its end; returns every completed step's record, the set-up and the run's events."""
+    from elastictrain.control.progress import Reporter
     from elastictrain.core.losses import step_loss
-    from elastictrain.launch import prepare_run_dir, run_training
-    from elastictrain.progress import Reporter
+    from elastictrain.driver.launch import prepare_run_dir, run_training
 
     steps: list[dict[str, Any]] = []
     t0 = time.perf_counter()

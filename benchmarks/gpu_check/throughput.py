@@ -28,7 +28,7 @@ from benchmarks.gpu_check import plain_deepspeed, runs
 
 def flops_per_token(cfg: Any) -> tuple[float, int]:
     """(model FLOPs per trained token, parameters)."""
-    from elastictrain.preflight import model_size
+    from elastictrain.driver.preflight import model_size
 
     sizes, _ = model_size(cfg)
     hf = cfg.model.hf_config

@@ -12,7 +12,7 @@ __all__ = ["fit"]
 def __getattr__(name: str) -> Any:
     # Imported on first use: `import elastictrain.core` must stay free of torch, ray and mlflow.
     if name == "fit":
-        from elastictrain.api import fit
+        from elastictrain.driver.api import fit
 
         return fit
     raise AttributeError(f"module 'elastictrain' has no attribute {name!r}")

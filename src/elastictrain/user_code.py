@@ -6,7 +6,7 @@ objects themselves; it records each one's import path in the config when it has 
 label such as '<__main__.build_model>', and carries the object to the workers by value (Ray
 cloudpickles it). Either way the run's config.yaml says which code trained it.
 
-`elastictrain.preflight.check_user_code` tries all of it on the driver before any actor starts.
+`elastictrain.driver.preflight.check_user_code` tries all of it on the driver before any actor starts.
 """
 
 from __future__ import annotations

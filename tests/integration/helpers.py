@@ -6,7 +6,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from elastictrain.chaos import (  # noqa: F401
+from elastictrain.testing.chaos import (  # noqa: F401
     after_attempt_start,
     at_step,
     chain,
@@ -63,7 +63,7 @@ def interrupt_after(step: int):  # noqa: ANN201
 
 
 def quiet_reporter(total: int):  # noqa: ANN201
-    from elastictrain.progress import Reporter
+    from elastictrain.control.progress import Reporter
 
     return Reporter(total, stream=io.StringIO(), live=False)
 
@@ -71,7 +71,7 @@ def quiet_reporter(total: int):  # noqa: ANN201
 def run(config, *, tracking: bool = True, hook=None):  # noqa: ANN001, ANN201
     """Train a config in this process (the driver), on the Ray cluster already connected, with workers
     that take injected faults."""
-    from elastictrain.launch import prepare_run_dir, run_training
+    from elastictrain.driver.launch import prepare_run_dir, run_training
     from elastictrain.testing.faulty_worker import FaultyTrainWorker
 
     run_dir, _ = prepare_run_dir(config, fresh=False)

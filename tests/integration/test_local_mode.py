@@ -69,7 +69,7 @@ def last_loss(run_dir: Path) -> float:
 
 def test_local_and_two_workers_reach_the_same_loss_and_adapter(work, ray_local, tmp_path):
     from elastictrain import fit
-    from elastictrain.chaos import record_losses
+    from elastictrain.testing.chaos import record_losses
 
     local_dir, ray_dir = tmp_path / "local", tmp_path / "ray"
     done = run_local_cli(LORA_YAML, example_overrides(work, local_dir), cwd=tmp_path)

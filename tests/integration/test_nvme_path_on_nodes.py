@@ -11,7 +11,7 @@ import time
 import pytest
 from helpers import offload_overrides, tiny_config
 
-from elastictrain.preflight import PreflightError, check_nvme_on_nodes
+from elastictrain.driver.preflight import PreflightError, check_nvme_on_nodes
 
 pytestmark = pytest.mark.integration
 

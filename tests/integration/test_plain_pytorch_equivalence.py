@@ -141,7 +141,7 @@ def test_local_run_with_tied_embeddings_reports_the_plain_pytorch_loss(tmp_path)
     """`train --local` (one worker, no Ray) with a tied model: the case that started at loss 64."""
     from helpers import quiet_reporter
 
-    from elastictrain.launch import prepare_run_dir, run_training
+    from elastictrain.driver.launch import prepare_run_dir, run_training
 
     cfg = config(tmp_path / "run", True)
     run_dir, _ = prepare_run_dir(cfg, fresh=False)

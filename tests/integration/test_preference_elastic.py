@@ -135,7 +135,7 @@ def test_a_dpo_run_that_loses_a_worker_in_its_reference_pass_and_a_node_in_train
     # Resumed past its end (as `elastictrain resume RUN training.max_steps=10`), the run reads its table
     # again (checked against its sha256): no pass.
     from elastictrain.config import load_config
-    from elastictrain.launch import apply_resume_changes, run_training
+    from elastictrain.driver.launch import apply_resume_changes, run_training
 
     more = load_config(rd.config_yaml, ["training.max_steps=10"])
     apply_resume_changes(rd, more)

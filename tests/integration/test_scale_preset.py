@@ -74,7 +74,7 @@ def test_the_30m_preset_reshards_2_to_3_tensor_for_tensor_and_both_save_paths_wr
 def test_a_model_too_large_for_the_nodes_memory_is_refused_before_any_worker_starts(
     ray_local: None, tmp_path: Path
 ) -> None:
-    from elastictrain.preflight import PreflightError, check_memory_on_nodes
+    from elastictrain.driver.preflight import PreflightError, check_memory_on_nodes
 
     # ~15B parameters, no offload: 20 bytes each, over 100 GB per rank at 2 ranks.
     big = _preset(tmp_path, "model.hf_config.hidden_size=8192", "model.hf_config.num_hidden_layers=16",

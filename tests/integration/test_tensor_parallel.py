@@ -93,7 +93,7 @@ def test_a_checkpoint_loads_at_another_tensor_parallel_size_and_the_run_continue
         scaling = [f"scaling.tensor_parallel={tp}", f"scaling.min_workers={workers}"]
         return config(tmp_path / "run", False, *common, *scaling, f"scaling.max_workers={workers}")
 
-    from elastictrain.launch import apply_resume_changes
+    from elastictrain.driver.launch import apply_resume_changes
     from elastictrain.rundir.run_dir import RunDir
 
     def resumed_as(cfg: object) -> object:  # what `elastictrain resume RUN_DIR scaling...` does first
@@ -139,9 +139,9 @@ def test_a_checkpoint_loads_at_another_tensor_parallel_size_and_the_run_continue
 def test_auto_chooses_two_for_a_model_whose_ranks_do_not_fit_the_node_at_one(ray_local, tmp_path):
     """A model sized from this machine's memory so that two whole-model ranks do not fit its node and
     two TP-2 ranks do (built on the meta device only: nothing is trained or allocated)."""
+    from elastictrain.driver.preflight import memory_estimate
+    from elastictrain.driver.tensor_parallel_auto import choose_tensor_parallel
     from elastictrain.host_memory import meminfo_bytes
-    from elastictrain.preflight import memory_estimate
-    from elastictrain.tensor_parallel_auto import choose_tensor_parallel
 
     total = meminfo_bytes("MemTotal")
     assert total

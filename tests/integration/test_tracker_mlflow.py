@@ -296,7 +296,7 @@ def test_a_moved_run_folder_keeps_logging_into_its_own_embedded_store(tmp_path: 
     import shutil
 
     from elastictrain.config import load_config
-    from elastictrain.launch import make_tracker, prepare_run_dir
+    from elastictrain.driver.launch import make_tracker, prepare_run_dir
     from elastictrain.rundir.run_dir import RunDir
 
     tiny = Path(__file__).resolve().parents[2] / "conf" / "tiny-cpu.yaml"

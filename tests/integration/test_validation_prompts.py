@@ -83,7 +83,7 @@ def test_a_local_run_of_a_pretrained_model_answers_string_prompts_through_its_ch
     from pretrained_models import make_pretrained
     from transformers import AutoTokenizer
 
-    from elastictrain.launch import prepare_run_dir, run_training
+    from elastictrain.driver.launch import prepare_run_dir, run_training
 
     # A Qwen2-style folder: its tokenizer has a chat template, and its generation_config.json asks for
     # sampling (do_sample, temperature), which validation's greedy completions must override.

@@ -10,7 +10,7 @@ from typing import Any
 from elastictrain.checkpoint.store import CheckpointStore
 from elastictrain.config import config_digest, load_config, to_yaml
 from elastictrain.control.loop import Controller, RunSummary
-from elastictrain.progress import Reporter
+from elastictrain.control.progress import Reporter
 from elastictrain.rundir.run_dir import RunDir
 from elastictrain.testing.fake_group import FakeGroup
 from elastictrain.tracking.tracker import NullTracker

@@ -230,7 +230,7 @@ class _NoCluster:
 def test_a_checkpoint_from_another_model_is_refused_naming_the_difference(tmp_path):
     from elastictrain.config import config_digest, to_yaml
     from elastictrain.control.loop import Controller
-    from elastictrain.progress import Reporter
+    from elastictrain.control.progress import Reporter
     from elastictrain.rundir.run_dir import RunDir
     from elastictrain.tracking.tracker import NullTracker
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from loop_harness import at_step, make_run
 
-from elastictrain.chaos import wait_until_replacements_are_warm
 from elastictrain.checkpoint.store import verify
+from elastictrain.testing.chaos import wait_until_replacements_are_warm
 
 
 def test_a_clean_run_finishes_with_every_checkpoint_committed(tmp_path: Path):

@@ -121,7 +121,7 @@ def test_buddies_are_on_other_nodes_when_there_are_some(tmp_path: Path):
 
 
 def _warm(controller) -> None:  # noqa: ANN001
-    from elastictrain.chaos import wait_until_replacements_are_warm
+    from elastictrain.testing.chaos import wait_until_replacements_are_warm
 
     wait_until_replacements_are_warm(controller)
 
@@ -142,7 +142,7 @@ def test_a_survivor_replaced_for_being_stuck_hands_its_snapshots_on_first(tmp_pa
 
 
 def test_a_grow_from_memory_says_how_long_training_stopped_from_the_last_step_before_it(tmp_path: Path):
-    from elastictrain.chaos import wait_until_replacements_are_warm
+    from elastictrain.testing.chaos import wait_until_replacements_are_warm
 
     r = make_run(tmp_path, "scaling.min_workers=2", "scaling.max_workers=3", capacity=2)
     r.controller.callbacks.after_step.append(at_step(4, lambda c: r.group.add_capacity(1)))

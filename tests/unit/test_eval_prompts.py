@@ -226,8 +226,8 @@ def test_completions_are_recorded_once_per_validation_everywhere_and_survive_a_d
     from elastictrain.cli import app
     from elastictrain.config import config_digest, to_yaml
     from elastictrain.control.evaluation import Evaluations
+    from elastictrain.control.progress import Reporter
     from elastictrain.control.record import RunRecorder
-    from elastictrain.progress import Reporter
     from elastictrain.rundir.run_dir import RunDir
 
     cfg = config(tmp_path, *VALIDATES, "eval.prompts=['The fox']")
@@ -266,7 +266,7 @@ def test_completions_are_recorded_once_per_validation_everywhere_and_survive_a_d
 
 
 def test_a_model_without_generate_is_refused_before_any_worker_starts(tmp_path, monkeypatch):
-    from elastictrain.preflight import check_user_code
+    from elastictrain.driver.preflight import check_user_code
     from elastictrain.user_code import UserCodeError
 
     (tmp_path / "prompt_factories.py").write_text(

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from elastictrain import launch, preflight
 from elastictrain.cluster import connect
 from elastictrain.config import load_config
-from elastictrain.launch import RunFolderConflict, prepare_run_dir
-from elastictrain.progress import Reporter
+from elastictrain.control.progress import Reporter
+from elastictrain.driver import launch, preflight
+from elastictrain.driver.launch import RunFolderConflict, prepare_run_dir
 from elastictrain.tracking.tracker import NullTracker
 
 TINY = Path(__file__).resolve().parents[2] / "conf" / "tiny-cpu.yaml"
@@ -111,7 +111,7 @@ def test_a_node_without_the_nvme_folder_ends_the_cli_with_the_message_not_a_trac
     from typer.testing import CliRunner
 
     from elastictrain.cli import app
-    from elastictrain.preflight import PreflightError
+    from elastictrain.driver.preflight import PreflightError
 
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise PreflightError(

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from elastictrain.config import ConfigError, load_config
+from elastictrain.driver.preflight import check_user_code
 from elastictrain.model.build import build_causal_lm
 from elastictrain.model.lora import apply_lora, peft_config
-from elastictrain.preflight import check_user_code
 from elastictrain.user_code import UserCodeError
 
 LORA = "model.lora.enabled=true"

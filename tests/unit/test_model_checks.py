@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from elastictrain.cli import app
 from elastictrain.config import ConfigError, load_config
-from elastictrain.preflight import check_user_code
+from elastictrain.driver.preflight import check_user_code
 
 TINY = Path(__file__).resolve().parents[2] / "conf" / "tiny-cpu.yaml"
 

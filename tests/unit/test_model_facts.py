@@ -14,7 +14,7 @@ import pytest
 
 from elastictrain.config import load_config, model_check, model_facts
 from elastictrain.config.model_check import model_problems
-from elastictrain.preflight import model_parts
+from elastictrain.driver.preflight import model_parts
 
 TINY = Path(__file__).resolve().parents[2] / "conf" / "tiny-cpu.yaml"
 
@@ -93,7 +93,7 @@ def test_a_driver_that_finds_them_gets_to_its_workers_without_importing_torch_or
         "import sys\n"
         "from elastictrain.compat.registry import refuse_unsupported_versions\n"
         "from elastictrain.config import load_config\n"
-        "from elastictrain.preflight import check_user_code, memory_estimate\n"
+        "from elastictrain.driver.preflight import check_user_code, memory_estimate\n"
         "refuse_unsupported_versions()\n"
         f"cfg = load_config({str(TINY)!r}, [])\n"
         "check_user_code(cfg)\n"

@@ -120,7 +120,7 @@ def test_heartbeat_keeps_the_lease_fresh_and_release_clears_it(tmp_path: Path) -
 
 def test_fresh_moves_a_finished_run_aside_and_starts_a_new_one_in_its_folder(tmp_path: Path) -> None:
     from elastictrain.config import load_config
-    from elastictrain.launch import prepare_run_dir
+    from elastictrain.driver.launch import prepare_run_dir
     from elastictrain.rundir.run_dir import RunDir
 
     run = tmp_path / "runs" / "tiny"

@@ -58,7 +58,7 @@ def test_the_masked_config_yaml_names_the_same_run(tmp_path):
 
 
 def test_the_run_folder_holds_no_secret(tmp_path):
-    from elastictrain.launch import prepare_run_dir
+    from elastictrain.driver.launch import prepare_run_dir
 
     run_dir, _ = prepare_run_dir(config_with_secrets(tmp_path), fresh=False)
     for path in run_dir.path.rglob("*"):
@@ -69,7 +69,7 @@ def test_the_run_folder_holds_no_secret(tmp_path):
 def test_mlflow_params_and_artifacts_hold_no_secret(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from elastictrain.launch import make_tracker, prepare_run_dir
+    from elastictrain.driver.launch import make_tracker, prepare_run_dir
     from elastictrain.tracking.tracker import default_tracking_uri
 
     uri = default_tracking_uri(tmp_path / "run")

@@ -43,7 +43,7 @@ def test_a_worker_error_quoting_a_secret_is_masked_in_events_run_json_mlflow_and
 
     from elastictrain.config import config_digest, load_config, to_yaml
     from elastictrain.control.loop import Controller
-    from elastictrain.progress import Reporter
+    from elastictrain.control.progress import Reporter
     from elastictrain.rundir.run_dir import RunDir
     from elastictrain.testing.fake_group import FakeGroup
     from elastictrain.tracking.run_tracker import run_tracker

@@ -270,7 +270,7 @@ def test_a_plain_chatml_template_refuses_tool_records_naming_them_and_data_tool_
 
 
 def test_the_refusal_comes_before_any_worker_starts_even_with_skip(tmp_path, tok, glaive):
-    from elastictrain.preflight import check_sft_records
+    from elastictrain.driver.preflight import check_sft_records
     from elastictrain.user_code import UserCodeError
 
     with pytest.raises(UserCodeError, match=r"(?m)^data.tool_format: set it to json or qwen"):

@@ -203,9 +203,9 @@ def test_a_lora_run_with_its_run_folder_as_export_dir_holds_adapter_and_tokenize
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from elastictrain.launch import export_at_finish, prepare_run_dir
+    from elastictrain.control.progress import Reporter
+    from elastictrain.driver.launch import export_at_finish, prepare_run_dir
     from elastictrain.model.lora import apply_lora
-    from elastictrain.progress import Reporter
 
     config = lora_run_config(tmp_path / "run", qwen, "${run.dir}")
     assert Path(config.model.lora.export_dir).resolve() == Path(config.run.dir).resolve()
@@ -255,9 +255,9 @@ def test_a_lora_run_with_its_run_folder_as_export_dir_holds_adapter_and_tokenize
 def test_the_default_export_dir_still_gets_the_adapter_and_now_the_tokenizer(qwen, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from elastictrain.launch import export_at_finish, prepare_run_dir
+    from elastictrain.control.progress import Reporter
+    from elastictrain.driver.launch import export_at_finish, prepare_run_dir
     from elastictrain.model.lora import apply_lora
-    from elastictrain.progress import Reporter
 
     config = lora_run_config(tmp_path / "run", qwen, "${run.dir}/adapter")
     run_dir, _ = prepare_run_dir(config, fresh=False)

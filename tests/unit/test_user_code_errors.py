@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from elastictrain.cli import app
 from elastictrain.config import ConfigError, load_config
 from elastictrain.data.sources import collate_items, dataset_from_config
+from elastictrain.driver.preflight import check_user_code
 from elastictrain.model.build import causal_lm_loss, loss_function
-from elastictrain.preflight import check_user_code
 from elastictrain.user_code import (
     UserCodeError,
     attach,

@@ -43,8 +43,8 @@ def _finish(summary) -> None:  # noqa: ANN001
 
 def _train(cfg, run_dir, **kwargs) -> None:  # noqa: ANN001, ANN003
     """run_training, with what the checks on the cluster's nodes find said as an error (no traceback)."""
-    from elastictrain.launch import run_training
-    from elastictrain.preflight import PreflightError
+    from elastictrain.driver.launch import run_training
+    from elastictrain.driver.preflight import PreflightError
 
     try:
         summary = run_training(cfg, run_dir, **kwargs)
@@ -88,7 +88,7 @@ def train(
         out.print(to_printed_yaml(cfg), markup=False)
         return
     fresh = fresh or starts_over
-    from elastictrain.launch import RunFolderConflict, finished_run_of, prepare_run_dir
+    from elastictrain.driver.launch import RunFolderConflict, finished_run_of, prepare_run_dir
     from elastictrain.rundir.run_dir import RunDirError
 
     _lock_run_dir(cfg.run.dir)  # before the folder is created, moved (--fresh) or resumed
@@ -140,7 +140,7 @@ def _lock_run_dir(path: Path | str) -> None:
 def _check_ray_address(address: str | None) -> None:
     import os
 
-    from elastictrain.preflight import PreflightError, check_ray_address
+    from elastictrain.driver.preflight import PreflightError, check_ray_address
 
     try:
         check_ray_address(address or os.environ.get("RAY_ADDRESS"))
@@ -162,7 +162,7 @@ def _resolve_length(cfg) -> None:  # noqa: ANN001
 
 def _check_user_code(cfg) -> None:  # noqa: ANN001
     from elastictrain.config import ConfigError
-    from elastictrain.launch import check_before_start
+    from elastictrain.driver.launch import check_before_start
     from elastictrain.user_code import UserCodeError
 
     try:
@@ -192,7 +192,7 @@ def resume(
     fp32 and bf16); others are refused by name.
     """
     from elastictrain.config import ConfigError, load_config
-    from elastictrain.launch import apply_resume_changes
+    from elastictrain.driver.launch import apply_resume_changes
     from elastictrain.rundir.run_dir import RunDir, RunDirError
 
     _lock_run_dir(run_dir)

@@ -1,7 +1,7 @@
 """Checks of `data.source: sft` that need no tokenizer and no record: the files, the dataset_info.json
 entries (hub and ranking ones refused with their reason), the options' values.
 
-The records themselves are checked on the driver before any worker starts (preflight.py).
+The records themselves are checked on the driver before any worker starts (driver/preflight.py).
 """
 
 from __future__ import annotations

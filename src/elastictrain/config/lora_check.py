@@ -1,4 +1,4 @@
-"""The `model.lora` section's checks when the config is loaded (names against the model: preflight.py).
+"""The `model.lora` section's checks when the config is loaded (names against the model: driver/preflight.py).
 
 `target_modules` is a list of layer names or peft's `all-linear` (LLaMA-Factory's `all` means the
 same and is accepted as such): see model/lora.py for how each field reaches peft.

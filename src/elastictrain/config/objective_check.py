@@ -1,7 +1,7 @@
 """The checks of `training.objective` and the `preference` section when the config is loaded.
 
 The records themselves (pairs, KTO examples) are read and checked on the driver before any worker
-starts (preflight.py), as supervised fine-tuning's are.
+starts (driver/preflight.py), as supervised fine-tuning's are.
 """
 
 from __future__ import annotations

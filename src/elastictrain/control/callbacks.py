@@ -1,4 +1,5 @@
-"""Callbacks into a run, for fault injection (chaos.py), tests and benchmarks: no private method is replaced.
+"""Callbacks into a run, for fault injection (testing/chaos.py), tests and benchmarks: no private method
+is replaced.
 
 Each callback gets the controller, to look at (`step`, `world_size`, `attempt`, `active`, `group`,
 `saves`) or to act on the cluster (kill a worker, remove a node). Raising from a callback ends the

@@ -29,6 +29,7 @@ from elastictrain.control.failures import gather_results, leave_workers, remove_
 from elastictrain.control.manifest import manifest_for
 from elastictrain.control.memory_recovery import MemoryRecovery
 from elastictrain.control.pipeline import Ahead, StepPipeline
+from elastictrain.control.progress import Reporter
 from elastictrain.control.record import RunRecorder
 from elastictrain.control.reference_pass import ReferencePass
 from elastictrain.control.resume import ResumePoints
@@ -45,7 +46,6 @@ from elastictrain.core.batch import BatchPlan
 from elastictrain.core.policy import Fail, Failure, Restart, decide_after_failure
 from elastictrain.core.replicas import replica_order
 from elastictrain.core.state import RunStatus
-from elastictrain.progress import Reporter
 from elastictrain.rundir.run_dir import RunDir
 from elastictrain.storage.durable import remove_stale_temporaries
 from elastictrain.tracking.tracker import Tracker

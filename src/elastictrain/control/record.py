@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from elastictrain.control.progress import Reporter
 from elastictrain.core.state import RunStatus, transition
-from elastictrain.progress import Reporter
 from elastictrain.rundir.run_dir import RunDir
 from elastictrain.tracking.tracker import Tracker
 

@@ -27,7 +27,7 @@ from elastictrain.config import Config, load_config, validate
 
 if TYPE_CHECKING:
     from elastictrain.control.loop import RunSummary
-    from elastictrain.progress import Reporter
+    from elastictrain.control.progress import Reporter
 
 log = logging.getLogger("elastictrain.api")
 
@@ -61,7 +61,7 @@ def fit(
     The run continues a run of the same config in `run.dir` (fresh=True moves it aside and starts
     over). Returns the run's summary: `summary.status.value` is "FINISHED" when it finished.
     """
-    from elastictrain.launch import check_before_start, prepare_run_dir, run_training
+    from elastictrain.driver.launch import check_before_start, prepare_run_dir, run_training
     from elastictrain.user_code import attach, label_for
 
     if isinstance(config, Config):

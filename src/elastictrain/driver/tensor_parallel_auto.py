@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastictrain.cluster.nodes import on_each_node, worker_nodes
-from elastictrain.preflight import memory_estimate, model_parts, node_memory_probe, node_slots
+from elastictrain.driver.preflight import memory_estimate, model_parts, node_memory_probe, node_slots
 
 
 @dataclass

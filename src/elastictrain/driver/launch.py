@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elastictrain.config import Config, config_digest, to_flat_dict, to_yaml
-from elastictrain.progress import Reporter
+from elastictrain.control.progress import Reporter
 from elastictrain.rundir.run_dir import RunDir
 from elastictrain.storage import as_path, storage_of
 from elastictrain.tracking.artifacts import SystemMetrics
@@ -184,13 +184,13 @@ def _ray_group(
     and with `tensor_parallel: auto` what chose the degree (the control loop asks it again)."""
     from elastictrain.cluster.connect import connect_ray
     from elastictrain.cluster.worker_group import WorkerGroup, WorkerResources
-    from elastictrain.preflight import check_memory_on_nodes, check_nvme_on_nodes
+    from elastictrain.driver.preflight import check_memory_on_nodes, check_nvme_on_nodes
     from elastictrain.user_code import imports_user_modules
 
     reporter.event(connect_ray(config, address))
     degrees = None
     if config.scaling.tensor_parallel == "auto":  # before anything reads the degree
-        from elastictrain.tensor_parallel_auto import choose_tensor_parallel
+        from elastictrain.driver.tensor_parallel_auto import choose_tensor_parallel
 
         said, degrees = choose_tensor_parallel(config)
         reporter.event(said)
@@ -258,7 +258,7 @@ def check_before_start(config: Config) -> None:
     """
     from elastictrain.compat import refuse_unsupported_versions
     from elastictrain.compat.deepspeed.ops import prefer_environment_tools
-    from elastictrain.preflight import check_user_code
+    from elastictrain.driver.preflight import check_user_code
     from elastictrain.user_code import share_module_roots
 
     refuse_unsupported_versions()  # a patch correctness depends on, on an untested release: not started

@@ -1,0 +1,1 @@
+"""The driver: elastictrain.fit and `elastictrain train`, checks before any worker starts, the run wired."""
