@@ -11,7 +11,7 @@ For each size, in one process and side by side (all figures at world size 2 unle
   resharding     loading the world-size-2 checkpoint at 3 and a 3-rank one at 2, page cache dropped
                  first, against the disk's read bandwidth and `ds_to_universal` + universal load (2->3);
   recovery       a worker killed (3 -> 2 workers) to the first completed step after it;
-  memory         peak resident memory per rank against core.memory's estimate (the ZeRO-3 bound plus
+  memory         peak resident memory per rank against core.memory_estimate's estimate (the ZeRO-3 bound plus
                  the runtime's baseline) for no offload, CPU offload and NVMe offload.
 Sizes run in order and each is saved to scale.json as soon as it is done: `--sizes 30m,125m` runs
 part of them, and a later run skips the sizes already there (`--redo` measures them again).
@@ -303,7 +303,7 @@ def summarize(done: dict[str, Any], smoke: bool) -> Result:
         "reshard loads where 3 ranks of the size do not fit this machine's memory (350M without offload) "
         "run with the optimizer state on NVMe (load_offload_optimizer); DeepSpeed's universal load does "
         "not handle that, so the universal route is converted but not loaded there.",
-        "memory bound: core.memory.estimate_rank_memory (ZeRO-3 model states / world size + largest "
+        "memory bound: core.memory_estimate.estimate_rank_memory (ZeRO-3 model states / world size + largest "
         "layer + runtime baseline); 'refused' means elastictrain's preflight refused the configuration.",
         "malloc: the deepspeed launcher's ranks run glibc's, as it starts them; elastictrain's workers run "
         "scaling.worker_allocator's default (jemalloc since 2026-11-25, glibc's before). Throughput and "

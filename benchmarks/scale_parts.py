@@ -93,7 +93,7 @@ def worker_allocator() -> str:
 
 
 def memory_modes(w: Workload, tmp: Path, preset_peak: int | None, smoke: bool) -> dict[str, Any]:
-    """Peak resident memory per rank for each offload, against core.memory's estimate.
+    """Peak resident memory per rank for each offload, against core.memory_estimate's estimate.
 
     Checkpoints are streamed and in-memory snapshots off (`checkpoint.max_host_memory_mb=0` does both),
     so the peak is training's own (the snapshots' memory is the memory_recovery benchmark's); a

@@ -24,7 +24,7 @@ def reshard_loads(
     rank at 2, `peak_rss_ws2`, over its memory: 350M without offload), the loads run with the optimizer
     state on NVMe, as a user would run them: the same files and bytes are read, and the load also
     writes the optimizer's slices to the swap files (so it is, if anything, slower)."""
-    from elastictrain.host_memory import meminfo_bytes
+    from elastictrain.host.memory import meminfo_bytes
     from elastictrain.tools.reshard import reshard_checkpoint
 
     fragments = Path(save["fragments_dir"])

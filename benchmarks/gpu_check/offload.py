@@ -2,7 +2,7 @@
 on NVMe (a local folder).
 
 A few steps each: step time, the device's and the host's memory peaks (every step reports its rank's
-high-water marks) against the estimate elastictrain prints at start (core.memory, through
+high-water marks) against the estimate elastictrain prints at start (core.memory_estimate, through
 preflight.memory_estimate). NVMe runs the small model: on the first GPU run (an H200) the 1B model's
 host-offload run alone took 87 s of the part, and a second 1B set-up would not fit the check's one
 9-minute call beside the other parts; what NVMe must show on a GPU (the async I/O op builds and loads,

@@ -153,7 +153,7 @@ def _save_fragments(
     The snapshot is bounded as a worker bounds it (all ranks on this node): one that does not fit is
     streamed instead, as the worker would (a 1B rank's 5.4 GiB copy ran this machine out of memory)."""
     from elastictrain.checkpoint.rank_save import prepare_rank_write
-    from elastictrain.host_memory import snapshot_budget_bytes
+    from elastictrain.host.memory import snapshot_budget_bytes
 
     out_dir.mkdir(parents=True, exist_ok=True)
     budget = snapshot_budget_bytes(max_host_memory_mb, world_size)

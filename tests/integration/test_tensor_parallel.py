@@ -141,7 +141,7 @@ def test_auto_chooses_two_for_a_model_whose_ranks_do_not_fit_the_node_at_one(ray
     two TP-2 ranks do (built on the meta device only: nothing is trained or allocated)."""
     from elastictrain.driver.preflight import memory_estimate
     from elastictrain.driver.tensor_parallel_auto import choose_tensor_parallel
-    from elastictrain.host_memory import meminfo_bytes
+    from elastictrain.host.memory import meminfo_bytes
 
     total = meminfo_bytes("MemTotal")
     assert total

@@ -57,7 +57,7 @@ from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import Partitio
 from deepspeed.runtime.zero.partition_parameters import Init
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
 from transformers import LlamaConfig, LlamaForCausalLM
-import elastictrain.host_memory as host_memory
+import elastictrain.host.memory as host_memory
 from elastictrain.checkpoint.rank_save import prepare_rank_write
 from elastictrain.checkpoint.zero_layouts import Zero3Layout
 from elastictrain.checkpoint.zero_state import FragmentReader, load_local_state

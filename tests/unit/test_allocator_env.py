@@ -8,7 +8,7 @@ import pytest
 
 from elastictrain.cluster.allocator import JEMALLOC_CONF, allocator_env, jemalloc_library
 from elastictrain.cluster.worker_group import WorkerResources
-from elastictrain.host_memory import running_allocator
+from elastictrain.host.memory import running_allocator
 
 
 def test_jemalloc_is_preloaded_from_rays_own_copy_with_purging_off():

@@ -1,10 +1,10 @@
-"""core.memory: the per-rank memory estimate printed at start and the refusal it backs."""
+"""core.memory_estimate: the per-rank memory estimate printed at start and the refusal it backs."""
 
 from __future__ import annotations
 
 import pytest
 
-from elastictrain.core.memory import GIB, estimate_rank_memory, memory_shortfall, ranks_that_fit
+from elastictrain.core.memory_estimate import GIB, estimate_rank_memory, memory_shortfall, ranks_that_fit
 
 B = 1_000_000_000  # parameters
 
@@ -83,7 +83,7 @@ def test_in_memory_snapshots_are_counted_apart_as_copies_of_the_ranks_slice() ->
 
 
 def test_cpu_runs_also_need_what_the_allocator_keeps_of_the_steps_freed_temporaries() -> None:
-    from elastictrain.core.memory import RETAINED_BYTES
+    from elastictrain.core.memory_estimate import RETAINED_BYTES
 
     cpu = _est()
     assert cpu.retained_bytes == RETAINED_BYTES["jemalloc"]["none"] * B // 2
@@ -114,7 +114,7 @@ def test_a_1b_model_without_offload_fits_a_24_gib_two_slot_machine_with_jemalloc
 
 
 def test_the_swap_buffers_hold_deepspeeds_largest_sub_group_which_may_pass_sub_group_size() -> None:
-    from elastictrain.core.memory import largest_sub_group
+    from elastictrain.core.memory_estimate import largest_sub_group
 
     # Closed once it reaches the size: the last partition added may carry a sub-group past it.
     assert largest_sub_group([30, 30, 10, 45, 5], 50) == 60
@@ -128,7 +128,7 @@ def test_largest_sub_group_follows_deepspeeds_own_grouping() -> None:
 
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-    from elastictrain.core.memory import largest_sub_group
+    from elastictrain.core.memory_estimate import largest_sub_group
 
     numels = [7, 52, 3, 3, 40, 11, 64, 2, 9, 30]
     params = [SimpleNamespace(partition_numel=lambda n=n: n) for n in numels]

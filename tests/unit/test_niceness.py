@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from elastictrain.niceness import LOWEST, run_at_lowest_priority
+from elastictrain.host.niceness import LOWEST, run_at_lowest_priority
 
 
 def _own_nice() -> int:

@@ -13,7 +13,7 @@ from elastictrain.cluster.allocator import allocator_env
 
 GLIBC_PROBE = """
 import os
-from elastictrain.host_memory import release_freed_memory
+from elastictrain.host.memory import release_freed_memory
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -47,7 +47,7 @@ def test_memory_freed_below_a_live_allocation_goes_back_to_the_system():
 
 JEMALLOC_PROBE = """
 import os
-from elastictrain.host_memory import release_freed_memory
+from elastictrain.host.memory import release_freed_memory
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

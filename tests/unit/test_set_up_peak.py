@@ -4,7 +4,7 @@ so a user can tell whether building the engine or training sets a rank's memory.
 from __future__ import annotations
 
 from elastictrain.control.specs import set_up_peak_note, slowest_set_up
-from elastictrain.host_memory import peak_resident_bytes
+from elastictrain.host.memory import peak_resident_bytes
 
 
 def test_the_high_water_mark_is_read_from_the_process_status(tmp_path):

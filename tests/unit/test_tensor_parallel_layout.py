@@ -198,7 +198,7 @@ def test_a_checkpoint_of_tensor_parallel_slices_reads_whole_and_as_any_other_lay
 
 
 def test_the_memory_estimate_gives_each_rank_its_share_of_the_sliced_layers_and_zero_the_replicas():
-    from elastictrain.core.memory import estimate_rank_memory
+    from elastictrain.core.memory_estimate import estimate_rank_memory
 
     def host(world: int, tp: int, sliced: int, stage: int) -> int:
         estimate = estimate_rank_memory(

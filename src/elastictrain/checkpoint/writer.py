@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from elastictrain.niceness import lower_this_threads_priority
+from elastictrain.host.niceness import lower_this_threads_priority
 from elastictrain.storage import AnyPath
 
 # The background writer's nice value (training threads keep 0). Measured at 30M (2 ranks on 2 cores,

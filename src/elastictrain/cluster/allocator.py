@@ -12,7 +12,7 @@ shrink after a spike (it is reused by the next one, e.g. an engine rebuilt after
 
 The library is preloaded (`LD_PRELOAD`) into the actor's process when Ray starts it, from where it
 lies in the driver's Ray installation: nodes are expected to run the same image. A node where it is
-missing runs the system's malloc, and the worker says so (`host_memory.running_allocator`).
+missing runs the system's malloc, and the worker says so (`host.memory.running_allocator`).
 The driver's own `MALLOC_CONF` replaces the default configuration.
 """
 

@@ -192,7 +192,7 @@ def check_nvme_on_nodes(config: Any, timeout_s: float = 60.0) -> int:
 # -- memory, once connected to Ray -----------------------------------------------------------------------
 def node_memory_probe() -> tuple[str, int | None]:
     """Runs on one node: its host name and total memory (MemTotal) in bytes."""
-    from elastictrain.host_memory import meminfo_bytes
+    from elastictrain.host.memory import meminfo_bytes
 
     return socket.gethostname(), meminfo_bytes("MemTotal")
 
@@ -240,11 +240,11 @@ def memory_estimate(
     tensor_parallel: int | None = None,
     parts: tuple[list[int], int, int] | None = None,
 ) -> Any:
-    """core.memory's estimate for this config at `world_size` (None for LoRA: most weights are frozen),
+    """core.memory_estimate's figure for this config at `world_size` (None for LoRA: most weights are frozen),
     at scaling.tensor_parallel unless `tensor_parallel` is given; `parts`: `model_parts(config)` where
     the caller has it (each build of the empty model costs a fraction of a second)."""
     from elastictrain.config.deepspeed_config import NVME_SUB_GROUP, live_parameters
-    from elastictrain.core.memory import estimate_rank_memory, largest_sub_group
+    from elastictrain.core.memory_estimate import estimate_rank_memory, largest_sub_group
 
     if config.model.lora.enabled:
         return None
@@ -279,7 +279,7 @@ def memory_estimate(
 def check_memory_on_nodes(config: Any, timeout_s: float = 60.0) -> Any:
     """The per-rank estimate at scaling.min_workers (the largest share each rank holds); raises
     PreflightError when the alive worker nodes cannot hold min_workers such ranks in their memory."""
-    from elastictrain.core.memory import GIB, memory_shortfall
+    from elastictrain.core.memory_estimate import GIB, memory_shortfall
 
     s = config.scaling
     estimate = memory_estimate(config, s.min_workers)

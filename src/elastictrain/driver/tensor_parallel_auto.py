@@ -29,7 +29,7 @@ class DegreeChooser:
 
     def fits(self, n: int, world_size: int) -> bool | None:
         """Whether `world_size` ranks at degree n fit the nodes' memory (None: not known)."""
-        from elastictrain.core.memory import memory_shortfall
+        from elastictrain.core.memory_estimate import memory_shortfall
 
         if not self.node_memory or self.config.model.lora.enabled:
             return None

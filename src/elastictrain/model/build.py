@@ -25,7 +25,7 @@ from elastictrain.compat.deepspeed.zero3_memory import (
     share_fp32_partitions,
     share_offloaded_gradients,
 )
-from elastictrain.host_memory import release_freed_memory
+from elastictrain.host.memory import release_freed_memory
 
 # transformers' ZeRO-3 loading of a pretrained folder finds the DeepSpeed config through a weak
 # reference to this object; it must stay alive while that model is built and trained.

@@ -28,7 +28,7 @@ from elastictrain.compat.transformers.import_structure import cache_import_struc
 from elastictrain.config.deepspeed_config import nvme_paths
 from elastictrain.core.data_order import derive_seed, micro_batch_positions, sample_at
 from elastictrain.core.schedule import step_learning_rate
-from elastictrain.host_memory import (
+from elastictrain.host.memory import (
     memory_peaks,
     peak_resident_bytes,
     release_freed_memory,
@@ -121,7 +121,7 @@ class TrainWorker(SnapshotPeer, ShardSaves, ReferenceShare):
         only the new run's data is left to load.
         Returns this worker's identity (as `info`) with the seconds spent.
         """
-        from elastictrain.niceness import run_at_lowest_priority
+        from elastictrain.host.niceness import run_at_lowest_priority
 
         if worker_id is not None:
             self.worker_id = self.memory.worker_id = worker_id

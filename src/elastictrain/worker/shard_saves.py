@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from elastictrain.host_memory import snapshot_budget_bytes
+from elastictrain.host.memory import snapshot_budget_bytes
 from elastictrain.storage import as_path
 
 

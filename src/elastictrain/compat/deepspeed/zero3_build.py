@@ -145,7 +145,7 @@ def freed_partitions_returned() -> Iterator[None]:
     flattened (see the module's docstring) before it allocates anything else.
 
     What: `DeepSpeedZeroOptimizer_Stage3._create_fp16_partitions_with_defragmentation` is followed by a
-    malloc purge (`host_memory.release_freed_memory`).
+    malloc purge (`host.memory.release_freed_memory`).
     Why: the pieces it frees cannot be reused by the large buffers allocated next; both were resident at
     once (the build's peak fell from 3.66 to 2.96 GiB per rank at 350M with NVMe offload).
     Retired by: DeepSpeed allocating the flat buffers before the pieces are freed, or a hook after the
@@ -153,7 +153,7 @@ def freed_partitions_returned() -> Iterator[None]:
     """
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-    from elastictrain.host_memory import release_freed_memory
+    from elastictrain.host.memory import release_freed_memory
 
     original = DeepSpeedZeroOptimizer_Stage3._create_fp16_partitions_with_defragmentation
 
