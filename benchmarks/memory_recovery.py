@@ -203,7 +203,7 @@ def _slice_bytes(held_bytes: float | None) -> float | None:
 def transport(nbytes: int, reps: int = 5) -> dict[str, float]:
     """Seconds to get a snapshot of `nbytes` (eight tensors viewing one buffer, as a rank's copy does)
     from one actor into another's memory: as the product sends a replica (over the buddy's socket,
-    worker/replica_link.py, kept with `Snapshot.from_frame`), by the actor call it falls back to
+    worker/snapshots/replica_link.py, kept with `Snapshot.from_frame`), by the actor call it falls back to
     (`Snapshot.to_wire`, kept with `Snapshot.from_wire`), and as pickled torch tensors."""
     import ray
 
@@ -215,8 +215,8 @@ def transport(nbytes: int, reps: int = 5) -> dict[str, float]:
             self.kept: list[Any] = []
 
         def address(self) -> dict[str, Any]:
-            from elastictrain.checkpoint.memory_snapshot import Snapshot
-            from elastictrain.worker.replica_link import ReplicaServer
+            from elastictrain.worker.snapshots.format import Snapshot
+            from elastictrain.worker.snapshots.replica_link import ReplicaServer
 
             def keep(header: dict[str, Any], data: Any, _cpu_s: float) -> None:
                 self.kept[:] = [Snapshot.from_frame(header, data)]  # a replica, as a worker keeps it
@@ -225,7 +225,7 @@ def transport(nbytes: int, reps: int = 5) -> dict[str, float]:
             return self.server.address
 
         def hold(self, wire: Any) -> int:
-            from elastictrain.checkpoint.memory_snapshot import Snapshot
+            from elastictrain.worker.snapshots.format import Snapshot
 
             if isinstance(wire, dict) and "flat" in wire:
                 return Snapshot.from_wire(wire).nbytes  # a replica, as a worker keeps it
@@ -237,7 +237,7 @@ def transport(nbytes: int, reps: int = 5) -> dict[str, float]:
         def __init__(self, n: int) -> None:
             import torch
 
-            from elastictrain.checkpoint.memory_snapshot import Snapshot, SnapshotKey
+            from elastictrain.worker.snapshots.format import Snapshot, SnapshotKey
 
             flat = torch.ones(n // 4)
             part = flat.numel() // 8
@@ -246,7 +246,7 @@ def transport(nbytes: int, reps: int = 5) -> dict[str, float]:
             self.sender: Any = None
 
         def connect(self, address: dict[str, Any]) -> None:
-            from elastictrain.worker.replica_link import ReplicaSender
+            from elastictrain.worker.snapshots.replica_link import ReplicaSender
 
             self.sender = ReplicaSender(address, timeout_s=30)
 

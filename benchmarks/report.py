@@ -155,7 +155,7 @@ WHY = {
     "The copy's CPU time, which does not move with load, is the figure below. Closing it: repetitions "
     "(--reps) on an idle machine.",
     "memory recovery: per-step CPU cost": "the copy is one memcpy per flat group and field, from the "
-    "third copy of an attempt on into the buffer of the snapshot it replaces (worker/memory.py): 7 ms of "
+    "third copy of an attempt on into the buffer of the snapshot it replaces (snapshots/store.py): 7 ms of "
     "a step's 1.03 CPU s (0.7%) in the run of 2026-11-28. The figure compares the median CPU time of "
     "5-step blocks with copies against blocks without (a new engine each block) and scatters by more than "
     "the copy costs: -0.2%, 3.0%, 2.9% and 7.9% in four runs. Closing it: more blocks (--reps).",

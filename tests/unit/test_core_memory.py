@@ -74,7 +74,7 @@ def test_too_few_slots_is_a_wait_for_capacity_not_a_memory_shortfall() -> None:
 
 
 def test_in_memory_snapshots_are_counted_apart_as_copies_of_the_ranks_slice() -> None:
-    from elastictrain.core.memory_snapshots import SLICES_HELD
+    from elastictrain.core.snapshot_plan import SLICES_HELD
 
     off, on = _est(), _est(memory_snapshots=True)
     assert off.snapshot_bytes == 0 and on.host_bytes == off.host_bytes  # optional: never a refusal

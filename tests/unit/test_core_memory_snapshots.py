@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from elastictrain.core.memory_snapshots import (
+from elastictrain.core.snapshot_plan import (
     MAX_INTERVAL,
     SLICES_HELD,
     Held,

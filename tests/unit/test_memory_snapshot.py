@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from elastictrain.checkpoint.memory_snapshot import (
+from elastictrain.checkpoint.zero_state import Fragment
+from elastictrain.worker.snapshots.format import (
     MemoryReader,
     Snapshot,
     SnapshotKey,
     SnapshotStore,
     keys_to_fetch,
 )
-from elastictrain.checkpoint.zero_state import Fragment
 
 # One parameter "w" of 10 elements (shape 2x5) and one "b" of 3, split over two old ranks as ZeRO-3 would.
 W = torch.arange(10, dtype=torch.float32)

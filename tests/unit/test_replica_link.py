@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from elastictrain.checkpoint.memory_snapshot import Snapshot, SnapshotKey
 from elastictrain.checkpoint.zero_state import Fragment
-from elastictrain.worker.replica_link import FRAME, BuddyLink, ReplicaSender, ReplicaServer
+from elastictrain.worker.snapshots.format import Snapshot, SnapshotKey
+from elastictrain.worker.snapshots.replica_link import FRAME, BuddyLink, ReplicaSender, ReplicaServer
 
 
 def _snapshot(step: int) -> Snapshot:
@@ -100,7 +100,7 @@ def test_a_buddy_that_stops_answering_is_an_error_not_a_fallback() -> None:
 
 def _holding(step: int) -> tuple[Any, dict[str, Any]]:
     """A worker's memory holding its own snapshot of `step`, and the socket that serves it."""
-    from elastictrain.worker.memory import WorkerMemory
+    from elastictrain.worker.snapshots.store import WorkerMemory
 
     memory = WorkerMemory("holder")
     memory.store.add_own(_snapshot(step))
@@ -108,7 +108,7 @@ def _holding(step: int) -> tuple[Any, dict[str, Any]]:
 
 
 def test_a_load_fetches_exactly_the_pieces_it_asks_for_over_the_holders_socket() -> None:
-    from elastictrain.worker.replica_link import fetch_over_sockets
+    from elastictrain.worker.snapshots.replica_link import fetch_over_sockets
 
     memory, address = _holding(5)
     try:
@@ -124,7 +124,7 @@ def test_a_load_fetches_exactly_the_pieces_it_asks_for_over_the_holders_socket()
 
 
 def test_a_snapshot_the_holder_does_not_hold_is_an_error_naming_it() -> None:
-    from elastictrain.worker.replica_link import fetch_pieces
+    from elastictrain.worker.snapshots.replica_link import fetch_pieces
 
     memory, address = _holding(5)
     try:
@@ -137,7 +137,7 @@ def test_a_snapshot_the_holder_does_not_hold_is_an_error_naming_it() -> None:
 
 
 def test_an_unreachable_holder_is_left_to_the_ray_call_and_a_wrong_secret_is_refused() -> None:
-    from elastictrain.worker.replica_link import fetch_over_sockets, fetch_pieces
+    from elastictrain.worker.snapshots.replica_link import fetch_over_sockets, fetch_pieces
 
     memory, address = _holding(5)
     try:

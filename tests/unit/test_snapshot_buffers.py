@@ -11,10 +11,10 @@ import numpy as np
 import torch
 
 from elastictrain.checkpoint import rank_snapshot
-from elastictrain.checkpoint.memory_snapshot import Snapshot, SnapshotKey, SnapshotStore
-from elastictrain.core.memory_snapshots import KEEP, SLICES_HELD, slices_held, snapshots_unaffordable
-from elastictrain.worker.memory import WorkerMemory
-from elastictrain.worker.replica_link import ReplicaSender, ReplicaServer
+from elastictrain.core.snapshot_plan import KEEP, SLICES_HELD, slices_held, snapshots_unaffordable
+from elastictrain.worker.snapshots.format import Snapshot, SnapshotKey, SnapshotStore
+from elastictrain.worker.snapshots.replica_link import ReplicaSender, ReplicaServer
+from elastictrain.worker.snapshots.store import WorkerMemory
 
 
 def _replica(attempt: int, step: int, numel: int = 8) -> Snapshot:

@@ -1,9 +1,9 @@
-"""A probe's copy (worker/memory.py): taken at the next step's update instead of beside its forward and
+"""A probe's copy (worker/snapshots/store.py): taken at the next step's update, not beside its forward and
 backward, which then run with no copy beside them."""
 
 from __future__ import annotations
 
-from elastictrain.worker.memory import WorkerMemory
+from elastictrain.worker.snapshots.store import WorkerMemory
 
 
 def test_a_probes_copy_waits_for_the_next_update_and_takes_the_state_before_it(copies):

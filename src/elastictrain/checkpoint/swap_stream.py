@@ -5,7 +5,7 @@ in one swap file per tensor (`<param id>.tensor.swp`, the data at offset 0) betw
 Reading them through DeepSpeed's swap-in would take its swap buffers and aio handle, which the step's
 backward also uses (it swaps gradients out), so that read must stop training. Read with plain file
 reads instead, the files can be written into the checkpoint while the next step's forward and backward
-run: nothing writes them until the next update (which waits for this write: worker/memory.py), and the
+run: nothing writes them until the next update (which waits for it: worker/snapshots/store.py), and the
 host memory used is one read buffer. Sub-groups kept in memory (too small to swap) are read from their
 tensors, which the forward and backward do not change either.
 

@@ -3,7 +3,7 @@
 The chunks come from a host-memory snapshot (a private copy, so training may go on changing the live
 state while this thread writes, fsyncs and hashes it) or straight from the live state
 (checkpoint/rank_snapshot.py): inline, or in a thread whose end the next optimizer update waits for
-(worker/memory.py). Only one write runs at a time; the controller commits the checkpoint
+(worker/snapshots/store.py). Only one write runs at a time; the controller commits the checkpoint
 once every rank's write reports `done`.
 """
 

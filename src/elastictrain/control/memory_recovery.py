@@ -1,7 +1,7 @@
 """Recovery from the workers' memory, driver side: buddies for an attempt, and where a restart loads from.
 
 After a failure (or before a grow) the surviving workers say which in-memory snapshots they hold;
-the core (`core.memory_snapshots`) picks the newest step every rank of the old world has somewhere.
+the core (`core.snapshot_plan`) picks the newest step every rank of the old world has somewhere.
 The next attempt then loads from those workers instead of the disk checkpoint; when no such step
 exists (a rank and its buddy both lost, ranks at different steps, snapshots off) it loads from disk
 and the reason is recorded.
@@ -16,7 +16,7 @@ from typing import Any
 from elastictrain.cluster.calls import Group
 from elastictrain.cluster.worker_api import WorkerApi
 from elastictrain.control.snapshot_schedule import SnapshotSchedule
-from elastictrain.core.memory_snapshots import Held, MemoryChoice, MemoryPlan, assign_buddies, off_node
+from elastictrain.core.snapshot_plan import Held, MemoryChoice, MemoryPlan, assign_buddies, off_node
 
 HOLDINGS_TIMEOUT_S = 10.0
 SNAPSHOT_NOW_TIMEOUT_S = 120.0  # a copy and its replica; a worker that does not answer: no grow now
@@ -50,7 +50,7 @@ class MemoryRecovery:
         if self.every <= 0:
             self.choice = MemoryChoice(None, "in-memory snapshots are off (checkpoint.memory_every_steps=0)")
             return self.choice
-        from elastictrain.core.memory_snapshots import choose_memory_snapshot
+        from elastictrain.core.snapshot_plan import choose_memory_snapshot
 
         workers = self.group.warm_workers
         replies = self.group.gather(

@@ -1,6 +1,6 @@
 """Which steps every rank copies to host memory: decided here, so that all ranks snapshot the same steps.
 
-A rank's in-memory snapshot (worker/memory.py) is a copy of its slice of the state and a replica sent
+A rank's in-memory snapshot (worker/snapshots/store.py) is a copy of its slice of the state and a replica sent
 to its buddy, both in threads beside the next step. Where they hide behind that step they cost
 nothing. What they do cost training is measured by the workers and sent with every step's report:
 - on CPU workers (every core trains) the CPU time of the copy, of sending its replica and of the
@@ -23,7 +23,7 @@ Snapshots are taken every `checkpoint.memory_every_steps` steps from the first s
 that a failure at any moment loses at most the step in flight. Where they cost more than
 `checkpoint.memory_max_step_share` of the training time they are spaced out, but only on evidence:
 the cost and the step time are the medians of a window of WINDOW snapshots (or WINDOW_STEPS steps),
-and `core.memory_snapshots.next_interval` moves the interval only past a margin, so that noise does
+and `core.snapshot_plan.next_interval` moves the interval only past a margin, so that noise does
 not move it back and forth. Every change is a `snapshots` event with the measured figures. Each step
 is sent with its mark, so a change reaches every rank at the same step. A checkpoint's step is always
 marked: the checkpoint's background write then writes that copy, and training does not stop for a
@@ -38,7 +38,7 @@ import statistics
 from collections import deque
 from typing import Any
 
-from elastictrain.core.memory_snapshots import next_interval
+from elastictrain.core.snapshot_plan import next_interval
 
 WINDOW = 20  # snapshots measured before the interval may move
 WINDOW_STEPS = 200  # ... or this many steps with at least MIN_SAMPLES snapshots (long intervals)

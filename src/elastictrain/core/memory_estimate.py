@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from elastictrain.core.memory_snapshots import SLICES_HELD
+from elastictrain.core.snapshot_plan import SLICES_HELD
 
 GIB = 1 << 30
 # Resident memory of one idle worker process (interpreter, torch, DeepSpeed, Ray's worker): measured

@@ -44,11 +44,11 @@ from elastictrain.worker.dist import (
     remove_shm_buffers,
     zero_stage,
 )
-from elastictrain.worker.memory import WorkerMemory
 from elastictrain.worker.ray_calls import actor_identity, local_identity
 from elastictrain.worker.reference_share import ReferenceShare
 from elastictrain.worker.shard_saves import ShardSaves
-from elastictrain.worker.snapshot_peer import SnapshotPeer
+from elastictrain.worker.snapshots.peer import SnapshotPeer
+from elastictrain.worker.snapshots.store import WorkerMemory
 
 # Frames from these files mean "waiting for the other ranks".
 _COLLECTIVE_MODULES = (
@@ -258,7 +258,7 @@ class TrainWorker(SnapshotPeer, ShardSaves, ReferenceShare):
         if spec.memory is not None or spec.checkpoint_dir is not None:
             release_freed_memory()  # the loader's read buffers and new optimizer state, as above
         timings["load_s"] = time.perf_counter() - t2
-        swapped = bool(nvme_paths(spec.ds_config))  # NVMe-swapped state: copied inline (worker/memory.py)
+        swapped = bool(nvme_paths(spec.ds_config))  # NVMe-swapped state: copied inline (snapshots/store.py)
         max_mb = cfg.checkpoint.max_host_memory_mb
         self.memory.attach(
             spec.attempt,

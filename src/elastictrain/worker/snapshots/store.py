@@ -5,9 +5,9 @@ spaced out to cost at most `checkpoint.memory_max_step_share`) the rank copies i
 to host memory in a thread while the next step's forward and backward run; the next optimizer update waits
 for the copy (`before_update`), so the copy always sees the state of one step. The finished copy is
 then sent to the buddy (another worker, on another node when there is one) over a socket into the
-buddy's process (worker/replica_link.py; by an actor call in the buddy's `replica` concurrency group
+buddy's process (worker/snapshots/replica_link.py; by an actor call in the buddy's `replica` concurrency group
 where that socket cannot be reached), beside its own training. A new attempt loads from the snapshots
-through worker/memory_load.py. With the optimizer state on
+through worker/snapshots/load.py. With the optimizer state on
 NVMe the copy runs inline: swapping in from a second thread would race the step's own swapping.
 The first copy of an attempt also measures the slice: where the copies a worker may hold would not fit
 in the host memory checkpointing may use, it is dropped and snapshots stay off for the attempt, said
@@ -22,22 +22,22 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from elastictrain.core.memory_snapshots import SnapshotKey, slices_held, snapshots_unaffordable
+from elastictrain.core.snapshot_plan import SnapshotKey, slices_held, snapshots_unaffordable
 from elastictrain.worker.attempt import MemorySource
-from elastictrain.worker.copy_stream import copy_stream, on_stream
 from elastictrain.worker.ray_calls import REPLICATE_TIMEOUT_S, call_peer
-from elastictrain.worker.replica_link import BuddyLink, ReplicaServer, pieces_answer
+from elastictrain.worker.snapshots.copy_stream import copy_stream, on_stream
+from elastictrain.worker.snapshots.replica_link import BuddyLink, ReplicaServer, pieces_answer
 
-# checkpoint/memory_snapshot.py (Snapshot, SnapshotStore) imports torch: it is imported where a worker
+# worker/snapshots/format.py (Snapshot, SnapshotStore) imports torch: it is imported where a worker
 # first uses it, since the driver imports this module for the actor class Ray starts and needs no torch.
 if TYPE_CHECKING:
-    from elastictrain.checkpoint.memory_snapshot import Snapshot
+    from elastictrain.worker.snapshots.format import Snapshot
 
 
 class WorkerMemory:
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
-        from elastictrain.checkpoint.memory_snapshot import SnapshotStore
+        from elastictrain.worker.snapshots.format import SnapshotStore
 
         self.store = SnapshotStore()
         self._thread: threading.Thread | None = None
@@ -67,7 +67,7 @@ class WorkerMemory:
         self.cpu_s = {"copy": 0.0, "replicate": 0.0, "hold": 0.0}
         self.error = ""
         self._update_wait_s = 0.0
-        self._link: BuddyLink | None = None  # how replicas reach the buddy (worker/replica_link.py)
+        self._link: BuddyLink | None = None  # how replicas reach the buddy (worker/snapshots/replica_link.py)
         self._server: ReplicaServer | None = None  # where the worker this one backs up sends replicas
 
     # -- in an attempt --
@@ -209,7 +209,7 @@ class WorkerMemory:
             self._link.close()
         if self._server is not None:
             self._server.close()
-        from elastictrain.checkpoint.memory_snapshot import SnapshotStore
+        from elastictrain.worker.snapshots.format import SnapshotStore
 
         self.store = SnapshotStore()  # freed now, not when a receiving thread of the closed socket ends
 
@@ -297,7 +297,7 @@ class WorkerMemory:
                     return  # nothing is copied, kept or replicated in this attempt
             assert raw is not None
             pieces = fragments_of(raw.plan.pieces)
-            from elastictrain.checkpoint.memory_snapshot import Snapshot
+            from elastictrain.worker.snapshots.format import Snapshot
 
             snap = Snapshot(key, raw.tensors(), pieces, raw.scalars, copy_s=time.perf_counter() - t0, raw=raw)
             self.last_copy_s = snap.copy_s
@@ -354,7 +354,7 @@ class WorkerMemory:
     def hold_replica(self, wire: dict[str, Any]) -> None:
         cpu0 = time.thread_time()
         into = self._replica_spare(wire["key"].attempt, wire["flat"].size)
-        from elastictrain.checkpoint.memory_snapshot import Snapshot
+        from elastictrain.worker.snapshots.format import Snapshot
 
         self.store.add_replica(Snapshot.from_wire(wire, into=into))
         self.cpu_s["hold"] = time.thread_time() - cpu0
@@ -365,7 +365,7 @@ class WorkerMemory:
         if self._server is None:
 
             def keep(header: dict[str, Any], data: Any, cpu_s: float) -> None:
-                from elastictrain.checkpoint.memory_snapshot import Snapshot
+                from elastictrain.worker.snapshots.format import Snapshot
 
                 self.store.add_replica(Snapshot.from_frame(header, data))
                 self.cpu_s["hold"] = cpu_s
@@ -410,6 +410,6 @@ class WorkerMemory:
     # -- loading a new attempt --
     def load(self, engine: Any, source: MemorySource) -> None:
         """Fill this rank's slices from the old ranks' snapshots, wherever they are held."""
-        from elastictrain.worker.memory_load import load_from_holders
+        from elastictrain.worker.snapshots.load import load_from_holders
 
         self.last_fetch_s = load_from_holders(self, engine, source)

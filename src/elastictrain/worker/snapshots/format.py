@@ -31,7 +31,7 @@ from elastictrain.checkpoint.zero_state import (
     fragments_metadata,
     parse_fragments_metadata,
 )
-from elastictrain.core.memory_snapshots import KEEP, SnapshotKey
+from elastictrain.core.snapshot_plan import KEEP, SnapshotKey
 
 
 @dataclass
@@ -84,7 +84,7 @@ class Snapshot:
         return packed, layout
 
     def to_frame(self) -> tuple[dict[str, Any], Any]:
-        """For a replica sent over a socket (worker/replica_link.py): a JSON-ready header and the one
+        """For a replica sent over a socket (replica_link.py): a JSON-ready header and the one
         buffer every tensor views, as a numpy array."""
         flat, layout = self._flat_layout()
         header = {
@@ -165,7 +165,7 @@ class SnapshotStore:
             return [*self.own, *self.replicas, *self.handed]
 
     def holdings(self) -> list[dict[str, Any]]:
-        """Every snapshot held, as plain values for the controller (core.memory_snapshots.Held)."""
+        """Every snapshot held, as plain values for the controller (core.snapshot_plan.Held)."""
         with self._lock:
             kept = ((True, self.own), (False, self.replicas), (False, self.handed))
             return [{**vars(s.key), "own": own} for own, snaps in kept for s in snaps]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from elastictrain.core.memory_snapshots import SnapshotKey
-from elastictrain.worker.memory import WorkerMemory
+from elastictrain.core.snapshot_plan import SnapshotKey
 from elastictrain.worker.ray_calls import call_peers
+from elastictrain.worker.snapshots.store import WorkerMemory
 
 
 class SnapshotPeer:
@@ -42,7 +42,7 @@ class SnapshotPeer:
         return len(snaps)
 
     def keep_handed(self, wire: dict[str, Any]) -> None:
-        from elastictrain.checkpoint.memory_snapshot import Snapshot  # imports torch (worker/memory.py)
+        from elastictrain.worker.snapshots.format import Snapshot  # imports torch (worker/snapshots/store.py)
 
         self.memory.store.add_handed(Snapshot.from_wire(wire))
 

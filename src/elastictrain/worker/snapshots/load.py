@@ -2,7 +2,7 @@
 
 The holders are this worker (its own rank's snapshot, or its buddy's replica) and its peers. A peer is
 asked for what its snapshot holds (`snapshot_meta`, a Ray call: small), then for the pieces this rank's
-slices need, over the peer's socket (worker/replica_link.py) where it has one, by a Ray call otherwise.
+slices need, over the peer's socket (replica_link.py) where it has one, by a Ray call otherwise.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from elastictrain.checkpoint.memory_snapshot import MemoryReader, SnapshotKey, keys_to_fetch
 from elastictrain.worker.attempt import MemorySource
 from elastictrain.worker.ray_calls import REPLICATE_TIMEOUT_S, call_peers
-from elastictrain.worker.replica_link import fetch_over_sockets
+from elastictrain.worker.snapshots.format import MemoryReader, SnapshotKey, keys_to_fetch
+from elastictrain.worker.snapshots.replica_link import fetch_over_sockets
 
 
 class SnapshotHolder(Protocol):

@@ -11,7 +11,7 @@ each side.
 Each worker that is sent replicas listens on its node's address (the one Ray gives it) at a port the
 kernel picks, and gives that address with a secret to its peers through Ray (`replica_address`); a
 connection that does not present the secret is closed unread. Where the buddy's socket cannot be
-reached (a network open to Ray's ports only), the sender goes back to the Ray call (worker/memory.py).
+reached (a network open to Ray's ports only), the sender goes back to the Ray call (store.py).
 
 A frame: 8 bytes (header length, data length), a JSON header (the secret, the snapshot's key, where each
 tensor lies in the buffer, its fragments and scalars), the buffer's bytes; the buddy answers one byte
