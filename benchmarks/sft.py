@@ -171,7 +171,7 @@ def _epoch(begin: float, step_times: list[float], size: Size, data: dict[str, An
 
 def run_ours(cfg: Any, size: Size, data: dict[str, Any]) -> dict[str, Any]:
     from benchmarks.baselines import ensure_local_ray
-    from elastictrain.run_length import resolve_length
+    from elastictrain.driver.launch import resolve_length
 
     ensure_local_ray()
     resolve_length(cfg)  # training.num_epochs -> max_steps, as `elastictrain train` does

@@ -50,7 +50,7 @@ def work(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
 
 def started(cfg):  # noqa: ANN001, ANN201
     """As `elastictrain train` starts it: num_epochs and warmup_ratio become step counts."""
-    from elastictrain.run_length import resolve_length
+    from elastictrain.driver.launch import resolve_length
 
     list(resolve_length(cfg))
     return cfg

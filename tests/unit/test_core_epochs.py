@@ -1,4 +1,4 @@
-"""training.num_epochs and warmup_ratio as step counts (core/epochs.py), and what the steps read."""
+"""training.num_epochs and warmup_ratio as step counts (core/run_length.py), and what the steps read."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from elastictrain.core.batch import plan_batch
 from elastictrain.core.data_order import epoch_permutation, micro_batch_samples
-from elastictrain.core.epochs import epoch_length, steps_for_epochs, warmup_for_ratio
+from elastictrain.core.run_length import epoch_length, steps_for_epochs, warmup_for_ratio
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import pytest
 
 from elastictrain.config import ConfigError, config_digest, load_config, to_flat_dict, to_yaml
 from elastictrain.core.config_changes import classify_changes, extension_problem
-from elastictrain.run_length import resolve_length
+from elastictrain.driver.launch import resolve_length
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "tiny-cpu.yaml"
 # 11 generated samples of 64 bytes; eval.split holds out round(11 * 0.2) = 2 of them.

@@ -149,9 +149,9 @@ def _check_ray_address(address: str | None) -> None:
 
 
 def _resolve_length(cfg) -> None:  # noqa: ANN001
-    """training.num_epochs and warmup_ratio as fixed step counts (run_length.py), said as computed."""
+    """training.num_epochs and warmup_ratio as fixed step counts (driver/launch.py), said as computed."""
     from elastictrain.config import ConfigError
-    from elastictrain.run_length import resolve_length
+    from elastictrain.driver.launch import resolve_length
 
     try:
         for line in resolve_length(cfg):

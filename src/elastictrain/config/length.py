@@ -3,9 +3,10 @@
 Each pair is one setting given two ways: both in the same place (the YAML file, or the overrides) is an
 error naming both; an override of one replaces the other given in the file (`-c conf/tiny-cpu.yaml
 training.num_epochs=3` counts epochs). Epochs and the warmup ratio become fixed numbers when the run
-starts (run_length.py): the training set is counted, max_steps and warmup_steps computed (core/epochs.py)
-and written to config.yaml, with epoch_samples, so that `resume RUN training.num_epochs=N` recomputes
-max_steps here without the data. The warmup stays as first computed: an extension does not move it.
+starts (driver/launch.py `resolve_length`): the training set is counted, max_steps and warmup_steps
+computed (core/run_length.py) and written to config.yaml, with epoch_samples, so that `resume RUN
+training.num_epochs=N` recomputes max_steps here without the data. The warmup stays as first
+computed: an extension does not move it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from elastictrain.config.schema import Config, TrainingConfig
-from elastictrain.core.epochs import steps_for_epochs
+from elastictrain.core.run_length import steps_for_epochs
 
 # (given instead, the step count it replaces)
 PAIRS = (("num_epochs", "max_steps"), ("warmup_ratio", "warmup_steps"))

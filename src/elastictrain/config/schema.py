@@ -155,7 +155,7 @@ class TrainingConfig:
     max_steps: int = 40  # optimizer steps of the run, and the LR schedule's length
     # Instead of max_steps: passes over the training set (after eval.split). At start max_steps becomes
     # ceil(num_epochs x training samples / global_batch_size), printed and written to the run's config.yaml
-    # with epoch_samples (core/epochs.py: why rounded up). Resuming with training.num_epochs=N extends it.
+    # with epoch_samples (core/run_length.py: why rounded up). Resuming with training.num_epochs=N extends it.
     num_epochs: float | None = None
     epoch_samples: int | None = None  # written at start with num_epochs: the training samples it counted
     lr: float = 3e-3  # the peak learning rate, reached at the end of the warm-up

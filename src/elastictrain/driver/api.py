@@ -87,7 +87,7 @@ def fit(
     cfg = validate(cfg)
     attach(cfg, objects)
     check_before_start(cfg)
-    from elastictrain.run_length import resolve_length
+    from elastictrain.driver.launch import resolve_length
 
     for line in resolve_length(cfg):  # epochs to steps, before config.yaml and its digest are written
         log.info(line)
