@@ -276,7 +276,7 @@ class BuddyLink:
         self.transport = "socket"
 
     def send(self, snapshot: Any, by_ray: Callable[[], None]) -> None:
-        """Send `snapshot` (checkpoint/memory_snapshot.Snapshot); returns once the buddy holds it."""
+        """Send `snapshot` (format.Snapshot); returns once the buddy holds it."""
         if self.transport == "socket":
             try:
                 if self._sender is None:
