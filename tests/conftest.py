@@ -27,13 +27,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 
 from elastictrain.compat.deepspeed.ops import prefer_environment_tools  # noqa: E402
-from elastictrain.compat.mlflow.sqlite_template import seed_sqlite_store  # noqa: E402
-from elastictrain.compat.transformers.import_structure import cache_import_structure  # noqa: E402
 
-# As every elastictrain process does: engines built in a test process load the ops `make setup` built,
-# and transformers' import structure is read from elastictrain's cache.
+# As every elastictrain process does: engines built in a test process load the ops `make setup` built.
 prefer_environment_tools()
-cache_import_structure()
 
 
 def free_port() -> int:
@@ -62,7 +58,6 @@ def running_mlflow_server(
     cmd += ["--app-name", app_name] if app_name else []
     # The job runner would start several huey consumer processes the tests never use.
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **(env or {})}
-    seed_sqlite_store(root / "mlflow.db")  # as a run's own store is made: no migrations at each start
     log_path = root / "server.log"
     with open(log_path, "ab") as log_file:
         # Own session, so teardown can stop the server and the uvicorn worker it forks together.

@@ -127,17 +127,16 @@ def _compare_gathers(rank: int, port: int, out: Any) -> None:
     """DeepSpeed's gather of this attempt's backend, in pieces, against gloo's whole gather."""
     os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE="3", LOCAL_RANK="0")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import deepspeed
     import torch
     import torch.distributed as dist
 
-    from elastictrain.compat.deepspeed.imports import import_deepspeed
     from elastictrain.compat.torch_dist.gloo_gather import (
         PIECE_BYTES,
         agreed_piece_bytes,
         use_gather_in_pieces,
     )
 
-    deepspeed = import_deepspeed()
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     import deepspeed.comm as ds_comm
 

@@ -23,12 +23,10 @@ pytestmark = pytest.mark.integration
 SCRIPT = r"""
 import json, os, sys
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-from elastictrain.compat.deepspeed.imports import remember_cpu_info
-from elastictrain.compat.transformers.import_structure import cache_import_structure
+from elastictrain.compat.deepspeed.cpu_info import remember_cpu_info
 # As each worker does: py-cpuinfo probes the CPU in a child process (about 1 CPU s) at each CPU
-# Adam and async I/O build, and transformers reads every model file's source at its first import.
+# Adam and async I/O build.
 remember_cpu_info()
-cache_import_structure()
 import deepspeed, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from elastictrain.compat.deepspeed.zero3_memory import share_offloaded_gradients

@@ -1,7 +1,7 @@
 """elastictrain's patches of DeepSpeed & co (elastictrain/compat/): each declared with its kind, range,
-docstring and retirement note; each one's check passes on the installed releases; outside the tested
-range (or with its target gone) a time or memory patch warns once and is skipped, and one that
-correctness depends on refuses, naming itself and the version."""
+what it gains a user, docstring and retirement note; each one's check passes on the installed releases;
+outside the tested range (or with its target gone) a time or memory patch warns once and is skipped,
+and one that correctness depends on refuses, naming itself and the version."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _other_release(monkeypatch: pytest.MonkeyPatch, package: str, version: str) 
     monkeypatch.setattr(registry, "installed_version", lambda p: version if p == package else real(p))
 
 
-def test_every_patch_is_declared_with_kind_range_docstring_and_retirement_note():
+def test_every_patch_is_declared_with_kind_range_gain_docstring_and_retirement_note():
     patches = all_patches()
     assert len(patches) >= 20
     for name, patch in patches.items():
@@ -40,6 +40,7 @@ def test_every_patch_is_declared_with_kind_range_docstring_and_retirement_note()
         SpecifierSet(patch.tested)  # a valid range
         for part in ("What:", "Why:", "Retired by:"):
             assert part in patch.doc, f"{name}'s docstring ({patch.function}) says no {part!r}"
+        assert patch.gains, f"{name} says nothing of what it gains a user"
         module, qualname = patch.function.split(":")
         found = importlib.import_module(module)
         for attr in qualname.split("."):
@@ -142,3 +143,17 @@ def test_the_compatibility_page_lists_the_registrys_patches():
     from elastictrain.compat import table
 
     assert table.main(["--check"]) == 0, "run: python -m elastictrain.compat.table"
+
+
+def test_a_patch_that_says_nothing_of_what_it_gains_cannot_be_declared():
+    with pytest.raises(ValueError, match="gains"):
+        registry.patch("gains_nothing", package="torch", kind="performance", check=lambda: None, gains=" ")
+    assert "gains_nothing" not in registry.PATCHES
+
+
+def test_the_compatibility_page_states_each_patchs_gain():
+    from elastictrain.compat import table
+
+    page = table.PAGE.read_text()
+    for name, patch in all_patches().items():
+        assert f"| `{name}` |" in page and patch.gains in page, name

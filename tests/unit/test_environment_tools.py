@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from elastictrain.compat.deepspeed import imports, ops
+from elastictrain.compat.deepspeed import cpu_info, ops
 from elastictrain.compat.deepspeed.ops import own_extensions_dir, prefer_environment_tools
 
 
@@ -91,14 +91,14 @@ def test_the_cpu_is_probed_once_per_process_and_every_caller_gets_its_own_copy(
     import cpuinfo
 
     monkeypatch.setattr(cpuinfo, "get_cpu_info", cpuinfo.get_cpu_info)  # undone after the test
-    imports.remember_cpu_info()
+    cpu_info.remember_cpu_info()
     cpuinfo.get_cpu_info()  # the first call probes, in a subprocess
 
     def no_subprocess(*args: object, **kwargs: object) -> None:
         raise AssertionError("py-cpuinfo started a subprocess again")
 
     monkeypatch.setattr(subprocess, "Popen", no_subprocess)  # py-cpuinfo imports it at each probe
-    imports.remember_cpu_info()
+    cpu_info.remember_cpu_info()
     from cpuinfo import get_cpu_info  # as DeepSpeed imports it, at each call
 
     first, second = get_cpu_info(), get_cpu_info()
@@ -116,72 +116,11 @@ def test_the_cpu_probe_is_saved_for_this_cpu_and_read_back_instead_of_probing_ag
         probes.append(1)
         return {"arch": "X86_64", "flags": ["avx2"]}
 
-    first = imports.cpu_info_from_file(probe, tmp_path)
-    again = imports.cpu_info_from_file(probe, tmp_path)
+    first = cpu_info.cpu_info_from_file(probe, tmp_path)
+    again = cpu_info.cpu_info_from_file(probe, tmp_path)
     assert first == again == {"arch": "X86_64", "flags": ["avx2"]}
     assert len(probes) == 1
     [saved] = tmp_path.glob("cpuinfo-*.json")
-    assert saved.name == f"cpuinfo-{imports.cpu_fingerprint()}.json"  # another CPU reads another file
+    assert saved.name == f"cpuinfo-{cpu_info.cpu_fingerprint()}.json"  # another CPU reads another file
     saved.write_text("{not json")  # a torn or foreign file is probed over, not trusted
-    assert imports.cpu_info_from_file(probe, tmp_path) == first and len(probes) == 2
-
-
-def run_in_a_fresh_process(script: str) -> None:
-    """Run `script` in a new Python (nothing imported yet, as a worker starts) and fail with its stderr."""
-    import subprocess
-
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-
-
-def test_a_worker_imports_deepspeed_without_mlflow_and_mlflow_stays_importable() -> None:
-    script = (
-        "import sys\n"
-        "from elastictrain.compat.deepspeed.imports import import_deepspeed\n"
-        "ds = import_deepspeed()\n"
-        "assert ds is sys.modules['deepspeed'], 'not the deepspeed module'\n"
-        "assert 'mlflow' not in sys.modules, 'mlflow was imported with deepspeed'\n"
-        "import mlflow\n"
-        "assert mlflow.__name__ == 'mlflow' and sys.modules['mlflow'] is mlflow\n"
-    )
-    run_in_a_fresh_process(script)
-
-
-def test_deepspeeds_muon_module_imports_without_torchinductor_after_import_deepspeed() -> None:
-    script = (
-        "import sys\n"
-        "from elastictrain.compat.deepspeed.imports import import_deepspeed\n"
-        "import_deepspeed()\n"
-        # as deepspeed.initialize's optimizer check does:
-        "import deepspeed.runtime.zero.muon.muon_optimizer\n"
-        "assert 'torch._inductor.compile_fx' not in sys.modules, 'TorchInductor was imported'\n"
-    )
-    run_in_a_fresh_process(script)
-
-
-def test_a_deferred_compile_compiles_once_at_the_first_call_and_returns_what_the_function_does(
-    monkeypatch,
-) -> None:
-    import torch
-
-    from elastictrain.compat.deepspeed.imports import deferred_compile
-
-    compiled: list[object] = []
-
-    def fake_compile(fn):  # noqa: ANN001, ANN202 - torch.compile's shape: returns a callable
-        compiled.append(fn)
-        return lambda *a, **k: ("compiled", fn(*a, **k))
-
-    monkeypatch.setattr(torch, "compile", fake_compile)
-
-    @deferred_compile()
-    def add(a: int, b: int = 1) -> int:
-        return a + b
-
-    assert compiled == [] and add.__name__ == "add"
-    assert add(2, b=3) == ("compiled", 5)
-    assert add(1) == ("compiled", 2)
-    assert len(compiled) == 1
+    assert cpu_info.cpu_info_from_file(probe, tmp_path) == first and len(probes) == 2

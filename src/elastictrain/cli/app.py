@@ -39,9 +39,6 @@ app.command("export")(export_command)
 
 
 def main() -> None:
-    from elastictrain.compat.transformers.import_structure import cache_import_structure
-
-    cache_import_structure()  # before any command imports transformers (about 1 CPU s of its import)
     try:
         app()
     except KeyboardInterrupt:

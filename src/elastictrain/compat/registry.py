@@ -3,7 +3,9 @@ MLflow and py-cpuinfo internals, and the rule that decides, once per process, wh
 
 A patch is a named function (its docstring: what it changes, why, and what upstream change retires it)
 declared with `@patch(...)`: the package it reaches into, the releases it was checked on (`tested`), its
-kind, and a `check` that verifies its target exists with the shape it expects. Before the first use:
+kind, what it gains a user (`gains`: a figure measured at 125M parameters or more, or the correctness or
+design reason; a patch whose only gain is seconds of a process's imports or start-up has no place here),
+and a `check` that verifies its target exists with the shape it expects. Before the first use:
 
 - inside the tested range and the check passes: the patch applies;
 - otherwise a "performance" or "memory" patch is skipped (DeepSpeed's own code runs), with one warning
@@ -42,7 +44,7 @@ DEEPSPEED_TESTED = ">=0.19.7,<=0.19.8"
 # The modules that declare patches: `all_patches()` imports them (each imports its package lazily).
 PATCH_MODULES = (
     "elastictrain.compat.deepspeed.process_state",
-    "elastictrain.compat.deepspeed.imports",
+    "elastictrain.compat.deepspeed.cpu_info",
     "elastictrain.compat.deepspeed.zero3_build",
     "elastictrain.compat.deepspeed.zero3_memory",
     "elastictrain.compat.deepspeed.swap_buffers",
@@ -51,10 +53,7 @@ PATCH_MODULES = (
     "elastictrain.compat.torch_dist.process_group",
     "elastictrain.compat.transformers.hf_init",
     "elastictrain.compat.transformers.preload",
-    "elastictrain.compat.transformers.import_structure",
-    "elastictrain.compat.transformers.deferred_imports",
     "elastictrain.compat.mlflow.artifact_cache",
-    "elastictrain.compat.mlflow.sqlite_template",
     "elastictrain.compat.peft.zero3",
 )
 
@@ -78,6 +77,7 @@ class Patch:
     check: Check
     function: str  # module:qualname of the patch function
     doc: str  # its docstring: what it changes, why, and what retires it
+    gains: str  # what a user gains: measured at 125M or more (or on the GPU check), or the reason
 
     def problem(self) -> str | None:
         """Why this patch cannot apply here (a version outside `tested`, a target of another shape)."""
@@ -118,11 +118,16 @@ def patch(
     package: str,
     kind: Kind,
     check: Check,
+    gains: str,
     tested: str = DEEPSPEED_TESTED,
     otherwise: Callable[..., Any] | None = None,
 ) -> Callable[[F], F]:
     """Declare the function below as patch `name`, and run it only where the patch applies: where it
-    does not, a skippable patch calls `otherwise` (same arguments) instead; a correctness one raises."""
+    does not, a skippable patch calls `otherwise` (same arguments) instead; a correctness one raises.
+
+    `gains`: what a user gains from it, one line for the compatibility table."""
+    if not gains.strip():
+        raise ValueError(f"patch {name}: say what it gains a user (gains=...)")
 
     def declare(function: F) -> F:
         if name in PATCHES:
@@ -135,6 +140,7 @@ def patch(
             check,
             f"{function.__module__}:{function.__qualname__}",
             inspect.getdoc(function) or "",
+            gains.strip(),
         )
         if kind == "correctness" and otherwise is not None:
             raise ValueError(f"patch {name}: a correctness patch has no fallback")

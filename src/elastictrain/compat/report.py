@@ -11,12 +11,12 @@ import warnings
 
 def main() -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from elastictrain.compat.deepspeed.imports import import_deepspeed
     from elastictrain.compat.registry import CompatError, all_patches, check_all, installed_version
 
     spec = importlib.util.find_spec("deepspeed")
     where = spec.origin if spec else "nowhere"
-    import_deepspeed()
+    import deepspeed  # noqa: F401  # its own __version__ then says which release this process runs
+
     version = installed_version("deepspeed")
     print(f"deepspeed {version} from {where}")
     expected = os.environ.get("ELASTICTRAIN_EXPECT_DEEPSPEED")

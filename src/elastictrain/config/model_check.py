@@ -93,10 +93,6 @@ def _build(config: Any) -> tuple[Any, list[str]]:
 def _structure_problem(built: Any) -> str | None:
     """Build the model on the meta device (no memory): what its constructor rejects is found here."""
     import torch
-
-    from elastictrain.compat.transformers.preload import import_modeling_code
-
-    import_modeling_code()
     from transformers import AutoModelForCausalLM
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
@@ -157,7 +153,6 @@ def vocab_problem(config: Any, vocab: int | None, field: str) -> str | None:
 
 def model_problems(config: Any) -> list[str]:
     """Everything about `config.model` checkable without weights, one line per problem."""
-    from elastictrain.compat.transformers.import_structure import cache_import_structure
     from elastictrain.config import model_facts
 
     hf_config, facts = model_facts.recall(config)
@@ -166,7 +161,6 @@ def model_problems(config: Any) -> list[str]:
     if "model_type" in facts:  # this config built before, with these releases: no torch, no transformers
         built = types.SimpleNamespace(**{k: facts[k] for k in model_facts.CONFIG_FACTS})
     else:
-        cache_import_structure()  # before transformers.models is first imported in this process
         built, problems = _build(config)
         if built is None or problems:
             return problems

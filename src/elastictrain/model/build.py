@@ -43,11 +43,7 @@ def build_hf_config(hf_config: dict[str, Any]) -> Any:
 def preload_model_code(config: Any) -> None:
     """Import everything building the model will import, outside of DeepSpeed's zero.Init."""
     import torch._dynamo  # noqa: F401
-
-    from elastictrain.compat.transformers.preload import import_modeling_code, resolve_model_class
-
-    import_modeling_code()
-    from transformers import AutoConfig
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
     m = config.model
     if m.factory:
@@ -56,7 +52,7 @@ def preload_model_code(config: Any) -> None:
         resolve(config, "model.factory")  # imports the user's module
     else:
         hf = AutoConfig.from_pretrained(m.pretrained) if m.pretrained else build_hf_config(dict(m.hf_config))
-        resolve_model_class(hf)  # imports the lazy model module
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(hf)]  # imports the lazy model module, outside zero.Init
     if m.lora.enabled:
         import peft  # noqa: F401
 
@@ -67,7 +63,7 @@ def preload_engine_code(config: Any) -> None:
 
     DeepSpeed's optimizer check imports its Muon optimizer (whose `torch.compile` decorators no longer
     import torch's inductor there); an offloaded optimizer loads DeepSpeed's CPU Adam op, and NVMe its
-    async I/O op, each asking py-cpuinfo about the CPU (both in compat/deepspeed/imports.py).
+    async I/O op, each asking py-cpuinfo about the CPU (compat/deepspeed/cpu_info.py).
     """
     import importlib
 
@@ -86,9 +82,6 @@ def preload_engine_code(config: Any) -> None:
 
 
 def build_causal_lm(hf_config: dict[str, Any], *, activation_checkpointing: bool = False) -> torch.nn.Module:
-    from elastictrain.compat.transformers.preload import import_modeling_code
-
-    import_modeling_code()  # the cheap way, in whichever process builds first (a driver, a command)
     from transformers import AutoModelForCausalLM
 
     config = build_hf_config(hf_config)
@@ -162,7 +155,7 @@ def new_engine(spec: Any, *, zero3: bool) -> Any:
 
     import deepspeed
 
-    from elastictrain.compat.deepspeed.imports import remember_cpu_info
+    from elastictrain.compat.deepspeed.cpu_info import remember_cpu_info
     from elastictrain.config.deepspeed_config import nvme_paths
 
     cfg = spec.config

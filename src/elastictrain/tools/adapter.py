@@ -154,9 +154,6 @@ def base_structure(config: Any) -> torch.nn.Module:
 
         return user_model(config)
     if m.pretrained:
-        from elastictrain.compat.transformers.preload import import_modeling_code
-
-        import_modeling_code()
         from transformers import AutoConfig, AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(m.pretrained))

@@ -19,10 +19,6 @@ def model_class(record: ModelRecord) -> Any:
     """The recorded transformers class (else the causal LM class of the config's model type)."""
     import transformers
 
-    from elastictrain.compat.transformers.preload import import_modeling_code
-
-    import_modeling_code()  # before the class lookup imports the model code
-
     found = getattr(transformers, record.architecture or "", None)
     if isinstance(found, type) and hasattr(found, "from_pretrained"):
         return found

@@ -26,7 +26,6 @@ from elastictrain.tracking.tracker import (
     is_permanent,
     now_ms,
     sanitize_key,
-    sqlite_path,
 )
 
 if TYPE_CHECKING:
@@ -48,11 +47,6 @@ class SendLoop:
         if self._client is None:
             from mlflow.tracking import MlflowClient
 
-            from elastictrain.compat.mlflow.sqlite_template import seed_sqlite_store
-
-            db = sqlite_path(self.tracking_uri)
-            if db is not None:
-                seed_sqlite_store(Path(db))  # a new store without MLflow's migrations
             self._client = MlflowClient(self.tracking_uri)
         return self._client
 

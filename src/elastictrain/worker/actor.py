@@ -18,13 +18,12 @@ import traceback
 from datetime import timedelta
 from typing import Any
 
-from elastictrain.compat.deepspeed.imports import import_deepspeed, remember_cpu_info
+from elastictrain.compat.deepspeed.cpu_info import remember_cpu_info
 from elastictrain.compat.deepspeed.ops import load_op, prefer_environment_tools
 from elastictrain.compat.deepspeed.process_state import reset_zero_counters
 from elastictrain.compat.registry import check_all
 from elastictrain.compat.torch_dist.collective_sockets import CollectiveSockets
 from elastictrain.compat.torch_dist.gloo_gather import agreed_piece_bytes, piece_bytes, use_gather_in_pieces
-from elastictrain.compat.transformers.import_structure import cache_import_structure
 from elastictrain.config.deepspeed_config import nvme_paths
 from elastictrain.core.data_order import derive_seed, micro_batch_positions, sample_at
 from elastictrain.core.schedule import step_learning_rate
@@ -70,7 +69,6 @@ class TrainWorker(SnapshotPeer, ShardSaves, ReferenceShare):
     def __init__(self, worker_id: str, use_gpu: bool, *, in_ray: bool = True) -> None:
         prefer_environment_tools()  # the ninja that built DeepSpeed's ops, before any op loads
         remember_cpu_info()  # each op load and CPU Adam would probe the CPU again (1.1 s each)
-        cache_import_structure()  # before anything imports transformers (about 1 CPU s of its import)
         if not use_gpu:
             # Must be set before deepspeed is first imported in this process.
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -134,7 +132,8 @@ class TrainWorker(SnapshotPeer, ShardSaves, ReferenceShare):
         return {**self.info(), "warmup_s": time.perf_counter() - t0}
 
     def _warm_up(self, config: Any) -> None:
-        import_deepspeed()
+        import deepspeed  # noqa: F401
+
         check_all(WORKER_PACKAGES)  # a patch correctness depends on that cannot apply refuses here
         from elastictrain.model.build import preload_engine_code, preload_model_code
 
@@ -193,9 +192,9 @@ class TrainWorker(SnapshotPeer, ShardSaves, ReferenceShare):
     # -- attempt lifecycle --
     def setup(self, spec: AttemptSpec) -> dict[str, float]:
         """Join an attempt: process group on a fresh rendezvous, engine, state from a checkpoint."""
+        import deepspeed
         import torch
 
-        deepspeed = import_deepspeed()
         check_all(WORKER_PACKAGES)  # decided once per process: free after the warm-up
 
         timings: dict[str, float] = {}

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from elastictrain.compat.deepspeed.imports import import_deepspeed, remember_cpu_info
+from elastictrain.compat.deepspeed.cpu_info import remember_cpu_info
 
 OPS = ("CPUAdamBuilder", "AsyncIOBuilder", "ShareMemCommBuilder")
 
@@ -99,7 +99,6 @@ def build_ops(use_gpu: bool = False) -> dict[str, str]:
     remember_cpu_info()  # probed here, once: saved for every worker that starts after
     if not use_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()

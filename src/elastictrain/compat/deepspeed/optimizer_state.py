@@ -44,7 +44,13 @@ def _check_zero3() -> str | None:
     )
 
 
-@patch(ZERO3_STATE, package="deepspeed", kind="correctness", check=_check_zero3)
+@patch(
+    ZERO3_STATE,
+    package="deepspeed",
+    kind="correctness",
+    check=_check_zero3,
+    gains="correctness: elastic ZeRO-3 checkpoints are saved per rank and resharded online to any world size",
+)
 def param_partition_rank(opt: Any, param: Any) -> int:
     """Which partition of `param` this rank holds in ZeRO-3 optimizer `opt`
     (`DeepSpeedZeroOptimizer_Stage3._get_param_partition_rank`).
@@ -107,7 +113,13 @@ def _check_flat() -> str | None:
     )
 
 
-@patch(FLAT_STATE, package="deepspeed", kind="correctness", check=_check_flat)
+@patch(
+    FLAT_STATE,
+    package="deepspeed",
+    kind="correctness",
+    check=_check_flat,
+    gains="correctness: elastic checkpoints of ZeRO-1/2 and bf16 runs reshard online to another world size",
+)
 def hp_mapping(param: Any) -> Any:
     """DeepSpeed's tensor-fragment mapping of `param` (`param._hp_mapping`): which elements of it this
     rank's fp32 partition holds, or None (ZeRO-1/2, bf16 without ZeRO).
@@ -137,7 +149,15 @@ def _check_swap_files() -> str | None:
 
 
 @patch(
-    SWAP_FILES, package="deepspeed", kind="performance", check=_check_swap_files, otherwise=lambda *a: None
+    SWAP_FILES,
+    package="deepspeed",
+    kind="performance",
+    check=_check_swap_files,
+    otherwise=lambda *a: None,
+    gains=(
+        "design: a checkpoint of NVMe-swapped optimizer state is written from the swap files beside the next"
+        " step, not through the step's buffers"
+    ),
 )
 def swap_file_paths(opt: Any, flat: Any) -> dict[int, str] | None:
     """The swap file of each tensor of the sub-group whose fp32 master is `flat` (id of the tensor ->

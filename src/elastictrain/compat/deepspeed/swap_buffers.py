@@ -42,7 +42,17 @@ def _check() -> str | None:
     )
 
 
-@patch(SWAP_BUFFERS, package="deepspeed", kind="performance", check=_check, otherwise=lambda opt: False)
+@patch(
+    SWAP_BUFFERS,
+    package="deepspeed",
+    kind="performance",
+    check=_check,
+    otherwise=lambda opt: False,
+    gains=(
+        "recovery time (NVMe offload): sub-groups about to be overwritten are not read: 2 GB read and "
+        "written a rank less at 1B on 2 ranks for the build alone"
+    ),
+)
 def plain_swapper(opt: Any) -> bool:
     """Whether ZeRO-3 optimizer `opt` swaps its state to NVMe with DeepSpeed's plain partitioned swapper,
     its parameters in memory and no Muon: the only case the helpers here know (always False where this

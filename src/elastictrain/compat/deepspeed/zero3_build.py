@@ -87,6 +87,10 @@ def _check_hooks() -> str | None:
     kind="performance",
     check=_check_hooks,
     otherwise=_unchanged,
+    gains=(
+        "recovery time: every parameter is no longer gathered to register hooks: 2.3 s of an 8-10 s engine "
+        "build at 374M on 2 CPU ranks, at each restart and resize"
+    ),
 )
 @contextmanager
 def hooks_registered_without_gathering() -> Iterator[None]:
@@ -138,6 +142,7 @@ def _check_flatten() -> str | None:
     kind="memory",
     check=_check_flatten,
     otherwise=_unchanged,
+    gains="memory: the engine build's peak 3.66 -> 2.96 GiB per rank at 350M with NVMe offload",
 )
 @contextmanager
 def freed_partitions_returned() -> Iterator[None]:
@@ -183,6 +188,10 @@ def _check_init() -> str | None:
     kind="performance",
     check=_check_init,
     otherwise=_unchanged,
+    gains=(
+        "recovery time: a restoring build broadcasts no values the load overwrites: 1.4 s of the build at "
+        "374M on 2 CPU ranks"
+    ),
 )
 @contextmanager
 def parameters_partitioned_without_broadcast() -> Iterator[None]:
@@ -221,6 +230,10 @@ def _check_states() -> str | None:
     kind="performance",
     check=_check_states,
     otherwise=_unchanged,
+    gains=(
+        "recovery time (NVMe offload): the build's swap-in/out round trip is skipped: 2 GB read and 2 GB "
+        "written a rank less at 1B on 2 ranks"
+    ),
 )
 @contextmanager
 def optimizer_states_initialized_without_swapping() -> Iterator[None]:
@@ -277,6 +290,10 @@ def _check_masters() -> str | None:
     kind="performance",
     check=_check_masters,
     otherwise=_unchanged,
+    gains=(
+        "recovery time (NVMe offload): a restoring build writes no fp32 master the load overwrites: 1.9 GB a"
+        " rank less at 1B on 2 ranks, set-up 29.8 -> 21.8 s with the load's single write"
+    ),
 )
 @contextmanager
 def fp32_masters_left_for_the_load() -> Iterator[None]:

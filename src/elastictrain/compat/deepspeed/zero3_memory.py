@@ -78,7 +78,17 @@ def _check_fp32() -> str | None:
     )
 
 
-@patch(FP32_SHARED, package="deepspeed", kind="memory", check=_check_fp32, otherwise=_nothing)
+@patch(
+    FP32_SHARED,
+    package="deepspeed",
+    kind="memory",
+    check=_check_fp32,
+    otherwise=_nothing,
+    gains=(
+        "memory at production sizes: DeepSpeed's second fp32 copy of a rank's share (4 bytes a parameter, "
+        "all run) and the step's flattened gradient copy (4 more at its peak) are not made"
+    ),
+)
 def share_fp32_partitions(engine: Any) -> int:
     """Alias ZeRO-3's fp32 master to the fp32 training partition and hand out gradient views instead of
     flattened copies; returns the bytes freed per rank (0 where nothing applies).
@@ -117,7 +127,17 @@ def _check_grads() -> str | None:
     return has_parameters(DeepSpeedZeroOptimizer_Stage3._swappable_optimizer_subgroup, "self", "sub_group_id")
 
 
-@patch(GRADS_SHARED, package="deepspeed", kind="memory", check=_check_grads, otherwise=_nothing)
+@patch(
+    GRADS_SHARED,
+    package="deepspeed",
+    kind="memory",
+    check=_check_grads,
+    otherwise=_nothing,
+    gains=(
+        "memory at production sizes (CPU-only offload): no second fp32 copy of a rank's reduced gradients, 4"
+        " bytes a parameter of its share for the whole run"
+    ),
+)
 def share_offloaded_gradients(engine: Any, cpu_only: bool) -> int:
     """With the optimizer offloaded on a CPU-only machine, make each in-memory sub-group's fp32 gradient a
     view of ZeRO-3's flat gradient buffer instead of a copy; returns the bytes freed per rank.
@@ -166,7 +186,14 @@ def _check_adam() -> str | None:
     )
 
 
-@patch(ADAM_AT_BUILD, package="deepspeed", kind="memory", check=_check_adam, otherwise=_nothing)
+@patch(
+    ADAM_AT_BUILD,
+    package="deepspeed",
+    kind="memory",
+    check=_check_adam,
+    otherwise=_nothing,
+    gains="memory (NVMe offload): the first step's peak 2.88 -> 2.41 GiB per rank at 134M on 2 ranks",
+)
 def create_swapped_adam_state(engine: Any) -> int:
     """Create DeepSpeed CPU Adam's state (step 0, zero moments, as its first step would) for every
     sub-group swapped to NVMe that has none yet, in the sub-group's free swap buffers, and swap it out;

@@ -12,7 +12,16 @@ def _check() -> str | None:
     return None if callable(getattr(cache, "clear", None)) else "mlflow has no _artifact_repos_cache to clear"
 
 
-@patch("mlflow_artifact_cache_cleared", package="mlflow", tested=">=2.16", kind="correctness", check=_check)
+@patch(
+    "mlflow_artifact_cache_cleared",
+    package="mlflow",
+    tested=">=2.16",
+    kind="correctness",
+    check=_check,
+    gains=(
+        "correctness: a resume in the same process after a run folder moved writes artifacts to the new place"
+    ),
+)
 def clear_artifact_locations() -> None:
     """Forget MLflow's cached artifact location of every run in this process.
 

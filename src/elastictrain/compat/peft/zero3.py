@@ -15,7 +15,17 @@ def _check() -> str | None:
     return has_parameters(integrations.check_deepspeed_zero3_enabled, where="check_deepspeed_zero3_enabled")
 
 
-@patch("peft_sees_zero3", package="peft", tested=">=0.13", kind="correctness", check=_check)
+@patch(
+    "peft_sees_zero3",
+    package="peft",
+    tested=">=0.13",
+    kind="correctness",
+    check=_check,
+    gains=(
+        "correctness: DoRA's magnitude of a config-built ZeRO-3 model is computed from the gathered base "
+        "weights, not empty shards"
+    ),
+)
 @contextlib.contextmanager
 def base_weights_gathered_for_peft(model: Any) -> Iterator[None]:
     """Let peft gather a ZeRO-3 layer where it reads its weight.

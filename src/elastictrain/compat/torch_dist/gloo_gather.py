@@ -122,6 +122,10 @@ def _check() -> str | None:
     kind="performance",
     check=_check,
     otherwise=lambda backend, size=PIECE_BYTES: False,
+    gains=(
+        "escaping a stuck collective (3+ gloo ranks): a survivor stuck until the collective timeout in 23 of"
+        " 75 kills with whole gathers, 0 of 25 in pieces; kept instead of replaced"
+    ),
 )
 def use_gather_in_pieces(backend: str, size: int = PIECE_BYTES) -> bool:
     """Make DeepSpeed's communication backend of this attempt gather in pieces of `size` bytes on gloo

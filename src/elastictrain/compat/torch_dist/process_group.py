@@ -22,6 +22,10 @@ def _not_aborted() -> bool:
     kind="performance",
     check=_check,
     otherwise=_not_aborted,
+    gains=(
+        "escaping a stuck collective (GPU): a rank waiting on a dead peer's NCCL kernel leaves the attempt "
+        "and is kept instead of waiting out the timeout (minutes) and being replaced"
+    ),
 )
 def abort_process_group() -> bool:
     """Abort every NCCL communicator of this process (`torch.distributed.distributed_c10d.

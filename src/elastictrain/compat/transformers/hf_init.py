@@ -32,9 +32,6 @@ TRANSFORMERS_TESTED = ">=4.45"  # pyproject's range; the checks below say whethe
 
 
 def _check_initialize_weights() -> str | None:
-    from elastictrain.compat.transformers.preload import import_modeling_code
-
-    import_modeling_code()
     from transformers.modeling_utils import PreTrainedModel
 
     return has_parameters(PreTrainedModel._initialize_weights, "self", "module", "is_custom_code")
@@ -83,6 +80,10 @@ def _initialize_weights_replaced(replacement: Callable[[Any], Any]) -> AbstractC
     tested=TRANSFORMERS_TESTED,
     kind="correctness",
     check=_check_initialize_weights,
+    gains=(
+        "correctness: a config-built model under ZeRO-3 gets transformers' init: the same weights and losses"
+        " as outside DeepSpeed"
+    ),
 )
 @contextmanager
 def exact_hf_init_under_zero3() -> Iterator[None]:
@@ -127,6 +128,10 @@ def exact_hf_init_under_zero3() -> Iterator[None]:
     kind="performance",
     check=_check_skip,
     otherwise=_init_as_usual,
+    gains=(
+        "recovery time: a restoring build computes no init the load overwrites; under ZeRO-3 no module is "
+        "gathered and broadcast for it (4 GB at 1B)"
+    ),
 )
 @contextmanager
 def skip_parameter_init() -> Iterator[None]:
