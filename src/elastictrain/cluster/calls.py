@@ -5,7 +5,7 @@ Ray-free, so the loop (and its unit tests, with the fake group of testing/fake_g
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -98,11 +98,8 @@ class Group(Protocol):
         *,
         stop_on_error: bool = False,
         grace_s: float = 3.0,
-        tick: Callable[[], None] | None = None,
     ) -> dict[str, Reply]:
         """Every call's reply, waiting up to timeout_s; the unanswered ones are TIMED_OUT.
-
-        `tick()` runs every fraction of a second while it waits (the driver's other duties, mid-step).
 
         With stop_on_error the first error ends the wait after grace_s more for the others: the
         first error seen may be a survivor's broken collective, the root cause arrives just after.

@@ -22,7 +22,6 @@ from elastictrain.cluster.calls import RAISED, TIMED_OUT, Calls, Reply
 from elastictrain.cluster.worker_api import WorkerApi, WorkerMethod, method_name
 
 log = logging.getLogger("elastictrain.workers")
-TICK_S = 0.2
 LOCAL_NODE = "local"
 
 
@@ -158,7 +157,6 @@ class LocalGroup:
         *,
         stop_on_error: bool = False,
         grace_s: float = 3.0,
-        tick: Callable[[], None] | None = None,
     ) -> dict[str, Reply]:
         pending: dict[Future[Any], str] = {future: wid for wid, future in calls.items()}
         replies: dict[str, Reply] = {}
@@ -167,11 +165,9 @@ class LocalGroup:
             left = max(0.0, deadline - time.monotonic())
             done, _ = wait(
                 list(pending),
-                timeout=left if tick is None else min(TICK_S, left),
+                timeout=left,
                 return_when=FIRST_COMPLETED,
             )
-            if tick is not None:
-                tick()
             for future in done:
                 wid = pending.pop(future)
                 replies[wid] = _reply(wid, future)

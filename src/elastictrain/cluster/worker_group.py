@@ -15,7 +15,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -30,9 +30,6 @@ from elastictrain.cluster.calls import DIED, NODE_LOST, OUT_OF_MEMORY, RAISED, T
 from elastictrain.cluster.worker_api import WorkerApi, WorkerMethod, method_name
 from elastictrain.worker.actor import TrainWorker
 
-# How often gather runs its `tick` while it waits: a checkpoint whose write ended is committed within
-# this (a look costs one non-blocking ray.wait).
-TICK_S = 0.2
 # How long a run's end waits for its workers to leave the run before parking them (scaling.keep_warm_s);
 # one that has not left by then (a hung step) ends instead.
 LEAVE_RUN_TIMEOUT_S = 30.0
@@ -326,21 +323,16 @@ class WorkerGroup:
         *,
         stop_on_error: bool = False,
         grace_s: float = 3.0,
-        tick: Callable[[], None] | None = None,
     ) -> dict[str, Reply]:
         pending = {ref: wid for wid, ref in calls.items()}
         replies: dict[str, Reply] = {}
         deadline = time.monotonic() + timeout_s
-        period = 1.0 if tick is None else TICK_S
         while pending:
             left = max(0.0, deadline - time.monotonic())
             if stop_on_error:  # one at a time, to notice the first error at once
-                ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(period, left))
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(1.0, left))
             else:
-                wait_s = left if tick is None else min(period, left)
-                ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
-            if tick is not None:
-                tick()
+                ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=left)
             for ref in ready:
                 wid = pending.pop(ref)
                 replies[wid] = _reply(wid, ref)

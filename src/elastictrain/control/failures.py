@@ -27,11 +27,9 @@ def gather_results(
     *,
     timeout_s: float,
     phase: str,
-    tick: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """Results of one call on every active worker; raises AttemptFailed naming the root cause.
-    `tick()` runs every fraction of a second meanwhile."""
-    replies = group.gather(calls, timeout_s, stop_on_error=True, tick=tick)
+    """Results of one call on every active worker; raises AttemptFailed naming the root cause."""
+    replies = group.gather(calls, timeout_s, stop_on_error=True)
     if all(r.ok for r in replies.values()):
         return {wid: replies[wid].value for wid in calls}
     raise AttemptFailed(classify(group, replies, step, phase, timeout_s))

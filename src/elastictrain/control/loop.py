@@ -21,30 +21,26 @@ from typing import Any
 from elastictrain.checkpoint.model_record import configured_model
 from elastictrain.checkpoint.store import CheckpointStore
 from elastictrain.cluster.calls import Group
-from elastictrain.cluster.worker_api import WorkerApi
+from elastictrain.control.attempt import Attempt, AttemptSetUp
 from elastictrain.control.callbacks import Callbacks
 from elastictrain.control.capacity import Capacity
 from elastictrain.control.errors import AttemptFailed, RunFailed
-from elastictrain.control.failures import gather_results, leave_workers, remove_at_fault, teardown
+from elastictrain.control.evaluation import Evaluations
+from elastictrain.control.failures import leave_workers, remove_at_fault, teardown
 from elastictrain.control.manifest import manifest_for
 from elastictrain.control.memory_recovery import MemoryRecovery
-from elastictrain.control.pipeline import Ahead, StepPipeline
+from elastictrain.control.pipeline import SAVE_DUE, WAITING, Ahead, StepDone, StepPipeline
 from elastictrain.control.progress import Reporter
-from elastictrain.control.record import RunRecorder
+from elastictrain.control.record import RunRecorder, ledger_from_env
 from elastictrain.control.reference_pass import ReferencePass
 from elastictrain.control.resume import ResumePoints
-from elastictrain.control.saves import SaveCoordinator
-from elastictrain.control.specs import (
-    attempt_specs,
-    replicas_text,
-    resize_reason,
-    set_up_peak_note,
-    slowest_set_up,
-)
+from elastictrain.control.saves import QueuedSave, SaveCoordinator
+from elastictrain.control.snapshot_schedule import SnapshotSchedule
+from elastictrain.control.specs import resize_reason
 from elastictrain.control.stop import STOPPED_BY_SIGTERM, Signals, sigterm_stops
 from elastictrain.core.batch import BatchPlan
 from elastictrain.core.policy import Fail, Failure, Restart, decide_after_failure
-from elastictrain.core.replicas import replica_order
+from elastictrain.core.recovery import Recovery
 from elastictrain.core.state import RunStatus
 from elastictrain.rundir.run_dir import RunDir
 from elastictrain.storage.durable import remove_stale_temporaries
@@ -87,13 +83,17 @@ class Controller:
         self.resume = ResumePoints(self.store, configured_model(config), self.recorder)
         self.capacity = Capacity(config, group, self.recorder, clock=clock, degrees=degrees)
         self.saves = SaveCoordinator(config, group, self.store, self.recorder, self.resume, clock=clock)
-        self.pipeline = StepPipeline(
-            config, group, self.recorder, self.saves, self.capacity, after_step=self._after_step, clock=clock
-        )
-        self.memory = MemoryRecovery(
-            config, group, self.pipeline.snapshots
-        )  # in-memory snapshots: buddies, and loading from them
+        self.snapshots = SnapshotSchedule(config)  # which steps the ranks copy to host memory
+        self.evals = Evaluations(config, self.recorder)
+        self.pipeline = StepPipeline(config, group, self.snapshots, self.evals, clock=clock)
+        self.memory = MemoryRecovery(config, group, self.snapshots)  # buddies, and loading from them
         self.reference = ReferencePass(config, group, self.recorder)  # a full fine-tune's DPO/KTO reference
+        self.setup = AttemptSetUp(
+            config, group, self.recorder, self.resume, self.memory, self.reference, clock
+        )
+        self.recovery: Recovery | None = None  # from a failure's detection or a grow to the next step done
+        # ELASTICTRAIN_SAMPLE_LEDGER=FILE: every step's sample ids, appended (audits and chaos tests).
+        self.ledger: Callable[[int, int, list[int]], None] | None = ledger_from_env()
         self.attempt = 0
         self.failure_history: list[Failure] = []  # what recurs unchanged after a restart is not retried
         self.plan: BatchPlan | None = None
@@ -108,14 +108,6 @@ class Controller:
     @property
     def world_size(self) -> int:
         return self.pipeline.world_size
-
-    @property
-    def ledger(self) -> Callable[[int, int, list[int]], None] | None:
-        return self.pipeline.ledger
-
-    @ledger.setter
-    def ledger(self, record: Callable[[int, int, list[int]], None] | None) -> None:
-        self.pipeline.ledger = record
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> RunSummary:
@@ -187,7 +179,7 @@ class Controller:
         resumed = self.resume.candidate(self.step)
         if resumed and resumed.manifest["step"] >= self.cfg.training.max_steps:
             resumed = self.resume.find(self.step)  # no set-up follows to verify it beside: now
-        self.pipeline.step = resumed.manifest["step"] if resumed else 0
+        self.pipeline.resume_at(resumed.manifest["step"] if resumed else 0)
         self.recorder.begin(step=self.step, nothing_to_train=self.step >= self.cfg.training.max_steps)
         if resumed:
             self._event(
@@ -213,84 +205,23 @@ class Controller:
         self.attempt += 1
         plan = self.capacity.rules.plan(size)
         assert plan is not None
-        # Survivors keep their ranks' order; newly warm workers follow.
-        warm = self.group.warm_workers
-        active = [w for w in self.active_before if w in warm] + [
-            w for w in warm if w not in self.active_before
-        ]
-        n = plan.tensor_parallel
-        if n > 1:  # each replica's ranks together on one node, survivors first where they can be
-            order = replica_order([w.node_id for w in active], size, n)
-            active = [active[i] for i in order] if order is not None else []
-        active = active[:size]
-        if len(active) < size:
-            raise AttemptFailed(
-                Failure("setup_error", (), self.step, f"only {len(active)} of {size} workers ready")
-            )
-        memory = self.memory.take()  # the survivors' in-memory snapshots, when they hold a whole step
-        resume = None if memory else self.resume.candidate(self.step)  # verified beside the set-up
-        start = memory.plan.step if memory else resume.manifest["step"] if resume else 0
+        workers = self.setup.choose_workers(plan, self.active_before, self.step)
+        source = self.setup.choose_source(self.step)
         # Steps since that snapshot or checkpoint are redone (added up over set-ups done again).
-        self.pipeline.lost_steps += self.step - start
-        self.pipeline.recovered_from = "memory" if memory else "disk"
+        if self.recovery is not None:
+            self.recovery = self.recovery.set_up(self.step - source.step, source.name)
         previous = self.world_size
-        self.plan, self.active, self.active_before = plan, active, active
-        self.pipeline.attach(active, start)
-        self.saves.attach(active, manifest_for(self.cfg, self.recorder.run_dir, size, plan))
-        port = gather_results(
-            self.group,
-            self.group.call(active[:1], WorkerApi.free_port),
-            self.step,
-            timeout_s=60.0,
-            phase="setup",
-        )[active[0].worker_id]
-        master_addr = active[0].info["node_ip"]
-        t0 = self.clock()
-        buddies, off_node = self.memory.buddies(active)
-        specs = attempt_specs(
-            self.cfg,
-            attempt=self.attempt,
-            plan=plan,
-            run_id=self.recorder.run_dir.read_info().run_id,
-            master=(master_addr, port),
-            start_step=self.step,
-            checkpoint_dir=str(resume.path) if resume else None,
-            buddies=[None if b is None else active[b].actor for b in buddies],
-            memory=memory,
-            node_ids=[w.node_id for w in active],
-            reference=self.reference.table,
-        )
-        with self.resume.verified_beside(resume, self.step) as verdict:
-            calls = self.group.call_each(active, WorkerApi.setup, [(spec,) for spec in specs])
-            timings = gather_results(
-                self.group, calls, self.step, timeout_s=self.cfg.failure.collective_timeout_s, phase="setup"
-            )
-        if not verdict.ok:
+        self.plan, self.active, self.active_before = plan, workers, workers
+        self.pipeline.attach(workers, source.step)
+        self.saves.attach(workers, manifest_for(self.cfg, self.recorder.run_dir, size, plan))
+        attempt = Attempt(self.attempt, plan, workers, source, self.setup.master(workers, self.step))
+        began = self.clock()
+        timings = self.setup.set_up(attempt, self.setup.build_specs(attempt, self.step), self.step)
+        if timings is None:
             return False
         self.recorder.record_world_size(self.step, size, resize_reason(previous, size))
         self.recorder.set_status(RunStatus.RUNNING, step=self.step)
-        set_up = slowest_set_up(timings, [w.worker_id for w in active])
-        self._event(
-            "attempt_started",
-            f"attempt {self.attempt}: world size {size} (micro batch {plan.micro_batch_size} x accumulation "
-            f"{plan.grad_accum_steps} x {replicas_text(plan)} = {plan.global_batch_size}), step {self.step}"
-            + (f", from {resume.tag}" if resume else "")
-            + (f", from memory (snapshot of attempt {memory.plan.attempt})" if memory else "")
-            + f", set up in {self.clock() - t0:.2f}s"
-            + set_up_peak_note(set_up["setup_peak_rss_bytes"]),
-            attempt=self.attempt,
-            world_size=size,
-            checkpoint=resume.tag if resume else None,
-            source="memory" if memory else "disk" if resume else "none",
-            buddies=buddies,
-            buddies_off_node=off_node,
-            # The sha256 check of the checkpoint (run beside the set-up), next to what loading it cost.
-            verify_s=self.resume.last_verify_s if resume else 0.0,
-            **set_up,
-            actors=[w.actor_id for w in active],
-            workers=[w.worker_id for w in active],
-            master=f"{master_addr}:{port}",
-        )
+        self.setup.describe(attempt, timings, self.step, began)
         self.recorder.metrics({"world_size": float(size)}, step=self.step)
         for callback in self.callbacks.after_attempt_start:
             callback(self)
@@ -305,7 +236,7 @@ class Controller:
         ahead: Ahead = deque()
         if self._committed_step() < self.step and (self.step % every == 0 or self.step == max_steps):
             # Restarted from memory at a checkpoint step whose save the failure dropped: save it now.
-            save, ahead = self.pipeline.run_segment(self.step, ahead, resize_may_follow=True)
+            save, ahead = self._segment(self.step, ahead, resize_may_follow=True)
             assert save is not None  # no stop asked
             self.saves.collect(save, self.step)
         while self.step < max_steps:
@@ -313,9 +244,9 @@ class Controller:
             # Below max_workers every checkpoint may be followed by a grow: then no step is queued past it.
             resize_may_follow = self.world_size < self.capacity.rules.max_workers
             # With in-memory snapshots a grow need not wait for the checkpoint: any step will do.
-            anywhere = self._grow_is_ready if resize_may_follow and self.memory.live() else None
-            save, ahead = self.pipeline.run_segment(
-                segment_end, ahead, resize_may_follow=resize_may_follow, stop=anywhere
+            anywhere = resize_may_follow and self.memory.live()
+            save, ahead = self._segment(
+                segment_end, ahead, resize_may_follow=resize_may_follow, grow=anywhere
             )
             if save is not None:
                 self.saves.collect(save, self.step)
@@ -330,6 +261,61 @@ class Controller:
                 f"resume with `elastictrain resume` (from {previous.tag if previous else 'step 0'}) "
                 "once it can be written"
             )
+
+    def _segment(
+        self, end: int, ahead: Ahead, *, resize_may_follow: bool, grow: bool = False
+    ) -> tuple[QueuedSave | None, Ahead]:
+        """Steps up to `end` and the save queued behind them: the queued save (None when a grow stopped
+        the segment early) and the next segment's steps already queued."""
+        segment = self.pipeline.segment(end, ahead, resize_may_follow=resize_may_follow)
+        for item in segment:
+            if item is SAVE_DUE:
+                segment.queued(self.saves.queue(end, current=self.step))
+            elif item is WAITING:  # a write that ended mid-step commits now, not with the next report
+                self._watching_saves(lambda: self.saves.poll_writes(self.step))
+            else:
+                assert isinstance(item, StepDone)
+                self._apply(item)
+                if grow and segment.save is None and self._grow_is_ready():
+                    segment.stop_early()
+        return segment.save, segment.ahead
+
+    def _apply(self, done: StepDone) -> None:
+        """A step whose replies are in, in the order the run takes note of it."""
+        self._watching_saves(lambda: self.saves.observe(done.index, done.results))  # writes ride on replies
+        metrics = {
+            **done.metrics,
+            **self.snapshots.note(done.index, done.results, done.wall_s, self.recorder),
+        }
+        if self.recovery is not None:  # the first step after a failure or a resize
+            compute = max((float(r.get("step_time_s") or 0.0) for r in done.results), default=0.0)
+            figures = self.recovery.figures(self.clock(), compute)
+            metrics.update(figures)
+            self._event(
+                "recovered",
+                self.recovery.describe(figures),
+                recovery_seconds=figures["recovery_seconds"],
+                stall_s=figures["stall_seconds"],
+                steps_lost=self.recovery.lost_steps,
+                recovered_from=self.recovery.source,
+            )
+            self.recovery = None
+        if self.ledger is not None:
+            for r in sorted(done.replicas, key=lambda r: r["rank"]):
+                self.ledger(done.index, r["rank"], r["sample_ids"])
+        if self.group.pending:
+            self.capacity.start_new_workers(self.step)  # a replacement placed mid-segment starts warming now
+        self.recorder.step_metrics(self.step, metrics, log_every=self.cfg.training.log_every_steps)
+        self.evals.collect(self.group, done.index)
+        for callback in self.callbacks.after_step:
+            callback(self, done.index, done.results)
+
+    def _watching_saves(self, look: Callable[[], None]) -> None:
+        """`look` at the save in flight; a save it gave up restarts the step clock (not a step's pause)."""
+        given_up = self.saves.failed_at
+        look()
+        if self.saves.failed_at != given_up:
+            self.pipeline.restart_clock()
 
     def _grow_is_ready(self) -> bool:
         return self.capacity.grow_target(self.world_size, self.step) is not None
@@ -352,9 +338,8 @@ class Controller:
             world_size=target,
         )
         self.saves.finish(self.step)
-        self.pipeline.recovering_since = self.clock()
-        self.pipeline.stalled_since = self.pipeline.last_step_done_at  # a grow stops training from there
-        self.pipeline.lost_steps = 0
+        # Training stopped when the last step before the grow was done.
+        self.recovery = Recovery(self.clock(), stalled_since=self.pipeline.last_step_done_at)
         self._teardown()
         self.memory.choose(max_step=self.step, disk_step=self._committed_step())  # no disk read if held
         return True
@@ -413,7 +398,8 @@ class Controller:
             recovered_from="memory" if memory.plan else "disk",
             memory=memory.reason,
         )
-        self.pipeline.recovering_since = detected
+        # A failure before the first step of the last recovery keeps that recovery's lost steps.
+        self.recovery = self.recovery.detected(detected) if self.recovery else Recovery(detected)
 
     def _committed_step(self) -> int:
         latest = self.resume.latest()
@@ -426,10 +412,6 @@ class Controller:
         self.active = []
 
     # ------------------------------------------------------------------ helpers
-    def _after_step(self, step: int, results: list[dict[str, Any]]) -> None:
-        for callback in self.callbacks.after_step:
-            callback(self, step, results)
-
     def _event(self, name: str, message: str = "", style: str = "", **fields: Any) -> None:
         self.recorder.event(name, message, style, step=self.step, **fields)
 

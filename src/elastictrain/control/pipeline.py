@@ -1,28 +1,51 @@
-"""The step pipeline: submit steps ahead to every rank, gather them in order, and report each step."""
+"""The step pipeline: steps submitted ahead to every rank, handed back to the loop as their replies arrive.
+
+It owns what is queued on the actors (steps, the evaluations behind them) and the step counter; what
+a done step means (record it, save, evaluate, grow) is the loop's. A segment is iterated:
+
+    for item in pipeline.segment(end, ahead, resize_may_follow=...):
+        StepDone  -> a step's replies are in: the loop applies them
+        SAVE_DUE  -> the segment's last step is submitted: the loop queues the save behind it
+        WAITING   -> a step has been out WAIT_SLICE_S more: the loop looks after what else is in flight
+"""
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from elastictrain.cluster.calls import Calls, Group
+from elastictrain.cluster.calls import TIMED_OUT, Calls, Group, Reply
 from elastictrain.cluster.worker_api import WorkerApi
-from elastictrain.control.capacity import Capacity
+from elastictrain.control.errors import AttemptFailed
 from elastictrain.control.evaluation import Evaluations
-from elastictrain.control.failures import gather_results
-from elastictrain.control.record import RunRecorder
-from elastictrain.control.saves import QueuedSave, SaveCoordinator
+from elastictrain.control.failures import classify
+from elastictrain.control.saves import QueuedSave
 from elastictrain.control.snapshot_schedule import SnapshotSchedule
 from elastictrain.core.losses import preference_figures, replica_results, step_loss
 
 PIPELINE_DEPTH = 2  # steps queued per actor, so no rank idles while the driver reads results
+WAIT_SLICE_S = 0.2  # a write that ends mid-step is committed within this (saves.py's watch)
 
 Ahead = deque[tuple[int, Calls]]  # steps submitted past the last gathered one
-StepHook = Callable[[int, list[dict[str, Any]]], None]  # (step index, every rank's result)
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """A step whose replies are all in."""
+
+    index: int  # the step's index; steps done after it: index + 1
+    results: list[dict[str, Any]]  # every rank's reply
+    wall_s: float  # since the step before it was done (or the clock restarted)
+    metrics: dict[str, float]  # loss, lr, throughput, world size (and a preference objective's figures)
+    replicas: list[dict[str, Any]]  # one result per data-parallel replica
+
+
+SAVE_DUE = "save_due"
+WAITING = "waiting"
+Item = StepDone | str
 
 
 class StepPipeline:
@@ -30,111 +53,84 @@ class StepPipeline:
         self,
         config: Any,
         group: Group,
-        recorder: RunRecorder,
-        saves: SaveCoordinator,
-        capacity: Capacity,
+        snapshots: SnapshotSchedule,
+        evals: Evaluations,
         *,
-        after_step: StepHook,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = config
         self.group = group
-        self.recorder = recorder
-        self.saves = saves
-        self.capacity = capacity
-        self.snapshots = SnapshotSchedule(config)  # which steps the ranks copy to host memory
-        self.after_step = after_step
+        self.snapshots = snapshots  # which steps the ranks copy to host memory (read at submit)
+        self.evals = evals  # validation, queued behind its step on every rank
         self.clock = clock
-        self.step = 0  # optimizer steps done (and reported)
-        self.workers: list[Any] = []  # this attempt's, in rank order
-        self.world_size = 0
-        self.last_step_done_at: float | None = None
-        self.last_step_s = 0.0  # the last reported step's time, as the loop measures it
-        self.recovering_since: float | None = None  # set after a failure or resize until a step is done
-        # A grow: when the last step before it was done (training stopped then, not at the decision).
-        self.stalled_since: float | None = None
-        self.lost_steps = 0
-        self.recovered_from = "disk"  # where the attempt after a failure or resize loaded: memory or disk
-        self.ledger: Callable[[int, int, list[int]], None] | None = _ledger_from_env()
-        self.evals = Evaluations(config, recorder)
+        self._step = 0
+        self._workers: list[Any] = []
+        self._done_at: float | None = None  # when the last step was done, or the clock restarted
+        self.last_step_s = 0.0  # the last done step's wall time, as the loop measures it
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done (and handed to the loop)."""
+        return self._step
+
+    @property
+    def world_size(self) -> int:
+        return len(self._workers)
+
+    @property
+    def last_step_done_at(self) -> float | None:
+        return self._done_at
+
+    def resume_at(self, step: int) -> None:
+        """Before the first attempt: the step a resumed run starts from."""
+        self._step = step
 
     def attach(self, workers: Sequence[Any], step: int) -> None:
-        self.workers = list(workers)
-        self.world_size = len(self.workers)
-        self.step = step
+        """A new attempt's workers, in rank order, starting after `step` steps."""
+        self._workers = list(workers)
+        self._step = step
         self.evals.forget()
         self.snapshots.start_attempt()
 
-    def run_segment(
-        self, end: int, ahead: Ahead, *, resize_may_follow: bool, stop: Callable[[], bool] | None = None
-    ) -> tuple[QueuedSave | None, Ahead]:
-        """Steps up to `end`, then the checkpoint's snapshot, queued on each actor behind the last step.
-
-        Queued, not sent after the last step's result: a rank goes from its last step straight to its
-        snapshot and, unless a resize may follow, straight on to the next segment's first steps, so it
-        never idles while the driver reads results. Returns the queued save and the steps queued ahead.
-        `stop()`, asked after each step before the save is queued, ends the segment early: the steps in
-        flight are finished and (None, nothing ahead) returned (a grow that need not wait for `end`).
-        """
-        max_steps = self.cfg.training.max_steps
-        inflight = ahead
-        next_step = self.step + len(inflight)
-        self.last_step_done_at = self.clock()
-        save: QueuedSave | None = None
-        following: Ahead = deque()
-        while self.step < end:
-            while next_step < end and len(inflight) < PIPELINE_DEPTH:
-                inflight.append((next_step, self._submit(next_step, end)))
-                next_step += 1
-            if next_step == end and save is None:
-                save = self.saves.queue(end, current=self.step)
-                if save.calls and end < max_steps and not resize_may_follow:
-                    # Never past the next checkpoint, whose snapshot must queue behind its last step.
-                    limit = min(max_steps, end + PIPELINE_DEPTH, end + self.cfg.checkpoint.every_steps)
-                    following.extend(
-                        (s, self._submit(s, end + self.cfg.checkpoint.every_steps)) for s in range(end, limit)
-                    )
-            step, calls = inflight.popleft()
-            self._gather_and_report(step, calls)
-            if save is None and stop is not None and stop():
-                while inflight:
-                    self._gather_and_report(*inflight.popleft())
-                return None, deque()
-        if save is None:  # the segment was empty (resumed exactly at a checkpoint step)
-            save = self.saves.queue(end, current=self.step)
-        return save, following
-
-    def _gather_and_report(self, step: int, calls: Calls) -> None:
-        results = gather_results(
-            self.group,
-            calls,
-            step,
-            timeout_s=self.cfg.failure.hang_timeout_s,
-            phase="step",
-            tick=lambda: self.saves.poll_writes(self.step),  # a checkpoint commits once written
-        )
-        self._report(step, list(results.values()))
-
     def restart_clock(self) -> None:
-        """Pipelined steps restart their clock after a save's pause."""
-        self.last_step_done_at = self.clock()
+        """The next step's time counts from now (a save's pause, or one given up, is not the step's)."""
+        self._done_at = self.clock()
 
+    def segment(self, end: int, ahead: Ahead, *, resize_may_follow: bool) -> Segment:
+        return Segment(self, end, ahead, resize_may_follow)
+
+    # -- what a Segment uses
     def _submit(self, step: int, checkpoint_at: int) -> Calls:
         # The checkpoint's step is copied to memory too: its save then writes that copy (no pause for it).
         due = self.snapshots.due(step + 1, checkpoint=step + 1 == checkpoint_at)
-        calls = self.group.call(self.workers, WorkerApi.train_step, step, due, self.snapshots.probe(step + 1))
-        self.evals.submit(self.group, self.workers, step)  # queued behind the step on every rank
+        calls = self.group.call(
+            self._workers, WorkerApi.train_step, step, due, self.snapshots.probe(step + 1)
+        )
+        self.evals.submit(self.group, self._workers, step)  # queued behind the step on every rank
         return calls
 
-    def _report(self, step: int, results: list[dict[str, Any]]) -> None:
-        self.saves.observe(step, results)
+    def _gather(self, step: int, calls: Calls) -> Iterator[str | list[dict[str, Any]]]:
+        """WAITING each slice the step is out, then every rank's result; a failure raises AttemptFailed."""
+        timeout_s = self.cfg.failure.hang_timeout_s
+        deadline = self.clock() + timeout_s
+        answered: dict[str, Reply] = {}
+        while True:
+            left = deadline - self.clock()
+            waiting = {wid: c for wid, c in calls.items() if wid not in answered}
+            # With stop_on_error the group waits its grace for the others after a first error: the
+            # first seen may be a survivor's broken collective, the root cause arrives just after.
+            replies = self.group.gather(waiting, max(0.0, min(WAIT_SLICE_S, left)), stop_on_error=True)
+            answered.update((wid, r) for wid, r in replies.items() if r.ok)
+            if len(answered) == len(calls):
+                return [answered[wid].value for wid in calls]
+            if any(r.error not in ("", TIMED_OUT) for r in replies.values()) or left <= WAIT_SLICE_S:
+                raise AttemptFailed(classify(self.group, {**answered, **replies}, step, "step", timeout_s))
+            yield WAITING
+
+    def _done(self, step: int, results: list[dict[str, Any]]) -> StepDone:
         now = self.clock()
-        # A save given up meanwhile restarts the clock, as its pause is not the step's.
-        started = max(self.last_step_done_at or now, self.saves.failed_at or float("-inf"))
-        wall = now - started
-        self.last_step_done_at = now
-        self.last_step_s = wall
-        self.step = step + 1
+        wall = now - (self._done_at or now)
+        self._done_at, self.last_step_s, self._step = now, wall, step + 1
         gbs = self.cfg.training.global_batch_size
         replicas = replica_results(results)
         metrics = {
@@ -146,58 +142,59 @@ class StepPipeline:
             "world_size": float(self.world_size),
             **preference_figures(replicas),  # a preference objective's rewards and log-probabilities
         }
-        changed = self.snapshots.observe(step, results, wall)
-        if self.snapshots.window is not None:  # a window of snapshots measured: its figures, moved or not
-            self.recorder.quiet_event("snapshot_costs", step=self.step, **self.snapshots.window)
-            self.snapshots.window = None
-        if self.snapshots.measured is not None:  # what this step's snapshot cost training (CPU or wait)
-            metrics["snapshot_cost_s"] = self.snapshots.measured
-        if changed:
-            s, fields = self.snapshots, {"interval": self.snapshots.interval, "off": self.snapshots.off}
-            if s.off or s.changes == 1:  # said in the terminal once; later moves only in events.jsonl
-                self.recorder.event("snapshots", changed, step=self.step, **fields)
-            else:
-                self.recorder.quiet_event("snapshots", step=self.step, message=changed, **fields)
-        if self.recovering_since is not None:
-            metrics["recovery_seconds"] = now - self.recovering_since
-            metrics["steps_lost"] = float(self.lost_steps)
-            metrics["recovered_from_memory"] = float(self.recovered_from == "memory")
-            # The time no rank trained: from the last step done (a grow) or the detection (a failure) to
-            # this step's end, less this step's own compute on its slowest rank.
-            since = self.stalled_since if self.stalled_since is not None else self.recovering_since
-            compute = max((float(r.get("step_time_s") or 0.0) for r in results), default=0.0)
-            metrics["stall_seconds"] = max(0.0, now - since - compute)
-            self.recorder.event(
-                "recovered",
-                f"first step after the restart done {metrics['recovery_seconds']:.2f}s after detection; "
-                f"{self.lost_steps} step(s) lost; state from {self.recovered_from}; training stopped for "
-                f"{metrics['stall_seconds']:.2f}s",
-                step=self.step,
-                recovery_seconds=metrics["recovery_seconds"],
-                stall_s=metrics["stall_seconds"],
-                steps_lost=self.lost_steps,
-                recovered_from=self.recovered_from,
-            )
-            self.recovering_since, self.lost_steps = None, 0  # the next recovery counts its own
-            self.stalled_since = None
-        if self.ledger is not None:
-            for r in sorted(replicas, key=lambda r: r["rank"]):
-                self.ledger(step, r["rank"], r["sample_ids"])
-        if self.group.pending:
-            self.capacity.start_new_workers(self.step)  # a replacement placed mid-segment starts warming now
-        self.recorder.step_metrics(self.step, metrics, log_every=self.cfg.training.log_every_steps)
-        self.evals.collect(self.group, step)
-        self.after_step(step, results)
+        return StepDone(step, results, wall, metrics, replicas)
 
 
-def _ledger_from_env() -> Callable[[int, int, list[int]], None] | None:
-    """ELASTICTRAIN_SAMPLE_LEDGER=FILE: append every reported step's sample ids (audits and chaos tests)."""
-    path = os.environ.get("ELASTICTRAIN_SAMPLE_LEDGER")
-    if not path:
-        return None
+class Segment:
+    """Steps up to `end`, then the checkpoint's save, queued on each actor behind the last step.
 
-    def record(step: int, rank: int, ids: list[int]) -> None:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"step": step, "rank": rank, "ids": ids}) + "\n")
+    Queued, not sent after the last step's result: a rank goes from its last step straight to its
+    snapshot and, unless a resize may follow, straight on to the next segment's first steps, so it
+    never idles while the driver reads results. After iterating: `save` (None when stopped early or
+    none was queued) and `ahead`, the next segment's steps already queued.
+    """
 
-    return record
+    def __init__(self, pipeline: StepPipeline, end: int, ahead: Ahead, resize_may_follow: bool) -> None:
+        self.pipeline = pipeline
+        self.end = end
+        self.save: QueuedSave | None = None
+        self.ahead: Ahead = deque()
+        self._inflight = ahead
+        self._resize_may_follow = resize_may_follow
+        self._stopping = False
+
+    def queued(self, save: QueuedSave) -> None:
+        """The save the loop queued at SAVE_DUE."""
+        self.save = save
+
+    def stop_early(self) -> None:
+        """Submit no more: the steps in flight are handed back, then the segment ends (no save)."""
+        assert self.save is None, "a segment whose save is queued runs to its end"
+        self._stopping = True
+
+    def __iter__(self) -> Iterator[Item]:
+        p, end, inflight = self.pipeline, self.end, self._inflight
+        max_steps, every = p.cfg.training.max_steps, p.cfg.checkpoint.every_steps
+        next_step = p.step + len(inflight)
+        p.restart_clock()
+        while p.step < end or (next_step == end and self.save is None and not self._stopping):
+            while not self._stopping and next_step < end and len(inflight) < PIPELINE_DEPTH:
+                inflight.append((next_step, p._submit(next_step, end)))
+                next_step += 1
+            if next_step == end and self.save is None and not self._stopping:
+                yield SAVE_DUE
+                assert self.save is not None, "SAVE_DUE is answered with queued()"
+                if self.save.calls and end < max_steps and not self._resize_may_follow:
+                    # Never past the next checkpoint, whose snapshot must queue behind its last step.
+                    limit = min(max_steps, end + PIPELINE_DEPTH, end + every)
+                    self.ahead.extend((s, p._submit(s, end + every)) for s in range(end, limit))
+            if not inflight:
+                break
+            step, calls = inflight.popleft()
+            gather = p._gather(step, calls)
+            while True:
+                try:
+                    yield next(gather)  # type: ignore[misc]  # WAITING
+                except StopIteration as done:
+                    yield p._done(step, done.value)
+                    break

@@ -7,7 +7,10 @@ state machine (core/state.py).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+from collections.abc import Callable
 from typing import Any
 
 from elastictrain.control.progress import Reporter
@@ -62,8 +65,8 @@ class RunRecorder:
 
     def record_end(self, status: RunStatus, message: str, *, step: int) -> None:
         """How the run ended (failed, stopped), whatever state a driver held it in when that struck; a
-        run whose last checkpoint committed stays FINISHED."""
-        if self.status is RunStatus.FINISHED:
+        stop after the last checkpoint committed leaves the run FINISHED."""
+        if self.status is RunStatus.FINISHED and status is RunStatus.STOPPED:
             log.warning("run finished before it %s: %s", status.value.lower(), message)
             return
         self.set_status(status, message, step=step)
@@ -110,3 +113,16 @@ class RunRecorder:
 
     def history(self) -> list[int]:
         return [h["world_size"] for h in self.run_dir.read_info().world_size_history]
+
+
+def ledger_from_env() -> Callable[[int, int, list[int]], None] | None:
+    """ELASTICTRAIN_SAMPLE_LEDGER=FILE: append every reported step's sample ids (audits and chaos tests)."""
+    path = os.environ.get("ELASTICTRAIN_SAMPLE_LEDGER")
+    if not path:
+        return None
+
+    def record(step: int, rank: int, ids: list[int]) -> None:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, "rank": rank, "ids": ids}) + "\n")
+
+    return record

@@ -106,6 +106,22 @@ class SnapshotSchedule:
         the next step's update instead of beside its forward and backward."""
         return steps_done in self._probes
 
+    def note(
+        self, step: int, results: list[dict[str, Any]], step_s: float, recorder: Any
+    ) -> dict[str, float]:
+        """`observe` step `step`, telling the run what changed; its metrics (what its copy cost)."""
+        changed, steps_done = self.observe(step, results, step_s), step + 1
+        if self.window is not None:  # a window of snapshots measured: its figures, moved or not
+            recorder.quiet_event("snapshot_costs", step=steps_done, **self.window)
+            self.window = None
+        if changed:
+            fields = {"interval": self.interval, "off": self.off}
+            if self.off or self.changes == 1:  # said in the terminal once; later moves only in events.jsonl
+                recorder.event("snapshots", changed, step=steps_done, **fields)
+            else:
+                recorder.quiet_event("snapshots", step=steps_done, message=changed, **fields)
+        return {} if self.measured is None else {"snapshot_cost_s": self.measured}
+
     def observe(self, step: int, results: list[dict[str, Any]], step_s: float) -> str | None:
         """Take step `step`'s reports and wall time into account; a message when the schedule changed."""
         # Step `step` (0-based) ran beside the copy of the state after `step` steps, if one was marked,

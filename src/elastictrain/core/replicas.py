@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TypeVar
 
 from elastictrain.core.policy import ScalingRules
 
@@ -93,3 +94,19 @@ def size_and_degree(
         *last,
         f"{last[0]}: no degree fits the nodes' memory ({', '.join(tried)}); the largest holds the least",
     )
+
+
+W = TypeVar("W")
+
+
+def attempt_workers(
+    previous: Sequence[W], warm: Sequence[W], size: int, tensor_parallel: int, node_of: Callable[[W], str]
+) -> list[W]:
+    """The `size` workers of the next attempt, in rank order: the last attempt's survivors keep their
+    order, newly warm workers follow; with tensor parallelism each replica's ranks share a node. Fewer
+    than `size` when the warm workers cannot fill it."""
+    order = [w for w in previous if w in warm] + [w for w in warm if w not in previous]
+    if tensor_parallel > 1:
+        picked = replica_order([node_of(w) for w in order], size, tensor_parallel)
+        order = [order[i] for i in picked] if picked is not None else []
+    return order[:size]

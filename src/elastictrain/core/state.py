@@ -50,6 +50,7 @@ TRANSITIONS: dict[tuple[RunStatus, RunStatus], str] = {
     # How a run ends other than finishing: from any state a driver holds, or before one held it.
     **{(s, S.FAILED): "an error no recovery handles" for s in ACTIVE | {S.CREATED}},
     **{(s, S.STOPPED): "Ctrl-C or SIGTERM" for s in ACTIVE},
+    (S.FINISHED, S.FAILED): "opened again, its final checkpoint does not verify",
 }
 
 

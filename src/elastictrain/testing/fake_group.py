@@ -26,7 +26,7 @@ TIMED_OUT, at once: the fake never waits.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from elastictrain.cluster.calls import DIED, NODE_LOST, OUT_OF_MEMORY, RAISED, TIMED_OUT, Calls, Reply
@@ -229,10 +229,7 @@ class FakeGroup:
         *,
         stop_on_error: bool = False,
         grace_s: float = 3.0,
-        tick: Callable[[], None] | None = None,
     ) -> dict[str, Reply]:
-        if tick is not None:
-            tick()  # once: the replies are all there already
         replies = dict(calls)
         if any(r.error == DIED for r in replies.values()):
             alive = self.nodes_alive()
