@@ -6,7 +6,8 @@ of the run's state.
 Workers outlive attempts: after a failure or a resize only the process group and the engines are
 rebuilt (on a fresh rendezvous), and only missing workers get new actors. Every concern is a part
 with its own state (capacity.py, saves.py, failures.py, pipeline.py, record.py); this file is the
-order in which the loop uses them. It never imports Ray: the worker group does (cluster/).
+order in which the loop uses them: `_apply` is what the run does with each step done, in order. It
+never imports Ray: the worker group does (cluster/).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class Controller:
         callbacks: Callbacks | None = None,
         degrees: Any = None,
     ) -> None:
-        """`degrees`: with `tensor_parallel: auto`, what chose the degree (tensor_parallel_auto.py); a
+        """`degrees`: with `tensor_parallel: auto`, what chose the degree (driver/tensor_parallel_auto.py); a
         restart at a new world size asks it again."""
         self.cfg = config
         self.group = group
