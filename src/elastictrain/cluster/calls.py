@@ -110,3 +110,19 @@ class Group(Protocol):
     def nodes_alive(self) -> set[str]:
         """The ids of the cluster's live nodes (one cluster query)."""
         ...
+
+
+class WorkerViews:
+    """What every group derives alike from its `workers` (each with a `warm` flag)."""
+
+    workers: list[Any]
+
+    @property
+    def warm_workers(self) -> list[Any]:
+        """Workers ready to join an attempt, in the order they became ready."""
+        return [w for w in self.workers if w.warm]
+
+    @property
+    def warming(self) -> list[Any]:
+        """Workers still paying their one-time costs (imports, ops, data)."""
+        return [w for w in self.workers if not w.warm]

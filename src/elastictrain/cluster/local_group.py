@@ -18,7 +18,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastictrain.cluster.calls import RAISED, TIMED_OUT, Calls, Reply
+from elastictrain.cluster.calls import RAISED, TIMED_OUT, Calls, Reply, WorkerViews
 from elastictrain.cluster.worker_api import WorkerApi, WorkerMethod, method_name
 
 log = logging.getLogger("elastictrain.workers")
@@ -44,7 +44,7 @@ class LocalHandle:
         return str(self.info.get("node_id", LOCAL_NODE))
 
 
-class LocalGroup:
+class LocalGroup(WorkerViews):
     """Implements cluster.calls.Group with one slot, filled by a TrainWorker in this process."""
 
     def __init__(self, use_gpu: bool, make_worker: Callable[[str, bool], Any] | None = None) -> None:
@@ -86,14 +86,6 @@ class LocalGroup:
             new.append(handle)
         self.workers.extend(new)
         return new
-
-    @property
-    def warm_workers(self) -> list[LocalHandle]:
-        return [w for w in self.workers if w.warm]
-
-    @property
-    def warming(self) -> list[LocalHandle]:
-        return [w for w in self.workers if not w.warm]
 
     def poll_warm(self, timeout_s: float = 0.0, n: int | None = None) -> list[LocalHandle]:
         cold = [w for w in self.warming if w.warm_call is not None]

@@ -26,7 +26,16 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elastictrain.cluster import warm_pool
 from elastictrain.cluster.allocator import allocator_env, jemalloc_library
-from elastictrain.cluster.calls import DIED, NODE_LOST, OUT_OF_MEMORY, RAISED, TIMED_OUT, Calls, Reply
+from elastictrain.cluster.calls import (
+    DIED,
+    NODE_LOST,
+    OUT_OF_MEMORY,
+    RAISED,
+    TIMED_OUT,
+    Calls,
+    Reply,
+    WorkerViews,
+)
 from elastictrain.cluster.worker_api import WorkerApi, WorkerMethod, method_name
 from elastictrain.worker.actor import TrainWorker
 
@@ -93,7 +102,7 @@ class WorkerResources:
         return env
 
 
-class WorkerGroup:
+class WorkerGroup(WorkerViews):
     def __init__(
         self,
         resources: WorkerResources,
@@ -216,14 +225,6 @@ class WorkerGroup:
             runtime_env={"env_vars": self.resources.env_vars()},
             max_restarts=0,
         ).remote(worker_id, self.resources.use_gpu)
-
-    @property
-    def warm_workers(self) -> list[WorkerHandle]:
-        return [w for w in self.workers if w.warm]
-
-    @property
-    def warming(self) -> list[WorkerHandle]:
-        return [w for w in self.workers if not w.warm]
 
     def poll_warm(self, timeout_s: float = 0.0, n: int | None = None) -> list[WorkerHandle]:
         """Collect finished warm-ups (waiting up to timeout_s for n of them); a failed one is removed."""

@@ -29,7 +29,16 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from elastictrain.cluster.calls import DIED, NODE_LOST, OUT_OF_MEMORY, RAISED, TIMED_OUT, Calls, Reply
+from elastictrain.cluster.calls import (
+    DIED,
+    NODE_LOST,
+    OUT_OF_MEMORY,
+    RAISED,
+    TIMED_OUT,
+    Calls,
+    Reply,
+    WorkerViews,
+)
 from elastictrain.cluster.worker_api import WorkerMethod, method_name
 from elastictrain.testing.fake_worker import (
     ENOSPC,
@@ -44,7 +53,7 @@ from elastictrain.testing.fake_worker import (
 __all__ = ["ENOSPC", "FakeGroup", "FakeWorker"]
 
 
-class FakeGroup:
+class FakeGroup(WorkerViews):
     """Implements cluster.calls.Group for `capacity` worker slots, all placed at once."""
 
     # WorkerApi methods the fake's workers do not answer, and why (a call to one raises).
@@ -129,14 +138,6 @@ class FakeGroup:
         return None
 
     # -- reservations and actors --
-    @property
-    def warm_workers(self) -> list[FakeWorker]:
-        return [w for w in self.workers if w.warm]
-
-    @property
-    def warming(self) -> list[FakeWorker]:
-        return [w for w in self.workers if not w.warm]
-
     def _free_slots(self) -> int:
         return self.capacity - len(self.workers)
 
