@@ -67,12 +67,21 @@ test: $(BIN)/elastictrain
 test-bench: $(BIN)/elastictrain
 	$(IN_VENV) $(BIN)/pytest -q -ra $(BENCH_TESTS) $(PYTEST_ARGS)
 
-# The tests that exercise elastictrain's patches of DeepSpeed (compat/), against another DeepSpeed release:
-# `make test-compat DEEPSPEED=0.19.7` installs it (no dependencies) into .compat/deepspeed-X, first on
-# PYTHONPATH for pytest and the Ray workers it starts; its JIT ops get their own cache (compat/deepspeed/
-# ops.py keys it on the install's folder). Without DEEPSPEED, the same tests against the installed one.
+# The tests that exercise elastictrain's patches (compat/) against another release of DeepSpeed or
+# transformers, or both: `make test-compat DEEPSPEED=0.19.7` installs that DeepSpeed (no dependencies) into
+# .compat/deepspeed-X, `TRANSFORMERS=5.25.0` that transformers into .compat/transformers-X with what of its
+# dependencies this venv does not satisfy (compat/side_install.py). Each goes first on PYTHONPATH for pytest
+# and the Ray workers it starts; DeepSpeed's JIT ops get their own cache (compat/deepspeed/ops.py keys it on
+# the install's folder). Without either, the same tests against the installed ones. Releases that passed:
+# docs/reference/deepspeed-compatibility.md.
 DEEPSPEED ?=
+TRANSFORMERS ?=
 COMPAT_DIR = .compat/deepspeed-$(DEEPSPEED)
+TF_COMPAT_DIR = .compat/transformers-$(TRANSFORMERS)
+COMPAT_PATH = $(patsubst %:,%,$(if $(DEEPSPEED),$(abspath $(COMPAT_DIR)):)$(if $(TRANSFORMERS),$(abspath $(TF_COMPAT_DIR))))
+COMPAT_ENV = $(if $(COMPAT_PATH),PYTHONPATH="$(COMPAT_PATH)$${PYTHONPATH:+:$$PYTHONPATH}") \
+	$(if $(DEEPSPEED),ELASTICTRAIN_EXPECT_DEEPSPEED=$(DEEPSPEED)) \
+	$(if $(TRANSFORMERS),ELASTICTRAIN_EXPECT_TRANSFORMERS=$(TRANSFORMERS))
 COMPAT_TESTS := tests/unit/test_compat_registry.py tests/unit/test_compat_private_names.py \
 	tests/unit/test_zero3_memory.py tests/unit/test_gloo_gather.py tests/unit/test_restore_build.py \
 	tests/integration/test_zero3_build_patches.py tests/integration/test_zero_stages.py \
@@ -83,19 +92,24 @@ COMPAT_TESTS := tests/unit/test_compat_registry.py tests/unit/test_compat_privat
 test-compat: $(BIN)/elastictrain
 	@if [ -n "$(DEEPSPEED)" ] && [ ! -e $(COMPAT_DIR)/deepspeed/__init__.py ]; then \
 	  $(IN_VENV) $(BIN)/pip install -q --no-deps --no-build-isolation --target $(COMPAT_DIR) "deepspeed==$(DEEPSPEED)"; fi
-	$(IN_VENV) $(if $(DEEPSPEED),PYTHONPATH="$(abspath $(COMPAT_DIR))$${PYTHONPATH:+:$$PYTHONPATH}" \
-	  ELASTICTRAIN_EXPECT_DEEPSPEED=$(DEEPSPEED)) $(BIN)/python -m elastictrain.compat.report
-	$(IN_VENV) $(if $(DEEPSPEED),PYTHONPATH="$(abspath $(COMPAT_DIR))$${PYTHONPATH:+:$$PYTHONPATH}") \
-	  $(BIN)/elastictrain build-ops  # its own ops, compiled before the tests (minutes, once per release)
-	$(IN_VENV) $(if $(DEEPSPEED),PYTHONPATH="$(abspath $(COMPAT_DIR))$${PYTHONPATH:+:$$PYTHONPATH}" \
-	  ELASTICTRAIN_EXPECT_DEEPSPEED=$(DEEPSPEED)) $(BIN)/pytest -q -ra $(COMPAT_TESTS) $(PYTEST_ARGS)
+	@if [ -n "$(TRANSFORMERS)" ] && [ ! -e $(TF_COMPAT_DIR)/transformers/__init__.py ]; then \
+	  $(BIN)/python -m elastictrain.compat.side_install "transformers==$(TRANSFORMERS)" $(TF_COMPAT_DIR); fi
+	$(IN_VENV) $(COMPAT_ENV) $(BIN)/python -m elastictrain.compat.report
+	$(IN_VENV) $(COMPAT_ENV) $(BIN)/elastictrain build-ops  # its ops before the tests (minutes, once a release)
+	$(IN_VENV) $(COMPAT_ENV) $(BIN)/pytest -q -ra $(COMPAT_TESTS) $(PYTEST_ARGS)
 
 test-unit: $(BIN)/elastictrain
 	$(IN_VENV) $(BIN)/pytest -q -m "not integration" $(PYTEST_ARGS)
 
+# Type-checked: the driver's decisions and the worker interface, so a renamed WorkerApi method or a
+# wrong field fails here, where the call is written.
+TYPED := src/elastictrain/core src/elastictrain/control src/elastictrain/cluster/worker_api.py \
+	src/elastictrain/cluster/calls.py
+
 lint: $(BIN)/elastictrain
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy --follow-imports=silent --ignore-missing-imports $(TYPED)
 
 bench: $(BIN)/elastictrain
 	$(IN_VENV) $(BIN)/python -m benchmarks.run $(ARGS)

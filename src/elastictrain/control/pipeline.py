@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,7 @@ class StepDone:
     results: list[dict[str, Any]]  # every rank's reply
     wall_s: float  # since the step before it was done (or the clock restarted)
     metrics: dict[str, float]  # loss, lr, throughput, world size (and a preference objective's figures)
-    replicas: list[dict[str, Any]]  # one result per data-parallel replica
+    replicas: list[Mapping[str, Any]]  # one result per data-parallel replica
 
 
 SAVE_DUE = "save_due"
@@ -109,7 +109,7 @@ class StepPipeline:
         self.evals.submit(self.group, self._workers, step)  # queued behind the step on every rank
         return calls
 
-    def _gather(self, step: int, calls: Calls) -> Iterator[str | list[dict[str, Any]]]:
+    def _gather(self, step: int, calls: Calls) -> Generator[str, None, list[dict[str, Any]]]:
         """WAITING each slice the step is out, then every rank's result; a failure raises AttemptFailed."""
         timeout_s = self.cfg.failure.hang_timeout_s
         deadline = self.clock() + timeout_s
@@ -194,7 +194,7 @@ class Segment:
             gather = p._gather(step, calls)
             while True:
                 try:
-                    yield next(gather)  # type: ignore[misc]  # WAITING
+                    yield next(gather)  # WAITING
                 except StopIteration as done:
                     yield p._done(step, done.value)
                     break

@@ -97,7 +97,7 @@ class RunRecorder:
             self.tracker.log_metrics(metrics, step=step)
             self.logged_step = step
         else:  # redone after a failure: its metrics were logged the first time (nearly equal values)
-            extra = {
+            extra: dict[str, float] = {
                 k: metrics[k]
                 for k in ("recovery_seconds", "steps_lost", "recovered_from_memory")
                 if k in metrics

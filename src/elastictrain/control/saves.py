@@ -14,7 +14,6 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from elastictrain.checkpoint.store import CheckpointError, CheckpointStore, Committed, verify
@@ -27,6 +26,7 @@ from elastictrain.control.record import RunRecorder
 from elastictrain.control.resume import ResumePoints
 from elastictrain.core.checkpoints import prune_leaves_no_fallback, tag_for_step
 from elastictrain.core.policy import Failure
+from elastictrain.storage import AnyPath
 
 SETTLE_SAVE_WAIT_S = 30.0  # after a failure, how long survivors' background writes may take to end
 STOP_SAVE_WAIT_S = 10.0  # on Ctrl-C/SIGTERM: the whole stop must fit a pod's 30 s grace period
@@ -37,7 +37,7 @@ WATCH_WAIT_S = 10.0  # a watch on a rank's write answers when it ends, or after 
 class PendingSave:
     """A checkpoint whose snapshot is taken and whose rank files are being written."""
 
-    staging: Path
+    staging: AnyPath
     step: int
     names: list[str]  # one file per rank, in rank order
     engine_state: dict[str, Any]
@@ -51,7 +51,7 @@ class QueuedSave:
     """A checkpoint's snapshot calls, queued on every actor behind the segment's last step."""
 
     step: int
-    staging: Path | None  # None: the staging folder could not be made (error says why)
+    staging: AnyPath | None  # None: the staging folder could not be made (error says why)
     calls: Calls
     error: str = ""
 
@@ -276,7 +276,7 @@ class SaveCoordinator:
         )
 
     # -- helpers --
-    def _ask_status(self, workers: Sequence[Any], staging: Path, wait_s: float) -> Calls:
+    def _ask_status(self, workers: Sequence[Any], staging: AnyPath, wait_s: float) -> Calls:
         """Each worker's background write into `staging`, waited for up to wait_s (answered mid-step)."""
         return self.group.call(workers, WorkerApi.save_status, str(staging), wait_s, control=True)
 
@@ -297,7 +297,7 @@ class SaveCoordinator:
         self.pending = None
         self._failed(pending.staging, reason, pending.step, step)
 
-    def _failed(self, staging: Path | None, reason: str, save_step: int, step: int) -> None:
+    def _failed(self, staging: AnyPath | None, reason: str, save_step: int, step: int) -> None:
         """A checkpoint could not be written (e.g. disk full): train on from memory, retry at the next one."""
         if staging is not None:
             self.store.abandon(staging)

@@ -18,6 +18,13 @@ def step_of_tag(tag: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def _step_key(tag: str) -> int:
+    """A tag's step, for sorting tags already known to be checkpoint tags."""
+    step = step_of_tag(tag)
+    assert step is not None, tag
+    return step
+
+
 @dataclass(frozen=True)
 class CheckpointListing:
     """What the store saw on disk: committed tags (manifest present) and the `latest` pointer."""
@@ -35,7 +42,7 @@ def choose_resume_tag(listing: CheckpointListing, rejected: Iterable[str] = ()) 
     """
     bad = set(rejected)
     good = sorted(
-        (t for t in listing.committed if t not in bad and step_of_tag(t) is not None), key=step_of_tag
+        (t for t in listing.committed if t not in bad and step_of_tag(t) is not None), key=_step_key
     )
     if not good:
         return None
@@ -48,7 +55,7 @@ def choose_resume_tag(listing: CheckpointListing, rejected: Iterable[str] = ()) 
 def tags_to_delete(committed: Iterable[str], keep_last: int, protect: Iterable[str] = ()) -> list[str]:
     """Committed tags beyond the newest `keep_last`, except protected ones (e.g. the one being loaded)."""
     keep = set(protect)
-    ordered = sorted((t for t in committed if step_of_tag(t) is not None), key=step_of_tag)
+    ordered = sorted((t for t in committed if step_of_tag(t) is not None), key=_step_key)
     doomed = ordered[:-keep_last] if keep_last > 0 else ordered
     return [t for t in doomed if t not in keep]
 

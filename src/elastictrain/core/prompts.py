@@ -65,8 +65,7 @@ def rank_zero_completions(results: Sequence[Mapping[str, Any]]) -> tuple[list[di
     Under ZeRO-3 every rank runs every generation step (each forward gathers the parameters), so all
     ranks compute the same tokens; a difference would mean the ranks left lockstep.
     """
-    answers = [(int(r.get("rank", 0)), r.get("completions")) for r in results]
-    answers = [(rank, c) for rank, c in answers if c is not None]
+    answers = [(int(r.get("rank", 0)), c) for r in results if (c := r.get("completions")) is not None]
     if not answers:
         return [], True
     first = min(answers, key=lambda a: a[0])[1]

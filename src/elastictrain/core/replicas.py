@@ -52,7 +52,7 @@ def pick_degree(candidates: Sequence[int], fits: Callable[[int], bool | None]) -
     fits, the largest is taken (each rank's share is smallest there) and the memory check says why."""
     if not candidates:
         raise ValueError("no tensor-parallel degree to choose from")
-    tried = []
+    tried: list[int] = []
     for n in candidates:
         verdict = fits(n)
         if verdict is None:

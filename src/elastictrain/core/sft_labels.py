@@ -39,7 +39,7 @@ def answer_spans(
     prompts[j]: the rendering of the messages before turn j with the generation prompt; ends[j]: of the
     messages up to and including it. Raises PrefixBroken where either is not a prefix of `whole`.
     """
-    spans = []
+    spans: list[tuple[int, int]] = []
     for turn, prompt, end in zip(turns, prompts, ends, strict=True):
         for what, part in (("its prompt (add_generation_prompt=True)", prompt), ("its rendering", end)):
             at = _first_difference(part, whole)
