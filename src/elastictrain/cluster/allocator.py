@@ -5,10 +5,10 @@ A training step allocates and frees its temporaries (gathered layers, activation
 their reduce-scatter) again and again. glibc's malloc hands out its freed chunks from the whole of its
 heap rather than the ones just freed, so a step touches, and keeps resident, about twice what it has
 allocated at any one time; jemalloc reuses what was just freed. With purging off (`JEMALLOC_CONF`: freed
-pages stay with the process instead of being returned and faulted in again at the next step) the scale
-benchmark's 2-rank ZeRO-3 runs on CPU peaked at 2.2 GiB per rank instead of 3.0 at 125M parameters and
-4.5 instead of 5.9 at 350M, with 20-25% quicker steps. The price: a rank's resident memory does not
-shrink after a spike (it is reused by the next one, e.g. an engine rebuilt after a failure).
+pages stay with the process instead of being returned and faulted in again at the next step) a rank
+peaks lower and steps quicker (figures: docs/guides/model-sizes-and-memory.md). The price: a rank's
+resident memory does not shrink after a spike (it is reused by the next one, e.g. an engine rebuilt
+after a failure).
 
 The library is preloaded (`LD_PRELOAD`) into the actor's process when Ray starts it, from where it
 lies in the driver's Ray installation: nodes are expected to run the same image. A node where it is

@@ -14,8 +14,8 @@ from elastictrain.redact import install_log_redaction
 log = logging.getLogger("elastictrain.launch")
 
 # The Ray settings of a cluster started here. Ray starts idle workers for the first driver's tasks; the
-# training actors carry environment variables of their own (worker_group), so they never take one:
-# 0.6 CPU s each, for nothing. The tests' clusters start with the same.
+# training actors carry environment variables of their own (worker_group), so they never take one: each
+# would cost its imports for nothing. The tests' clusters start with the same.
 LOCAL_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
 
 

@@ -28,8 +28,7 @@ def on_each_node(
     nodes that did not answer within `timeout_s`.
 
     On the driver's own node (every node of the local cluster a driver starts) `fn` runs in this process
-    instead: the same machine, without a new Ray worker process to start and import (1.2 CPU s and about a
-    second before each run on 2 cores)."""
+    instead: the same machine, without a new Ray worker process to start and import before each run."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

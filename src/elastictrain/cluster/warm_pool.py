@@ -1,7 +1,7 @@
 """Workers a finished run leaves warm for the next run its driver starts (scaling.keep_warm_s).
 
 A driver that trains again (a sweep, a notebook calling `fit` again, a test suite) would otherwise
-start every worker anew: a process, then 4-6 CPU seconds importing torch, transformers and DeepSpeed
+start every worker anew: a process, then seconds of CPU importing torch, transformers and DeepSpeed
 and loading compiled ops, per worker and per run. With scaling.keep_warm_s > 0 a run's end parks its
 warm workers here with their reservations (whole placement groups), and the next run of the same
 driver asking for the same resources takes them back: each left its run (`TrainWorker.leave_run`:
