@@ -3,8 +3,8 @@
 Before any worker starts, the driver builds the model's transformers config and the model itself on the
 meta device (config/model_check.py: what transformers would reject), then again without weights for
 its memory estimate (preflight.model_parts). Importing torch and transformers' modeling code for that
-costs a driver about 4 CPU s on 2 cores, at every `train` and `resume`, though the answer depends only
-on the `model.hf_config` and the installed transformers and torch. The first driver that builds a
+costs a driver seconds of CPU at every `train` and `resume`, though the answer depends only on the
+`model.hf_config` and the installed transformers and torch. The first driver that builds a
 config saves what the later checks read (its positions, vocabulary and parameter sizes) under the
 cache folder; a driver that finds them imports neither.
 
