@@ -24,7 +24,7 @@ from elastictrain.core.replicas import size_and_degree, usable_workers
 from elastictrain.core.state import RunStatus
 
 FIRST_PLACEMENT_WAIT_S = 5.0  # at the first start, time for the reservations to be placed
-QUICK_PLACEMENT_S = 1.0  # what a reservation the cluster has room for takes to be placed (~0.1 s here)
+QUICK_PLACEMENT_S = 1.0  # ample for a reservation the cluster has room for to be placed
 WARMUP_POLL_S = 1.0
 
 

@@ -104,7 +104,7 @@ class ResumePoints:
         """Verify `found` in a thread while the block sets up the workers that load it.
 
         The workers build their engines before they read the checkpoint, which takes longer than the
-        check at every size measured: it no longer adds its time to a (re)start. On leaving,
+        check, so the check adds no time to a (re)start. On leaving,
         even by an exception, the check is awaited: a checkpoint that does not verify is rejected, and
         `Verdict.ok` is False: whatever loaded it must be set up again (`candidate` gives the previous).
         """

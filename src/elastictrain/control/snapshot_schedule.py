@@ -10,9 +10,9 @@ nothing. What they do cost training is measured by the workers and sent with eve
   waited for the copy: the only way a snapshot holds up the kernels. Also the fallback on CPU workers
   that report no CPU time.
 CPU time misses what copies cost the training threads beside them through shared cores and memory
-bandwidth (a 30M model's step took 10% longer beside a copy on 2 cores, while the copies' CPU time
-said under 4.5%). So on CPU workers the slowest rank's forward and backward beside a copy is also
-compared with those of steps with nothing beside them: unmarked steps, and at every step's snapshots
+bandwidth: at 30M on 2 cores, more than the CPU time itself (docs/concepts/recovery.md). So on CPU
+workers the slowest rank's forward and backward beside a copy is also compared with those of steps
+with nothing beside them: unmarked steps, and at every step's snapshots
 one *probe* in PROBE_EVERY, whose copy is taken alone at the next update instead of beside the step
 (so it loses nothing: a failure in that step still falls back one step; its cost is the copy's time
 once per PROBE_EVERY steps). Each such step is compared with the steps beside a copy around it, and
