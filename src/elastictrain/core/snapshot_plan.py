@@ -16,8 +16,7 @@ from dataclasses import dataclass
 KEEP = 2  # complete snapshots a worker keeps of its own rank, and of the rank whose buddy it is
 # Buffers of one rank's slice a worker holds: KEEP own and the one being copied, KEEP replicas and the
 # one arriving. Each new copy or replica is written into the buffer of the oldest one it replaces, so
-# these are all, whatever malloc keeps of freed memory (with glibc's, a new 190 MB buffer also cost 5-7
-# times the copy into it, in page faults, on 2 cores). A
+# these are all, whatever malloc keeps of freed memory, and no copy pays a new buffer's page faults. A
 # disk checkpoint writes the own copy of its step, never another; a checkpoint at a step without one
 # copies only into what this count leaves of the budget (else it streams from the live state).
 OWN_SLICES = KEEP + 1
