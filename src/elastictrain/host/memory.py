@@ -49,7 +49,7 @@ def snapshot_budget_bytes(max_host_memory_mb: float | None, ranks_on_node: int) 
         return float(max_host_memory_mb) * (1 << 20)
     available = meminfo_bytes("MemAvailable")
     if available is None:
-        return float("inf")  # no /proc: keep the background snapshot, as before the bound existed
+        return float("inf")  # no /proc: no bound, so a checkpoint snapshots rather than streams
     return AUTO_SHARE * available / max(1, ranks_on_node)
 
 
@@ -61,10 +61,9 @@ def release_freed_memory() -> str | None:
     did (jemalloc, preloaded by `scaling.worker_allocator`, or glibc), None where neither could.
 
     Called once an attempt's engine is dropped. Without it a surviving rank keeps the old engine's
-    freed memory and builds the new engine beside it: at 1B with NVMe offload a survivor (glibc's
-    malloc) went from 8.0 to over 13 GB while a replacement rank built its own engine on the same 24 GiB
-    node, and Ray's memory monitor killed a rank. jemalloc, set to keep freed pages for the next step,
-    purges all its arenas here.
+    freed memory and builds the new engine beside it, enough for Ray's memory monitor to kill a rank
+    (docs/concepts/recovery.md). jemalloc, set to keep freed pages for the next step, purges all its
+    arenas here.
     """
     with contextlib.suppress(OSError, AttributeError):
         process = ctypes.CDLL(None)  # the global namespace: a preloaded jemalloc's symbols come first
