@@ -84,7 +84,7 @@ def run_micro_batches(
     local = torch.stack(counts).sum()
     total = global_count(local)  # queued once per step, before any forward; never waited for here
     # DeepSpeed divides each backward by the accumulation steps and averages over ranks: undo both.
-    # In fp64 as Python would divide, then fp32: what multiplying by a Python float did before.
+    # In fp64 as Python would divide, then fp32: the same scale, bit for bit, as a Python float's.
     scale = ((world_size * len(batches)) / total.clamp(min=1).double()).float()
     loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
     for i, (batch, seed) in enumerate(batches):

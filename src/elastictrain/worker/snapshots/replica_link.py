@@ -2,11 +2,9 @@
 
 Through Ray, a replica (an actor call carrying the snapshot's buffer) crosses the object store: the
 buffer is copied into the sender node's store, read and sent by its raylet, written into the buddy
-node's store by the other raylet, and copied out by the buddy. On the goodput benchmark's workload
-(2.8M parameters, 3 ranks on 3 loopback nodes, 2 cores) the raylets spent about 20 ms of CPU per 11 MB
-replica, and a step beside a snapshot took 10% longer than a step without. Over a socket the bytes are
-copied once into the kernel and once out of it, into the buffer the buddy keeps: about 3 ms of CPU on
-each side.
+node's store by the other raylet, and copied out by the buddy: CPU taken from the steps beside it. Over
+a socket the bytes are copied once into the kernel and once out of it, into the buffer the buddy keeps
+(figures: docs/concepts/recovery.md, `make bench ARGS="--only memory_recovery"`).
 
 Each worker that is sent replicas listens on its node's address (the one Ray gives it) at a port the
 kernel picks, and gives that address with a secret to its peers through Ray (`replica_address`); a
@@ -18,9 +16,8 @@ tensor lies in the buffer, its fragments and scalars), the buffer's bytes; the b
 once the replica is held.
 
 The same socket serves a new attempt's load (`fetch_pieces`): a frame whose header asks for pieces of a
-held snapshot (`"op": "pieces"`, no data) is answered with one frame of those pieces. Through Ray the
-pieces were an actor call's result in the object store, and two of the 20 loads of a 15-minute goodput
-run waited about 1 s more than the others (1.05 s against 0.01-0.15 s) for them.
+held snapshot (`"op": "pieces"`, no data) is answered with one frame of those pieces, rather than as
+an actor call's result in the object store, where a load could wait a second longer for them.
 """
 
 from __future__ import annotations
