@@ -69,8 +69,8 @@ def _longest_first(values: frozenset[str]) -> tuple[str, ...]:
 
 def _env_secrets() -> tuple[str, ...]:
     """The secret environment values, longest first. Read at every call (a test or a user may set a
-    password later), but each name is judged once: every log record is redacted, and judging every
-    name by regex each time took 0.5 ms a record with 76 variables set (0.03 ms so)."""
+    password later), but each name is judged once: every log record is redacted, and a regex over every
+    name at every record is over ten times slower."""
     env = os.environ
     values = frozenset(
         v for k in env if _is_secret_env_name(k) and len(v := env.get(k, "")) >= MIN_ENV_SECRET

@@ -64,7 +64,7 @@ def resolve_length(config: Config) -> list[str]:
             "(training.warmup_steps, rounded up; kept if the run is extended)"
         )
         t.warmup_ratio = None  # now a fixed number: config.yaml holds warmup_steps alone
-    if lines:  # warmup_steps against the computed max_steps, and the rest as before
+    if lines:  # warmup_steps against the computed max_steps, and the rest again
         validate(config)
     return lines
 

@@ -83,8 +83,7 @@ def reshard_checkpoint(checkpoint: Any, world_size: int, out: Path | None = None
 
 def _write_rank(reader: Any, rank: int, world_size: int, staging: Path) -> dict[str, Any]:
     """Rank `rank`'s file, streamed fragment by fragment: the memory used is one fragment's, not the
-    file's (a rank of a 1B checkpoint resharded to 3 is 3.8 GB; held whole, and once more serialized,
-    it took twice that)."""
+    file's (gigabytes at 1B, and twice that once serialized)."""
     from elastictrain.checkpoint.rank_snapshot import RankFilePlan
     from elastictrain.checkpoint.writer import ShardWrite
     from elastictrain.checkpoint.zero_state import Fragment, rank_file
