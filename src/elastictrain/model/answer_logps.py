@@ -7,7 +7,7 @@ two rows of the same micro-batch (TRL's concatenated forward), so a pair's two l
 from the same weights and the same padding.
 
 For a LoRA run the reference is the same model with its adapters switched off (peft's disable_adapter):
-no second copy of the weights (issue 58, point 3). Not wired into the step yet.
+no second copy of the weights (model/objective.py uses it at every step).
 """
 
 from __future__ import annotations

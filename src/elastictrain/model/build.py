@@ -61,9 +61,9 @@ def preload_engine_code(config: Any) -> None:
     """Pay what a rank's first `deepspeed.initialize` pays once per process, so a new actor pays it
     while warming up rather than on a replacement's critical path.
 
-    DeepSpeed's optimizer check imports its Muon optimizer (whose `torch.compile` decorators no longer
-    import torch's inductor there); an offloaded optimizer loads DeepSpeed's CPU Adam op, and NVMe its
-    async I/O op, each asking py-cpuinfo about the CPU (compat/deepspeed/cpu_info.py).
+    DeepSpeed's optimizer check imports its Muon optimizer; an offloaded optimizer loads DeepSpeed's
+    CPU Adam op, and NVMe its async I/O op, each asking py-cpuinfo about the CPU
+    (compat/deepspeed/cpu_info.py).
     """
     import importlib
 

@@ -8,8 +8,8 @@ odds ratio, KTOTrainer.kto_loss). Inputs are per-pair (or per-record, KTO) tenso
 Every function returns the per-example losses (shape [B]) so that the step can take the mean over the
 global batch's pairs, whatever the micro-batch split; and the rewards logged beside them.
 
-This is the loss only; building pairs from data and computing the reference's log-probabilities are the
-step's (not wired yet: issue 58).
+This is the loss only; pairs come from data/preference/, the reference's log-probabilities from
+model/objective.py (adapters off, or the precomputed table).
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""Preference data (DPO-style pairs, KTO examples) from the record shapes users keep (issue 58)."""
+"""Preference data (DPO-style pairs, KTO examples) from the record shapes users keep."""
