@@ -1,5 +1,6 @@
-"""The Ray workers import the same DeepSpeed as the driver: `make test-compat DEEPSPEED=X` puts another
-release first on PYTHONPATH, and the tests it runs are only about that release if the workers see it."""
+"""The Ray workers import the same DeepSpeed and transformers as the driver: `make test-compat DEEPSPEED=X
+TRANSFORMERS=Y` puts other releases first on PYTHONPATH, and the tests it runs are only about those
+releases if the workers see them."""
 
 from __future__ import annotations
 
@@ -10,21 +11,25 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
-def test_ray_workers_import_the_drivers_deepspeed(ray_local: None) -> None:
+def test_ray_workers_import_the_drivers_deepspeed_and_transformers(ray_local: None) -> None:
     import ray
 
-    def _deepspeed_here() -> tuple[str, str]:
+    def _releases_here() -> list[tuple[str, str]]:
         # Defined here, so Ray ships it by value: a worker cannot import this test module.
         import importlib.util
 
         from elastictrain.compat.registry import installed_version
 
-        spec = importlib.util.find_spec("deepspeed")
-        assert spec is not None and spec.origin
-        return str(installed_version("deepspeed")), spec.origin
+        found = []
+        for package in ("deepspeed", "transformers"):
+            spec = importlib.util.find_spec(package)
+            assert spec is not None and spec.origin
+            found.append((str(installed_version(package)), spec.origin))
+        return found
 
-    version, origin = _deepspeed_here()
-    expected = os.environ.get("ELASTICTRAIN_EXPECT_DEEPSPEED")
-    if expected:
-        assert version == expected, f"the driver imports deepspeed {version} from {origin}"
-    assert ray.get(ray.remote(_deepspeed_here).remote()) == (version, origin)
+    here = _releases_here()
+    for package, (version, origin) in zip(("deepspeed", "transformers"), here, strict=True):
+        expected = os.environ.get(f"ELASTICTRAIN_EXPECT_{package.upper()}")
+        if expected:
+            assert version == expected, f"the driver imports {package} {version} from {origin}"
+    assert ray.get(ray.remote(_releases_here).remote()) == here

@@ -1,4 +1,4 @@
-"""Which DeepSpeed this process imports and which of elastictrain's patches apply to it:
+"""Which DeepSpeed and transformers this process imports and which of elastictrain's patches apply:
 `python -m elastictrain.compat.report` (the first thing `make test-compat` prints)."""
 
 from __future__ import annotations
@@ -19,10 +19,15 @@ def main() -> int:
 
     version = installed_version("deepspeed")
     print(f"deepspeed {version} from {where}")
-    expected = os.environ.get("ELASTICTRAIN_EXPECT_DEEPSPEED")
-    if expected and version != expected:
-        print(f"expected deepspeed {expected}: PYTHONPATH does not put it first")
-        return 1
+    import transformers
+
+    tf_version = installed_version("transformers")
+    print(f"transformers {tf_version} from {transformers.__file__}")
+    for package, found in (("deepspeed", version), ("transformers", tf_version)):
+        expected = os.environ.get(f"ELASTICTRAIN_EXPECT_{package.upper()}")
+        if expected and found != expected:
+            print(f"expected {package} {expected}: PYTHONPATH does not put it first")
+            return 1
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

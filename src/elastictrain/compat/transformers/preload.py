@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from elastictrain.compat.registry import has_parameters, patch
+from elastictrain.compat.transformers.hf_init import TRANSFORMERS_TESTED
 
 
 def _check_from_config() -> str | None:
@@ -16,7 +17,7 @@ def _check_from_config() -> str | None:
 @patch(
     "hf_model_from_config",
     package="transformers",
-    tested=">=4.45",
+    tested=TRANSFORMERS_TESTED,
     kind="correctness",
     check=_check_from_config,
     gains=(
