@@ -85,8 +85,8 @@ def _check_fp32() -> str | None:
     check=_check_fp32,
     otherwise=_nothing,
     gains=(
-        "memory at production sizes: DeepSpeed's second fp32 copy of a rank's share (4 bytes a parameter, "
-        "all run) and the step's flattened gradient copy (4 more at its peak) are not made"
+        "memory: no second fp32 copy of a rank's share (4 bytes a parameter) for the whole run: RSS 536 MB "
+        "lower at 134M on one rank; nor the step's flattened gradient copy at its peak"
     ),
 )
 def share_fp32_partitions(engine: Any) -> int:
@@ -134,8 +134,8 @@ def _check_grads() -> str | None:
     check=_check_grads,
     otherwise=_nothing,
     gains=(
-        "memory at production sizes (CPU-only offload): no second fp32 copy of a rank's reduced gradients, 4"
-        " bytes a parameter of its share for the whole run"
+        "memory (CPU-only offload): no second fp32 copy of a rank's reduced gradients (4 bytes a parameter) "
+        "for the whole run: RSS 536 MB lower at 134M on one rank"
     ),
 )
 def share_offloaded_gradients(engine: Any, cpu_only: bool) -> int:

@@ -132,8 +132,8 @@ def exact_hf_init_under_zero3() -> Iterator[None]:
     check=_check_skip,
     otherwise=_init_as_usual,
     gains=(
-        "recovery time: a restoring build computes no init the load overwrites; under ZeRO-3 no module is "
-        "gathered and broadcast for it (4 GB at 1B)"
+        "recovery time: a restoring build computes no init the load overwrites: building the model under "
+        "zero.Init 1.95-2.04 -> 0.36-0.37 s at 134M on one rank (more ranks add its gathers and broadcasts)"
     ),
 )
 @contextmanager
