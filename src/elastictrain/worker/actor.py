@@ -68,7 +68,7 @@ class StepFailed(RuntimeError):
 class TrainWorker(SnapshotPeer, ShardSaves, ReferenceShare):
     def __init__(self, worker_id: str, use_gpu: bool, *, in_ray: bool = True) -> None:
         prefer_environment_tools()  # the ninja that built DeepSpeed's ops, before any op loads
-        remember_cpu_info()  # each op load and CPU Adam would probe the CPU again (1.1 s each)
+        remember_cpu_info()  # each op load and CPU Adam would otherwise probe the CPU again
         if not use_gpu:
             # Must be set before deepspeed is first imported in this process.
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -114,7 +114,7 @@ class TrainWorker(SnapshotPeer, ShardSaves, ReferenceShare):
 
         Runs while the others train, so a replacement joins the next attempt as fast as a survivor;
         at the lowest CPU priority (a thread of its own), so the ranks it shares a node with train on
-        at full speed (on 2 cores the first step beside a warm-up took 1.6 s longer at 30M).
+        at full speed.
         `worker_id`: a warm actor a finished run left (`leave_run`) joins a new run under this name;
         only the new run's data is left to load.
         Returns this worker's identity (as `info`) with the seconds spent.
@@ -125,9 +125,8 @@ class TrainWorker(SnapshotPeer, ShardSaves, ReferenceShare):
             self.worker_id = self.memory.worker_id = worker_id
         t0 = time.perf_counter()
         run_at_lowest_priority(lambda: self._warm_up(config), "warmup")
-        # What the imports and the data created lives as long as the actor: out of the collector's
-        # sight, each full collection (DeepSpeed runs one per engine build, a teardown another) no
-        # longer walks it (600,000 objects here: 0.3 s a collection, 0.0 s frozen).
+        # What the imports and the data created lives as long as the actor: frozen, it is out of the
+        # way of the full collections DeepSpeed runs at each engine build and teardown.
         gc.freeze()
         return {**self.info(), "warmup_s": time.perf_counter() - t0}
 
@@ -230,9 +229,8 @@ class TrainWorker(SnapshotPeer, ShardSaves, ReferenceShare):
 
         reset_zero_counters()
         self.engine = new_engine(spec, zero3=zero_stage(spec) == 3)
-        # The build's temporaries (each parameter's partition before ZeRO flattens them, the model's init)
-        # are freed in pieces the optimizer's state, allocated whole at the first step, cannot reuse:
-        # without this a 1B rank kept them beside that state (10.4 GiB against an 8.5 GiB build peak).
+        # The build's temporaries are freed in pieces the optimizer's state, allocated whole at the
+        # first step, cannot reuse: handed back to the system, they do not sit beside that state.
         release_freed_memory()
         self.loss_fn = loss_function(cfg)
         from elastictrain.checkpoint.model_record import built_model
