@@ -87,7 +87,7 @@ def test_run_state_transitions():
     [
         ("RECOVERING", "RESIZING"),  # a grow decided while a failure is being handled
         ("WAITING", "RESIZING"),
-        ("RUNNING", "STARTING"),  # a driver taking up a run it already holds
+        ("WAITING", "FINISHED"),  # finished without an attempt after the wait
         ("CREATED", "RUNNING"),  # training before any attempt started
         ("RECOVERING", "FINISHED"),  # finished without a step after the failure
         ("FAILED", "RUNNING"),
@@ -106,6 +106,8 @@ def test_every_move_in_the_table_says_why_and_every_state_can_be_left_but_the_en
     for status in RunStatus:
         assert allowed_from(status), status  # FINISHED, FAILED and STOPPED runs can be resumed
     assert transition(RunStatus.RUNNING, RunStatus.RUNNING) is RunStatus.RUNNING  # staying is no move
+    # A killed driver records no end: the next driver takes the run up from the state it left.
+    assert transition(RunStatus.RECOVERING, RunStatus.STARTING) is RunStatus.STARTING
 
 
 def test_a_new_checkpoint_is_read_back_only_when_pruning_would_leave_no_fallback():

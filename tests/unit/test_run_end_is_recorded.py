@@ -172,3 +172,13 @@ def test_no_restart_from_step_0_when_every_checkpoint_is_rejected(tmp_path: Path
     assert "step-000012" in summary.message and "not starting over from step 0" in summary.message
     assert "elastictrain train --fresh" in summary.message
     assert len(again.events("attempt_started")) == 1  # the first run's only: nothing trained from 0
+
+
+def test_a_run_whose_driver_was_killed_mid_step_is_taken_up_by_the_next_driver(tmp_path: Path):
+    # A driver killed outright records no end: run.json still says the state it was in.
+    first = make_run(tmp_path, "training.max_steps=8")
+    assert first.run().status.value == "FINISHED"
+    first.run_dir.update(status="RECOVERING")
+    again = make_run(tmp_path, "training.max_steps=12", run_dir=first.run_dir)
+    summary = again.run()
+    assert summary.status.value == "FINISHED" and again.committed_step() == 12

@@ -32,6 +32,8 @@ TRANSITIONS: dict[tuple[RunStatus, RunStatus], str] = {
     (S.STOPPED, S.STARTING): "resumed after a stop or a lost driver",
     (S.FAILED, S.STARTING): "resumed after a failure, once fixed",
     (S.FINISHED, S.STARTING): "resumed with a larger training.max_steps",
+    # A driver killed outright records no end: the run.json it left says the state it was in.
+    **{(s, S.STARTING): "resumed after its driver was killed" for s in ACTIVE - {S.STARTING}},
     (S.STARTING, S.RUNNING): "the first attempt is set up",
     (S.STARTING, S.WAITING): "fewer workers than scaling.min_workers: waiting for capacity",
     (S.STARTING, S.FINISHED): "resumed at a checkpoint that already holds training.max_steps",
