@@ -7,8 +7,8 @@ records padded per micro-batch, data.system, a held-out split validated at the e
 epochs as a step count computed at start; then a resume extends it to 4 epochs. The sample ledger
 (ELASTICTRAIN_SAMPLE_LEDGER) shows every training sample read once per epoch, the last step's fill
 from the next epoch's order once more, and no held-out sample. The epoch arithmetic itself is
-unit-tested (tests/unit/test_core_run_length.py, test_run_length_config.py), as are dataset_info.json's renamed
-columns and tags (test_sft_records.py, test_sft_dataset.py).
+unit-tested (tests/unit/test_core_run_length.py, test_run_length_config.py), as are dataset_info.json's
+renamed columns and tags (test_sft_records.py, test_sft_dataset.py).
 """
 
 from __future__ import annotations
