@@ -48,6 +48,8 @@ class Attempt:
     workers: list[Any]  # in rank order
     source: Source
     master: tuple[str, int]
+    buddies: list[int | None]  # each rank's buddy rank, None without in-memory snapshots
+    buddies_off_node: bool  # whether every buddy is on another node than its rank
 
 
 class AttemptSetUp:
@@ -82,15 +84,16 @@ class AttemptSetUp:
         memory = self.memory.take()
         return Source(memory, None if memory else self.resume.candidate(step))
 
-    def master(self, workers: list[Any], step: int) -> tuple[str, int]:
-        """The rendezvous: rank 0's node, on a port free there now."""
+    def attempt(self, number: int, plan: BatchPlan, workers: list[Any], source: Source, step: int) -> Attempt:
+        """The attempt on these workers: its rendezvous (rank 0's node, on a port free there now) and
+        which rank backs up which."""
         port = gather_results(
             self.group, self.group.call(workers[:1], WorkerApi.free_port), step, timeout_s=60.0, phase="setup"
         )[workers[0].worker_id]
-        return workers[0].info["node_ip"], port
+        buddies, off_node = self.memory.buddies(workers)
+        return Attempt(number, plan, workers, source, (workers[0].info["node_ip"], port), buddies, off_node)
 
     def build_specs(self, attempt: Attempt, step: int) -> list[AttemptSpec]:
-        buddies, _ = self.memory.buddies(attempt.workers)
         checkpoint = attempt.source.checkpoint
         return attempt_specs(
             self.cfg,
@@ -100,7 +103,7 @@ class AttemptSetUp:
             master=attempt.master,
             start_step=step,
             checkpoint_dir=str(checkpoint.path) if checkpoint else None,
-            buddies=[None if b is None else attempt.workers[b].actor for b in buddies],
+            buddies=[None if b is None else attempt.workers[b].actor for b in attempt.buddies],
             memory=attempt.source.memory,
             node_ids=[w.node_id for w in attempt.workers],
             reference=self.reference.table,
@@ -120,7 +123,6 @@ class AttemptSetUp:
         """The attempt_started event: what was set up, from where, and what it cost."""
         plan, source, workers = attempt.plan, attempt.source, attempt.workers
         checkpoint, memory = source.checkpoint, source.memory
-        buddies, off_node = self.memory.buddies(workers)
         set_up = slowest_set_up(timings, [w.worker_id for w in workers])
         self.recorder.event(
             "attempt_started",
@@ -136,8 +138,8 @@ class AttemptSetUp:
             world_size=plan.world_size,
             checkpoint=checkpoint.tag if checkpoint else None,
             source=source.name,
-            buddies=buddies,
-            buddies_off_node=off_node,
+            buddies=attempt.buddies,
+            buddies_off_node=attempt.buddies_off_node,
             # The sha256 check of the checkpoint (run beside the set-up), next to what loading it cost.
             verify_s=self.resume.last_verify_s if checkpoint else 0.0,
             **set_up,

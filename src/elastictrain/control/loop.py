@@ -22,7 +22,7 @@ from typing import Any
 from elastictrain.checkpoint.model_record import configured_model
 from elastictrain.checkpoint.store import CheckpointStore
 from elastictrain.cluster.calls import Group
-from elastictrain.control.attempt import Attempt, AttemptSetUp
+from elastictrain.control.attempt import AttemptSetUp
 from elastictrain.control.callbacks import Callbacks
 from elastictrain.control.capacity import Capacity
 from elastictrain.control.errors import AttemptFailed, RunFailed
@@ -215,7 +215,7 @@ class Controller:
         self.plan, self.active, self.active_before = plan, workers, workers
         self.pipeline.attach(workers, source.step)
         self.saves.attach(workers, manifest_for(self.cfg, self.recorder.run_dir, size, plan))
-        attempt = Attempt(self.attempt, plan, workers, source, self.setup.master(workers, self.step))
+        attempt = self.setup.attempt(self.attempt, plan, workers, source, self.step)
         began = self.clock()
         timings = self.setup.set_up(attempt, self.setup.build_specs(attempt, self.step), self.step)
         if timings is None:

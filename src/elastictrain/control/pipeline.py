@@ -191,10 +191,5 @@ class Segment:
             if not inflight:
                 break
             step, calls = inflight.popleft()
-            gather = p._gather(step, calls)
-            while True:
-                try:
-                    yield next(gather)  # WAITING
-                except StopIteration as done:
-                    yield p._done(step, done.value)
-                    break
+            results = yield from p._gather(step, calls)  # WAITING while the step is out
+            yield p._done(step, results)
