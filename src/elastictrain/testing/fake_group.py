@@ -324,12 +324,11 @@ class FakeGroup(WorkerViews):
         }
 
     def _save_shard(self, w: FakeWorker, staging_dir: str, background: bool = False) -> dict[str, Any]:
-        staging = staging_dir
         rank = w.spec.rank
         if self._take("die_in_save", rank):
             raise FakeDied
         name = f"rank-{rank:05d}-of-{w.spec.world_size:05d}.safetensors"
-        write = FakeWrite(staging, name, rank)
+        write = FakeWrite(staging_dir, name, rank)
         fault = self._take("write_error", rank)
         write.error = fault.detail if fault else ""
         write.hangs = self._take("save_hangs", rank) is not None
@@ -351,10 +350,9 @@ class FakeGroup(WorkerViews):
         return out
 
     def _save_status(self, w: FakeWorker, staging_dir: str, wait_s: float = 0.0) -> dict[str, Any]:
-        staging = staging_dir
-        if w.writer is not None and w.writer.staging == staging:
+        if w.writer is not None and w.writer.staging == staging_dir:
             w.writer.finish()  # waiting for it lets it end
-        return self._watch_save_status(w, staging)
+        return self._watch_save_status(w, staging_dir)
 
     def _watch_save_status(self, w: FakeWorker, staging: str, wait_s: float = 0.0) -> dict[str, Any]:
         """A watch on the write: its state now, as if its wait ran out (a fake write ends only with the
