@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,8 +52,16 @@ class Run:
         return self.run_dir.read_info().status
 
 
-def make_run(tmp_path: Path, *overrides: str, capacity: int = 2, run_dir: RunDir | None = None) -> Run:
-    """12 steps, a checkpoint every 4, 2 workers (unless overridden), on `capacity` fake worker slots."""
+def make_run(
+    tmp_path: Path,
+    *overrides: str,
+    capacity: int = 2,
+    run_dir: RunDir | None = None,
+    layouts: Callable[[Any], Any] | None = None,
+) -> Run:
+    """12 steps, a checkpoint every 4, 2 workers (unless overridden), on `capacity` fake worker slots.
+    `layouts(config)`: with auto layout fields, resolves them as the driver's start does and returns the
+    chooser the loop asks again."""
     cfg = load_config(
         TINY,
         [
@@ -73,7 +82,8 @@ def make_run(tmp_path: Path, *overrides: str, capacity: int = 2, run_dir: RunDir
     group = FakeGroup(capacity)
     terminal = io.StringIO()
     reporter = Reporter(cfg.training.max_steps, stream=terminal, live=False)
-    controller = Controller(cfg, run_dir, NullTracker(), reporter, group, clock=Clock())
+    chooser = layouts(cfg) if layouts else None
+    controller = Controller(cfg, run_dir, NullTracker(), reporter, group, clock=Clock(), layouts=chooser)
     return Run(controller, group, run_dir, terminal)
 
 

@@ -60,6 +60,9 @@ def evaluate_command(
     problems = verify_checkpoint(path)
     if problems:
         fail(f"{path} does not verify, not evaluating it:\n" + "\n".join(problems), code=1)
+    from elastictrain.driver.layout_auto import resolve_in_this_process
+
+    resolve_in_this_process(cfg)  # a run with auto layout fields: chosen for this one process
     try:
         result = evaluate_checkpoint(cfg, path)
     except ValueError as e:

@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from elastictrain.config.data_check import sft_problems
 from elastictrain.config.errors import ConfigError
 from elastictrain.config.eval_check import eval_problems, pop_eval_data, set_eval_data
+from elastictrain.config.layout_check import AUTO, auto_layout_problems, micro_batch_cap
 from elastictrain.config.length import layer_length, length_pending, length_problems
 from elastictrain.config.llamafactory import is_llamafactory, translate
 from elastictrain.config.lora_check import lora_problems
@@ -233,7 +234,8 @@ def validate(config: Config) -> Config:
     _at_least(
         p, "tracking.system_metrics_interval_s", config.tracking.system_metrics_interval_s, 0, strict=True
     )
-    _at_least(p, "training.micro_batch_size", t.micro_batch_size, 1)
+    if t.micro_batch_size != AUTO:
+        _at_least(p, "training.micro_batch_size", t.micro_batch_size, 1)
     _at_least(p, "training.max_steps", t.max_steps, 1)
     _at_least(p, "training.lr", t.lr, 0, strict=True)
     _at_least(p, "training.min_lr", t.min_lr, 0)
@@ -255,10 +257,13 @@ def validate(config: Config) -> Config:
     _at_least(p, "training.grad_clip", t.grad_clip, 0)
     _choice(p, "training.precision", t.precision, ["fp32", "bf16", "fp16"])
     _at_least(p, "training.log_every_steps", t.log_every_steps, 1)
-    _choice(p, "deepspeed.zero_stage", ds.zero_stage, [0, 1, 2, 3])
-    p.extend(stage_problems(ds.zero_stage, ds.offload_optimizer, ds.offload_param, t.precision))
-    _choice(p, "deepspeed.offload_optimizer", ds.offload_optimizer, ["none", "cpu", "nvme"])
-    _choice(p, "deepspeed.offload_param", ds.offload_param, ["none", "cpu", "nvme"])
+    _choice(p, "deepspeed.zero_stage", ds.zero_stage, [0, 1, 2, 3, AUTO])
+    if AUTO not in (ds.zero_stage, ds.offload_optimizer, ds.offload_param):
+        p.extend(stage_problems(ds.zero_stage, ds.offload_optimizer, ds.offload_param, t.precision))
+    _choice(p, "deepspeed.offload_optimizer", ds.offload_optimizer, ["none", "cpu", "nvme", AUTO])
+    _choice(p, "deepspeed.offload_param", ds.offload_param, ["none", "cpu", "nvme", AUTO])
+    _choice(p, "deepspeed.activation_checkpointing", ds.activation_checkpointing, [True, False, AUTO])
+    p.extend(auto_layout_problems(config))
     if "nvme" in (ds.offload_optimizer, ds.offload_param):
         if not ds.nvme_path:
             p.append("deepspeed.nvme_path: missing; expected a writable folder when an offload is 'nvme'")
@@ -266,7 +271,7 @@ def validate(config: Config) -> Config:
             p.append(f"deepspeed.nvme_path: got {ds.nvme_path!r}; expected an existing folder")
         elif not _writable(ds.nvme_path):
             p.append(f"deepspeed.nvme_path: got {ds.nvme_path!r}; expected a folder this user can write")
-    if ds.offload_param != "none" and ds.offload_optimizer == "none":
+    if ds.offload_param not in ("none", AUTO) and ds.offload_optimizer == "none":
         p.append(
             "deepspeed.offload_param: offloading parameters needs deepspeed.offload_optimizer "
             "to be cpu or nvme too (a DeepSpeed requirement)"
@@ -430,7 +435,7 @@ def _writable(folder: str) -> bool:
 def valid_world_sizes(config: Config) -> list[int]:
     s, t = config.scaling, config.training
     n = checked_degree(config)
-    return workable_world_sizes(t.global_batch_size, t.micro_batch_size, s.min_workers, s.max_workers, n)
+    return workable_world_sizes(t.global_batch_size, micro_batch_cap(config), s.min_workers, s.max_workers, n)
 
 
 def _no_world_size_message(config: Config) -> str:

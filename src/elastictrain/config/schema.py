@@ -151,7 +151,9 @@ class TrainingConfig:
 
     # Samples per optimizer step at every world size (micro batch x accumulation steps x world size)
     global_batch_size: int = 24
-    micro_batch_size: int = 4  # the largest per-rank micro batch; the split is recomputed per world size
+    # The largest per-rank micro batch; the split is recomputed per world size. auto: the largest that
+    # divides each replica's share of the global batch and fits the memory (docs/layout.md)
+    micro_batch_size: Any = 4
     max_steps: int = 40  # optimizer steps of the run, and the LR schedule's length
     # Instead of max_steps: passes over the training set (after eval.split). At start max_steps becomes
     # ceil(num_epochs x training samples / global_batch_size), printed and written to the run's config.yaml
@@ -209,13 +211,18 @@ class PreferenceConfig:
 class DeepSpeedConfig:
     """How ranks hold the state: the DeepSpeed config is generated from these (or read from config_file)."""
 
-    zero_stage: int = 3  # 0, 1, 2 or 3: what is partitioned between ranks
-    offload_optimizer: str = "none"  # where the optimizer state lives: none | cpu | nvme (nvme: stage 3)
-    offload_param: str = "none"  # where the parameters live between uses: none | cpu | nvme (stage 3 only)
+    # 0, 1, 2 or 3: what is partitioned between ranks. auto (on this and the three below): the layout with
+    # the least communication and recomputation that fits each rank's memory, chosen at the start and at
+    # every world size, printed with its estimate (docs/layout.md); values you set stay as set
+    zero_stage: Any = 3
+    offload_optimizer: str = (
+        "none"  # where the optimizer state lives: none | cpu | nvme (nvme: stage 3) | auto
+    )
+    offload_param: str = "none"  # where the parameters live between uses: none | cpu | nvme (stage 3) | auto
     # A node-local folder for NVMe offload, checked writable on every node before training; each rank
     # swaps into NVME_PATH/RUN_ID/rank-N
     nvme_path: str | None = None
-    activation_checkpointing: bool = False  # recompute activations in backward instead of keeping them
+    activation_checkpointing: Any = False  # recompute activations in backward instead of keeping them | auto
     config_file: str | None = None  # your own DeepSpeed JSON (Hugging Face style "auto" values allowed)
     extra: dict[str, Any] = field(default_factory=dict)  # deep-merged into the generated DeepSpeed config
 

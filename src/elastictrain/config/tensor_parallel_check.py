@@ -47,6 +47,7 @@ def checked_degree(config: Any) -> int:
 def tensor_parallel_candidates(config: Any) -> list[int]:
     """The degrees `tensor_parallel: auto` may choose from, smallest first: those the config can hold
     (whole replicas in min, max and spare workers, heads that split, a global batch that splits)."""
+    from elastictrain.config.layout_check import micro_batch_cap
     from elastictrain.core.batch import workable_world_sizes
 
     s, t = config.scaling, config.training
@@ -55,7 +56,9 @@ def tensor_parallel_candidates(config: Any) -> list[int]:
         trial = _with_degree(config, n)
         if n > 1 and tensor_parallel_problems(trial):
             continue
-        if workable_world_sizes(t.global_batch_size, t.micro_batch_size, s.min_workers, s.max_workers, n):
+        if workable_world_sizes(
+            t.global_batch_size, micro_batch_cap(config), s.min_workers, s.max_workers, n
+        ):
             out.append(n)
     return out
 

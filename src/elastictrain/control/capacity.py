@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from elastictrain.cluster.calls import Group
 from elastictrain.control.errors import RunFailed
 from elastictrain.control.record import RunRecorder
+from elastictrain.core.batch import BatchPlan
 from elastictrain.core.policy import (
     Fail,
     Restart,
@@ -50,6 +51,7 @@ class Capacity:
         *,
         clock: Callable[[], float] = time.monotonic,
         degrees: Any = None,
+        layouts: Any = None,
     ) -> None:
         self.cfg = config
         self.group = group
@@ -57,6 +59,7 @@ class Capacity:
         self.rules = scaling_rules(config)
         self.clock = clock
         self.degrees = degrees  # tensor_parallel: auto's chooser (tensor_parallel_auto.py), or None
+        self.layouts = layouts  # auto layout fields' chooser (driver/layout_auto.py), or None
 
     def _restart_size(self, step: int) -> int | None:
         """The warm workers' best world size; with `tensor_parallel: auto`, at the degree that fits there."""
@@ -75,6 +78,28 @@ class Capacity:
                 "tensor_parallel", f"scaling.tensor_parallel=auto: {why}", step=step, tensor_parallel=n
             )
         return size
+
+    def layout_plan(self, size: int, step: int) -> BatchPlan:
+        """The batch split of an attempt of `size`; with auto layout fields, after choosing them for that
+        world size (the run's config takes the choice; a change is an event). Nothing fitting ends the run."""
+        if self.layouts is not None:
+            choice = self.layouts.choose(size, self.rules.tensor_parallel)
+            if not choice.fits:
+                raise RunFailed(
+                    f"auto layout: nothing fits at world size {size}: "
+                    + "; ".join(choice.lines())
+                    + f"; the last checkpoint stays; `elastictrain resume {self.recorder.run_dir.path}` "
+                    "with more ranks or memory"
+                )
+            self.rules = replace(self.rules, micro_batch_size=choice.layout.micro_batch_size)
+            if self.layouts.apply(choice):  # the start chose for min_workers
+                head, estimate = choice.lines()
+                self.recorder.event(
+                    "layout", f"{head}; {estimate}", step=step, world_size=size, **asdict(choice.layout)
+                )
+        plan = self.rules.plan(size)
+        assert plan is not None
+        return plan
 
     def usable_warm(self) -> int:
         """Warm workers that can take part: with tensor parallelism, whole replicas on each node."""

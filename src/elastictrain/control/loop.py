@@ -71,9 +71,11 @@ class Controller:
         clock: Callable[[], float] = time.monotonic,
         callbacks: Callbacks | None = None,
         degrees: Any = None,
+        layouts: Any = None,
     ) -> None:
         """`degrees`: with `tensor_parallel: auto`, what chose the degree (driver/tensor_parallel_auto.py); a
-        restart at a new world size asks it again."""
+        restart at a new world size asks it again; `layouts` likewise for auto layout fields
+        (driver/layout_auto.py), asked before every attempt."""
         self.cfg = config
         self.group = group
         self.clock = clock
@@ -82,7 +84,7 @@ class Controller:
         self.store = CheckpointStore(run_dir.checkpoints_dir)
         self.recorder = RunRecorder(run_dir, tracker, reporter)
         self.resume = ResumePoints(self.store, configured_model(config), self.recorder)
-        self.capacity = Capacity(config, group, self.recorder, clock=clock, degrees=degrees)
+        self.capacity = Capacity(config, group, self.recorder, clock=clock, degrees=degrees, layouts=layouts)
         self.saves = SaveCoordinator(config, group, self.store, self.recorder, self.resume, clock=clock)
         self.snapshots = SnapshotSchedule(config)  # which steps the ranks copy to host memory
         self.evals = Evaluations(config, self.recorder)
@@ -204,8 +206,7 @@ class Controller:
     def _set_up_attempt(self, size: int) -> bool:
         """Set up the workers of an attempt of `size`; False when the checkpoint they loaded was rejected."""
         self.attempt += 1
-        plan = self.capacity.rules.plan(size)
-        assert plan is not None
+        plan = self.capacity.layout_plan(size, self.step)
         workers = self.setup.choose_workers(plan, self.active_before, self.step)
         source = self.setup.choose_source(self.step)
         # Steps since that snapshot or checkpoint are redone (added up over set-ups done again).

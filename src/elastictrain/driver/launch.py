@@ -186,12 +186,13 @@ def run_training(
     from elastictrain.control.loop import Controller
 
     reporter = reporter or Reporter(config.training.max_steps)
-    degrees = None
+    degrees = layouts = None
     if local:
         group: Any = _local_group(config, worker_class)
         config = local_config(config)
+        layouts = _auto_layout(config, reporter, local=True)
     else:
-        group, degrees = _ray_group(config, run_dir, address, reporter, worker_class)
+        group, degrees, layouts = _ray_group(config, run_dir, address, reporter, worker_class)
     tracker = make_tracker(config, run_dir, tracking)
     take_over(run_dir, reporter)
     system = SystemMetrics(config, run_dir) if tracking else None
@@ -202,7 +203,7 @@ def run_training(
         mlflow_run = "created when the tracker connects"
     where = "; one local worker in this process (no Ray)" if local else ""
     reporter.event(f"run folder {run_dir.path}; MLflow run: {mlflow_run}{where}")
-    controller = Controller(config, run_dir, tracker, reporter, group, degrees=degrees)
+    controller = Controller(config, run_dir, tracker, reporter, group, degrees=degrees, layouts=layouts)
     if controller_hook is not None:
         controller_hook(controller)
     summary = None
@@ -218,11 +219,27 @@ def run_training(
         _end_tracking(config, run_dir, tracker, system, status, reporter if summary is not None else None)
 
 
+def _auto_layout(config: Config, reporter: Reporter, *, local: bool) -> Any:
+    """With auto layout fields: choose them now (PreflightError where nothing fits), print the choice
+    and its estimate, and return what the control loop asks again at each world size."""
+    from elastictrain.config.layout_check import auto_fields
+
+    if not auto_fields(config):
+        return None
+    from elastictrain.driver.layout_auto import choose_at_start, rank_memory, rank_memory_here
+
+    lines, chooser = choose_at_start(config, rank_memory_here(config) if local else rank_memory(config))
+    for line in lines:
+        reporter.event(line)
+    return chooser
+
+
 def _ray_group(
     config: Config, run_dir: RunDir, address: str | None, reporter: Reporter, worker_class: type | None
-) -> tuple[Any, Any]:
+) -> tuple[Any, Any, Any]:
     """Connect to Ray, check every node can run the config (PreflightError if not): the worker group,
-    and with `tensor_parallel: auto` what chose the degree (the control loop asks it again)."""
+    with `tensor_parallel: auto` what chose the degree, and with auto layout fields what chose them (the
+    control loop asks both again)."""
     from elastictrain.cluster.connect import connect_ray
     from elastictrain.cluster.worker_group import WorkerGroup, WorkerResources
     from elastictrain.driver.preflight import check_memory_on_nodes, check_nvme_on_nodes
@@ -235,6 +252,7 @@ def _ray_group(
 
         said, degrees = choose_tensor_parallel(config)
         reporter.event(said)
+    layouts = _auto_layout(config, reporter, local=False)  # before the memory check reads the stage
     # Both raise PreflightError before any worker or tracker exists.
     if check_nvme_on_nodes(config):
         reporter.event(f"deepspeed.nvme_path {config.deepspeed.nvme_path} is writable on every worker node")
@@ -255,7 +273,7 @@ def _ray_group(
         reuse_warm=not fresh,
         worker_class=worker_class,
     )
-    return group, degrees
+    return group, degrees, layouts
 
 
 def _local_group(config: Config, worker_class: type | None) -> Any:
