@@ -353,3 +353,34 @@ def test_generated_zero3_buffers_are_sized_to_the_model_not_deepspeed_defaults()
     assert zero["reduce_bucket_size"] == 1 << 22  # hidden^2 is below the floor: 4M elements, not 5e8
     wide = load_config(CONF / "llama-125m.yaml", ["model.hf_config.hidden_size=4096"])
     assert build_deepspeed_config(wide, 1, 3, 2)["zero_optimization"]["reduce_bucket_size"] == 4096 * 4096
+
+
+def test_every_layout_field_takes_auto_and_its_valid_values_are_named():
+    cfg = load_config(
+        None,
+        [
+            "deepspeed.zero_stage=auto",
+            "deepspeed.offload_optimizer=auto",
+            "deepspeed.offload_param=auto",
+            "deepspeed.activation_checkpointing=auto",
+            "training.micro_batch_size=auto",
+        ],
+    )
+    assert cfg.deepspeed.zero_stage == cfg.training.micro_batch_size == "auto"
+    assert "deepspeed.zero_stage: got 'automatic'; expected one of 0, 1, 2, 3, auto" in problems(
+        "deepspeed.zero_stage=automatic"
+    )
+    assert "deepspeed.activation_checkpointing: got 'sometimes'; expected one of True, False, auto" in problems(
+        "deepspeed.activation_checkpointing=sometimes"
+    )
+
+
+def test_auto_layout_fields_are_refused_where_the_choice_cannot_be_made(tmp_path):
+    user_json = tmp_path / "ds.json"
+    user_json.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    assert "deepspeed.zero_stage: got 'auto' with deepspeed.config_file; your JSON's zero_optimization" in (
+        problems("deepspeed.zero_stage=auto", f"deepspeed.config_file={user_json}")
+    )
+    assert "training.micro_batch_size: got 'auto' with model.factory" in problems(
+        "training.micro_batch_size=auto", "model.factory=json:loads"
+    )
