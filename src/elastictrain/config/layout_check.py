@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 AUTO = "auto"
+# model.attn_implementation's values: transformers' names, and auto (model/build.attention_kernel)
+ATTENTION_KERNELS = ["auto", "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"]
 DEEPSPEED_FIELDS = ("zero_stage", "offload_optimizer", "offload_param", "activation_checkpointing")
 
 

@@ -22,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from elastictrain.config.data_check import sft_problems
 from elastictrain.config.errors import ConfigError
 from elastictrain.config.eval_check import eval_problems, pop_eval_data, set_eval_data
-from elastictrain.config.layout_check import AUTO, auto_layout_problems, micro_batch_cap
+from elastictrain.config.layout_check import ATTENTION_KERNELS, AUTO, auto_layout_problems, micro_batch_cap
 from elastictrain.config.length import layer_length, length_pending, length_problems
 from elastictrain.config.llamafactory import is_llamafactory, translate
 from elastictrain.config.lora_check import lora_problems
@@ -256,6 +256,7 @@ def validate(config: Config) -> Config:
     _at_least(p, "training.adam_eps", t.adam_eps, 0, strict=True)
     _at_least(p, "training.grad_clip", t.grad_clip, 0)
     _choice(p, "training.precision", t.precision, ["fp32", "bf16", "fp16"])
+    _choice(p, "model.attn_implementation", config.model.attn_implementation, ATTENTION_KERNELS)
     _at_least(p, "training.log_every_steps", t.log_every_steps, 1)
     _choice(p, "deepspeed.zero_stage", ds.zero_stage, [0, 1, 2, 3, AUTO])
     if AUTO not in (ds.zero_stage, ds.offload_optimizer, ds.offload_param):

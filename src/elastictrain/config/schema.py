@@ -70,6 +70,13 @@ class ModelConfig:
     factory: str | None = None  # "module:attr": called as attr(config) (or attr()), returns a torch.nn.Module
     args: dict[str, Any] = field(default_factory=dict)  # free-form, for your factory (config.model.args)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # The attention kernel: auto (flash_attention_2 on GPUs in bf16/fp16 where the flash-attn package is
+    # installed, else transformers' default: sdpa where the model has it) | eager | sdpa | flash_attention_2
+    # | flash_attention_3 | flex_attention
+    attn_implementation: str = "auto"
+    # torch.compile the model (DeepSpeed's engine.compile, inductor): each attempt compiles again on its
+    # first steps; measured in docs/layout.md
+    compile: bool = False
 
 
 @dataclass

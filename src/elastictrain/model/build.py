@@ -81,11 +81,27 @@ def preload_engine_code(config: Any) -> None:
             load_op(name)
 
 
-def build_causal_lm(hf_config: dict[str, Any], *, activation_checkpointing: bool = False) -> torch.nn.Module:
+def attention_kernel(config: Any) -> str | None:
+    """model.attn_implementation for transformers (None: its default, sdpa where the model has it)."""
+    import importlib.util
+
+    chosen = str(config.model.attn_implementation)
+    if chosen != "auto":
+        return chosen
+    half = config.training.precision in ("bf16", "fp16")
+    if config.scaling.use_gpu and half and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return None
+
+
+def build_causal_lm(
+    hf_config: dict[str, Any], *, activation_checkpointing: bool = False, attention: str | None = None
+) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     config = build_hf_config(hf_config)
-    model = AutoModelForCausalLM.from_config(config)
+    kernel = {"attn_implementation": attention} if attention else {}
+    model = AutoModelForCausalLM.from_config(config, **kernel)
     if activation_checkpointing:
         _enable_checkpointing(model)
     return model
@@ -111,8 +127,9 @@ def build_model(
     forget_hf_deepspeed_config()
     m = config.model
     checkpointing = config.deepspeed.activation_checkpointing
+    attention = attention_kernel(config)
     if m.pretrained:
-        model = _from_pretrained(m.pretrained, ds_config, zero3=zero3)
+        model = _from_pretrained(m.pretrained, ds_config, zero3=zero3, attention=attention)
         if checkpointing:
             _enable_checkpointing(model)
     else:
@@ -137,7 +154,9 @@ def build_model(
                 if checkpointing:
                     _enable_checkpointing(model)  # checked on the driver: the model has the method
             else:
-                model = build_causal_lm(dict(m.hf_config), activation_checkpointing=checkpointing)
+                model = build_causal_lm(
+                    dict(m.hf_config), activation_checkpointing=checkpointing, attention=attention
+                )
     if m.lora.enabled:
         from elastictrain.model.lora import apply_lora
 
@@ -181,6 +200,8 @@ def new_engine(spec: Any, *, zero3: bool) -> Any:
             model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=spec.ds_config,
         )
+    if cfg.model.compile:
+        engine.compile()  # torch.compile with the accelerator's backend; compiles on the first steps
     if zero3:
         share_fp32_partitions(engine)
         share_offloaded_gradients(engine, cpu_only=not cfg.scaling.use_gpu)
@@ -198,7 +219,9 @@ def forget_hf_deepspeed_config() -> None:
     unset_hf_deepspeed_config()
 
 
-def _from_pretrained(folder: str, ds_config: dict[str, Any], *, zero3: bool) -> torch.nn.Module:
+def _from_pretrained(
+    folder: str, ds_config: dict[str, Any], *, zero3: bool, attention: str | None = None
+) -> torch.nn.Module:
     """Load a local transformers folder; under ZeRO-3 each rank keeps only its partition of the weights."""
     global _hf_ds_config
     from transformers import AutoModelForCausalLM
@@ -206,7 +229,8 @@ def _from_pretrained(folder: str, ds_config: dict[str, Any], *, zero3: bool) -> 
 
     if zero3:
         _hf_ds_config = HfDeepSpeedConfig(ds_config)
-    return AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    kernel = {"attn_implementation": attention} if attention else {}
+    return AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, **kernel)
 
 
 def causal_lm_loss(model: Any, batch: Any) -> torch.Tensor:
