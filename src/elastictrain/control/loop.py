@@ -131,6 +131,7 @@ class Controller:
                 except AttemptFailed as e:
                     self._after_failure(e.failure)
             recorder.set_status(RunStatus.FINISHED, "finished", step=self.step)
+            recorder.step_costs(self.step)
             self._event("finish", f"finished at step {self.step}", style="green")
             return self._summary(RunStatus.FINISHED, "finished")
         except RunFailed as e:

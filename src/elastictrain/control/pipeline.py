@@ -133,10 +133,13 @@ class StepPipeline:
         self._done_at, self.last_step_s, self._step = now, wall, step + 1
         gbs = self.cfg.training.global_batch_size
         replicas = replica_results(results)
+        engine = max((float(r.get("engine_s", r.get("step_time_s")) or 0.0) for r in results), default=0.0)
         metrics = {
             "loss": step_loss(replicas),
             "lr": results[0]["lr"],
             "step_time_s": wall,
+            "engine_s": engine,  # the slowest rank's forward, backward and update
+            "step_overhead_s": max(0.0, wall - engine) if wall > 0 else 0.0,
             "samples_per_s": gbs / wall if wall > 0 else 0.0,
             "tokens_per_s": gbs * self.cfg.data.seq_len / wall if wall > 0 else 0.0,
             "world_size": float(self.world_size),

@@ -15,6 +15,7 @@ from typing import Any
 
 from elastictrain.control.progress import Reporter
 from elastictrain.core.state import RunStatus, transition
+from elastictrain.core.step_cost import StepCosts
 from elastictrain.rundir.run_dir import RunDir
 from elastictrain.tracking.tracker import Tracker
 
@@ -32,6 +33,7 @@ class RunRecorder:
         # MLflow holds each step's metrics once. The spool knows every step it took, even one whose
         # run.json update a killed driver did not get to write.
         self.logged_step = max(info.logged_step, getattr(tracker, "logged_step", 0))
+        self.costs = StepCosts()  # this driver's steps: engine time and what surrounds it
 
     def event(self, name: str, message: str = "", style: str = "", *, step: int, **fields: Any) -> None:
         try:
@@ -96,6 +98,7 @@ class RunRecorder:
         if step > self.logged_step:
             self.tracker.log_metrics(metrics, step=step)
             self.logged_step = step
+            self.costs.add(metrics.get("step_time_s", 0.0), metrics.get("engine_s", 0.0))
         else:  # redone after a failure: its metrics were logged the first time (nearly equal values)
             extra: dict[str, float] = {
                 k: metrics[k]
@@ -110,6 +113,11 @@ class RunRecorder:
             logged_step=self.logged_step,
             last_metrics={k: round(v, 6) for k, v in metrics.items()},
         )
+
+    def step_costs(self, step: int) -> None:
+        """The end-of-run line: the median step, its time in the engine and around it (core/step_cost.py)."""
+        if self.costs.walls:
+            self.event("step_costs", self.costs.describe(), step=step, **self.costs.figures())
 
     def history(self) -> list[int]:
         return [h["world_size"] for h in self.run_dir.read_info().world_size_history]

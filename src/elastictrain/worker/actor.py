@@ -34,6 +34,7 @@ from elastictrain.host.memory import (
     running_allocator,
     snapshot_budget_bytes,
 )
+from elastictrain.host.threads import use_threads
 from elastictrain.storage import as_path
 from elastictrain.worker.attempt import AttemptSpec
 from elastictrain.worker.dist import (
@@ -212,6 +213,7 @@ class TrainWorker(SnapshotPeer, ShardSaves, ReferenceShare):
         )
         if self.use_gpu:
             torch.cuda.set_device(0)  # Ray gives each actor exactly one visible GPU
+        timings["threads"] = use_threads(spec.config.scaling.cpus_per_worker, spec.ranks_on_node)
         self.sockets.start()
         deepspeed.init_distributed(
             dist_backend=spec.backend,
@@ -356,6 +358,7 @@ class TrainWorker(SnapshotPeer, ShardSaves, ReferenceShare):
             # Dropout and any other randomness depend on the data position, not on rank or world size.
             batches.append((batch, derive_seed(cfg.training.seed, positions.start)))
         self._arm_backward_fault(step)
+        collate_s = time.perf_counter() - t0
 
         forward_backward_s = [0.0]
 
@@ -384,6 +387,7 @@ class TrainWorker(SnapshotPeer, ShardSaves, ReferenceShare):
             "tokens": len(samples) * cfg.data.seq_len,
             "step_time_s": elapsed,
             "forward_backward_s": forward_backward_s[0],
+            "engine_s": elapsed - collate_s,  # forward, backward and update: what any system must run
             "sample_ids": samples,
             **memory_peaks(engine),
             # How the last background checkpoint write is doing: the controller commits when all are done.
