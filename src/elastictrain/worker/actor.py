@@ -213,7 +213,7 @@ class TrainWorker(SnapshotPeer, ShardSaves, ReferenceShare):
         )
         if self.use_gpu:
             torch.cuda.set_device(0)  # Ray gives each actor exactly one visible GPU
-        timings["threads"] = use_threads(spec.config.scaling.cpus_per_worker, spec.ranks_on_node)
+        timings["threads"] = use_threads(spec.config.scaling.cpus_per_worker)
         self.sockets.start()
         deepspeed.init_distributed(
             dist_backend=spec.backend,
