@@ -49,6 +49,11 @@ def run(ctx: Any) -> None:
             "training.warmup_steps=1",  # the small model's config warms up over more steps than these
             f"checkpoint.every_steps={steps + 1}",
             f"deepspeed.offload_optimizer={where}",
+            # The settings the first GPU run measured (the preset's layout before it became auto).
+            "deepspeed.zero_stage=3",
+            "deepspeed.offload_param=none",
+            "deepspeed.activation_checkpointing=true",
+            "training.micro_batch_size=4",
         ]
         if where == "nvme":
             nvme.mkdir(parents=True, exist_ok=True)

@@ -83,10 +83,12 @@ def build_engine(cfg: Any, world_size: int, *, load_universal: bool = False) -> 
     dataset = dataset_from_config(cfg)
     torch.manual_seed(cfg.training.seed)
     preload_model_code(cfg)
-    model = build_model(cfg, ds_config, zero3=True)
+    model = build_model(cfg, ds_config, zero3=cfg.deepspeed.zero_stage == 3)
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
     )
+    if cfg.model.compile:
+        engine.compile()  # as elastictrain's worker does (model/build.new_engine)
     return engine, plan, dataset
 
 
@@ -218,7 +220,7 @@ def train(spec: dict[str, Any], rank: int, world_size: int, *, report: Any = Non
     out: dict[str, Any] = {
         "world_size": world_size,
         "threads": torch.get_num_threads(),
-        "parameters": sum(int(p.ds_numel) for p in engine.module.parameters()),
+        "parameters": sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters()),
         "setup_s": setup_done - t_start,
     }
 

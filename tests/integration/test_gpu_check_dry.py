@@ -68,6 +68,15 @@ def test_dry_gpu_check_runs_every_part_and_writes_its_results(tmp_path: Path) ->
     throughput = parts["throughput"]["figures"]
     for system in ("deepspeed", "elastictrain"):
         assert throughput[system]["tokens_per_s"] > 0
+    # The ladder: the automatic choice first, then the preset it replaced, each run by both systems.
+    ladder = throughput["ladder"]
+    assert list(ladder)[:2] == ["auto", "before"]
+    assert throughput["setting"]["choice"][0].startswith("layout (auto) at world size 1: ZeRO-0")
+    assert ladder["before"]["layout"]["zero_stage"] == 3
+    for rung in ("auto", "before"):
+        assert (
+            ladder[rung]["elastictrain"]["tokens_per_s"] > 0 and ladder[rung]["deepspeed"]["tokens_per_s"] > 0
+        )
     assert throughput["checkpoint"]["elastictrain_pause_s"] is not None
     # A checkpoint's cost counts the step after it, which waits for its copy (not the pause alone).
     assert throughput["checkpoint"]["elastictrain_step_after_s"] > 0

@@ -76,8 +76,8 @@ def test_the_choice_fits_and_every_cheaper_setting_did_not(model: str, device: s
     assert choice.need.device <= choice.usable_device and choice.need.host <= choice.usable_host
     per_replica = 64
     for cheaper in LADDER[: rung(choice.layout)]:
-        if "nvme" in (cheaper.offload_optimizer, cheaper.offload_param):
-            continue
+        if "nvme" in (cheaper.offload_optimizer, cheaper.offload_param) or cheaper.zero_stage == 0:
+            continue  # no NVMe path given; bf16 needs ZeRO stage 1 or more
         enough = [
             m for m in range(1, per_replica + 1) if per_replica % m == 0 and m * 2048 >= MIN_MICRO_TOKENS
         ]
@@ -101,11 +101,12 @@ def test_more_ranks_never_choose_a_costlier_setting(model: str, device: str) -> 
 
 def test_a_1b_model_on_one_large_gpu_needs_neither_zero_3_nor_checkpointing() -> None:
     choice = choose("1B", "141GiB", 1)
-    assert (choice.layout.zero_stage, choice.layout.activation_checkpointing) == (0, False)
+    # Stage 1 moves the bytes plain data parallelism does; bf16 needs it for elastic checkpoints.
+    assert (choice.layout.zero_stage, choice.layout.activation_checkpointing) == (1, False)
     assert choice.layout.offload_optimizer == "none"
     assert choice.layout.micro_batch_size >= 8  # 16k tokens or more per pass
     head, estimate = choice.lines()
-    assert head.startswith("layout (auto) at world size 1: ZeRO-0, no offload, no activation checkpointing")
+    assert head.startswith("layout (auto) at world size 1: ZeRO-1, no offload, no activation checkpointing")
     assert "model states" in estimate and "activations" in estimate and "GiB usable on the device" in estimate
 
 
@@ -162,6 +163,11 @@ def test_a_global_batch_that_does_not_split_is_refused() -> None:
             precision="fp32",
             fixed={},
         )
+
+
+def test_bf16_never_chooses_stage_0_and_fp32_may() -> None:
+    assert all(choose(m, d, w).layout.zero_stage > 0 for m in MODELS for d in DEVICES for w in WORLDS)
+    assert choose("1B", "141GiB", 1, precision="fp32").layout.zero_stage == 0
 
 
 def test_on_cpu_the_host_share_is_the_only_memory() -> None:
@@ -230,5 +236,5 @@ def test_a_lora_run_counts_its_frozen_weights_once_and_fits_where_full_training_
     args = dict(world_size=1, data_parallel=1, global_batch_size=16, seq_len=2048, precision="bf16", fixed={})
     assert choose_layout(full, memory, **args).layout.offload_optimizer == "cpu"
     chosen = choose_layout(lora, memory, **args)
-    assert chosen.layout.offload_optimizer == "none" and chosen.layout.zero_stage == 0
+    assert chosen.layout.offload_optimizer == "none" and chosen.layout.zero_stage == 1
     assert chosen.need.states >= full.params * 2  # the bf16 base model stays on the device

@@ -75,7 +75,7 @@ class ModelConfig:
     # | flash_attention_3 | flex_attention
     attn_implementation: str = "auto"
     # torch.compile the model (DeepSpeed's engine.compile, inductor): each attempt compiles again on its
-    # first steps; measured in docs/layout.md
+    # first steps; measured in docs/guides/automatic-layout.md
     compile: bool = False
 
 
@@ -159,7 +159,7 @@ class TrainingConfig:
     # Samples per optimizer step at every world size (micro batch x accumulation steps x world size)
     global_batch_size: int = 24
     # The largest per-rank micro batch; the split is recomputed per world size. auto: the largest that
-    # divides each replica's share of the global batch and fits the memory (docs/layout.md)
+    # divides each replica's share of the global batch and fits the memory (docs/guides/automatic-layout.md)
     micro_batch_size: Any = 4
     max_steps: int = 40  # optimizer steps of the run, and the LR schedule's length
     # Instead of max_steps: passes over the training set (after eval.split). At start max_steps becomes
@@ -220,7 +220,7 @@ class DeepSpeedConfig:
 
     # 0, 1, 2 or 3: what is partitioned between ranks. auto (on this and the three below): the layout with
     # the least communication and recomputation that fits each rank's memory, chosen at the start and at
-    # every world size, printed with its estimate (docs/layout.md); values you set stay as set
+    # every world size, printed with its estimate (docs/guides/automatic-layout.md); values you set stay
     zero_stage: Any = 3
     offload_optimizer: str = (
         "none"  # where the optimizer state lives: none | cpu | nvme (nvme: stage 3) | auto

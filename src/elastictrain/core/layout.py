@@ -7,7 +7,8 @@ takes the first setting in `LADDER` that fits, the ladder ordered from the least
 recomputation to the most:
 
 1. ZeRO 0, 1, 2, then 3 (stages 1 and 2 move as many bytes as plain data parallelism, ZeRO paper
-   section 7; stage 3 gathers every layer's weights each pass, 1.5x), all without checkpointing;
+   section 7; stage 3 gathers every layer's weights each pass, 1.5x), all without checkpointing (stage 0
+   in fp32 only: elastic checkpoints of bf16 and fp16 need stage 1 or more, core/zero.py);
 2. the same with activation checkpointing (one more forward per step, about a third more compute);
 3. the optimizer offloaded to the host (its state over PCIe each step, Adam on the CPU), then the
    parameters too, then (with `deepspeed.nvme_path`) to NVMe.
@@ -35,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from elastictrain.core.memory_estimate import GIB, estimate_rank_memory
+from elastictrain.core.zero import stage_problems
 
 MARGIN = 0.10  # of each memory: the allocator's fragmentation and what the estimate leaves out
 # On a GPU besides the states and activations: the CUDA context, NCCL's buffers, cuBLAS's workspace.
@@ -247,7 +249,9 @@ def choose_layout(
     rungs = [
         x
         for x in LADDER
-        if x.agrees(fixed) and (memory.nvme or "nvme" not in (x.offload_optimizer, x.offload_param))
+        if x.agrees(fixed)
+        and (memory.nvme or "nvme" not in (x.offload_optimizer, x.offload_param))
+        and not stage_problems(x.zero_stage, x.offload_optimizer, x.offload_param, precision)
     ]
     if not rungs:  # a combination the ladder does not list (e.g. ZeRO-1 with offload): take it as given
         rungs = [Layout(**{k: v for k, v in fixed.items() if k != "micro_batch_size"})]
@@ -266,7 +270,7 @@ def choose_layout(
                         chosen, n, usable_device, usable_host, world_size, True, tuple(passed)
                     )
                 small = small or (chosen, n)
-                passed.append((rung, f"only micro batch {micro} ({micro * seq_len} tokens) fits"))
+                passed.append((chosen, f"only micro batch {micro} ({micro * seq_len} tokens) fits"))
                 break
         else:
             passed.append((rung, "does not fit at micro batch " + str(micros[-1])))
