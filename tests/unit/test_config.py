@@ -370,9 +370,8 @@ def test_every_layout_field_takes_auto_and_its_valid_values_are_named():
     assert "deepspeed.zero_stage: got 'automatic'; expected one of 0, 1, 2, 3, auto" in problems(
         "deepspeed.zero_stage=automatic"
     )
-    assert "deepspeed.activation_checkpointing: got 'sometimes'; expected one of True, False, auto" in problems(
-        "deepspeed.activation_checkpointing=sometimes"
-    )
+    expected = "deepspeed.activation_checkpointing: got 'sometimes'; expected one of True, False, auto"
+    assert expected in problems("deepspeed.activation_checkpointing=sometimes")
 
 
 def test_auto_layout_fields_are_refused_where_the_choice_cannot_be_made(tmp_path):
