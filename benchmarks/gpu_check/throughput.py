@@ -7,7 +7,8 @@ DeepSpeed config and batches), one after the other, on each rung of a ladder of 
 1. the automatic choice (core/layout.py) for this device, resolved as the driver resolves it;
 2. the preset before the choice existed: ZeRO-3, activation checkpointing, micro batch 4;
 3. the settings the choice passed over, or where it passed over none (its first setting fitted), its
-   neighbours: the choice with activation checkpointing, and ZeRO-3 at the choice's micro batch.
+   neighbours: the choice with activation checkpointing, and ZeRO-3 at the choice's micro batch;
+4. the choice with `model.compile: true` (torch.compile).
 
 Rungs run in that order while the part's time lasts (each records as it ends; one the time cannot hold is
 recorded `not_measured`). A step's time is the wall time between two completed steps as each system sees
@@ -58,7 +59,8 @@ BEFORE = {
 
 def _overrides(layout: dict[str, Any]) -> list[str]:
     out = [f"deepspeed.{k}={str(layout[k]).lower()}" for k in LAYOUT_FIELDS]
-    return out + [f"training.micro_batch_size={layout['micro_batch_size']}"]
+    out.append(f"training.micro_batch_size={layout['micro_batch_size']}")
+    return out + (["model.compile=true"] if layout.get("compile") else [])
 
 
 def rungs(cfg: Any) -> list[tuple[str, dict[str, Any], list[str]]]:
@@ -75,9 +77,12 @@ def rungs(cfg: Any) -> list[tuple[str, dict[str, Any], list[str]]]:
     if not passed:
         passed = [{**chosen, "activation_checkpointing": True}, {**chosen, "zero_stage": 3}]
     seen = [chosen, BEFORE]
+    passed.append({**chosen, "compile": True})  # torch.compile on the choice: last, if time is left
     for layout in passed:
         if layout not in seen:
-            name = ", ".join(f"{k}={layout[k]}" for k in (*LAYOUT_FIELDS, "micro_batch_size"))
+            name = ", ".join(
+                f"{k}={layout[k]}" for k in (*LAYOUT_FIELDS, "micro_batch_size", "compile") if k in layout
+            )
             out.append((name, layout, []))
             seen.append(layout)
     return out
