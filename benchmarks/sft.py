@@ -48,7 +48,16 @@ from benchmarks.common import (
 TRAINER_SCRIPT = ROOT / "benchmarks" / "peers" / "hf_trainer.py"
 # elastictrain_trainer_json: elastictrain run with the Trainer's DeepSpeed JSON (deepspeed.config_file),
 # to tell its own ZeRO-3 settings from the rest; not in the smoke run.
-SYSTEMS = ("elastictrain", "elastictrain_trainer_json", "hf_trainer")
+# elastictrain_auto: the layout chosen for the run (deepspeed.zero_stage=auto: ZeRO-0 in fp32 here),
+# against hf_trainer_default: the Trainer in its default set-up (no DeepSpeed; DDP at 2 processes) with
+# torch's default threads, as a user who installs transformers gets it.
+SYSTEMS = (
+    "elastictrain",
+    "elastictrain_trainer_json",
+    "hf_trainer",
+    "elastictrain_auto",
+    "hf_trainer_default",
+)
 
 
 @dataclass(frozen=True)
@@ -184,12 +193,25 @@ def run_ours(cfg: Any, size: Size, data: dict[str, Any]) -> dict[str, Any]:
         record_steps(steps)(controller)
         controller.callbacks.after_attempt_start.append(lambda _c: begin.append(time.time()))
 
-    run_elastictrain(cfg, hook)
-    return {**_epoch(begin[0], [s["time"] for s in steps], size, data), "setup_s": begin[0] - t0}
+    run_dir = run_elastictrain(cfg, hook)
+    costs = next((e for e in run_dir.read_events() if e["event"] == "step_costs"), {})
+    return {
+        **_epoch(begin[0], [s["time"] for s in steps], size, data),
+        "setup_s": begin[0] - t0,
+        "median_engine_s": costs.get("median_engine_s"),  # the slowest rank's forward, backward, update
+        "median_rest_s": costs.get("median_rest_s"),  # the rest of a step (core/step_cost.py)
+    }
 
 
 def run_trainer(
-    world_size: int, size: Size, model_dir: Path, samples: Path, data: dict[str, Any], tmp: Path
+    world_size: int,
+    size: Size,
+    model_dir: Path,
+    samples: Path,
+    data: dict[str, Any],
+    tmp: Path,
+    *,
+    deepspeed: bool = True,
 ) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     spec = {
@@ -207,6 +229,7 @@ def run_trainer(
         "steps_file": str(tmp / "steps.jsonl"),
         "out": str(tmp / "out.json"),
         "batches_file": str(tmp / "batches.jsonl"),
+        "deepspeed": deepspeed,
     }
     spec_path = tmp / "spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -219,8 +242,11 @@ def run_trainer(
     t0 = time.time()
     log_path = tmp / "log.txt"
     with log_path.open("ab") as log:
+        env = peer_env()
+        if not deepspeed:  # torch's default threads: every core, or torchrun's one per process at 2
+            env.pop("OMP_NUM_THREADS", None)
         proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=peer_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
             proc.wait(timeout=size.timeout_s)
@@ -234,7 +260,9 @@ def run_trainer(
         raise RuntimeError(
             f"HF Trainer at {world_size} process(es): exit {proc.returncode}; log tail:\n{tail}"
         )
-    if out["deepspeed"] != "DeepSpeedEngine" or out["world_size"] != world_size:
+    # Under torchrun the Trainer wraps the model in DDP even at one process; with DeepSpeed, its engine.
+    wrapped = "DeepSpeedEngine" if deepspeed else "DistributedDataParallel"
+    if out["deepspeed"] != wrapped or out["world_size"] != world_size:
         raise RuntimeError(f"HF Trainer ran as {out['deepspeed']} at world size {out['world_size']}")
     same = same_batches(_read_lines(Path(spec["batches_file"])), data["lengths"], size, world_size)
     return {
@@ -277,13 +305,17 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
                 where = tmp / "sft" / f"{system}-ws{ws}-rep{rep}"
                 if system == "elastictrain":
                     r = run_ours(config(model_dir, data_dir, where, size, ws), size, data)
+                elif system == "elastictrain_auto":
+                    cfg = config(model_dir, data_dir, where, size, ws, "deepspeed.zero_stage=auto")
+                    r = run_ours(cfg, size, data)
                 elif system == "elastictrain_trainer_json":
                     cfg = config(
                         model_dir, data_dir, where, size, ws, f"deepspeed.config_file={trainer_json}"
                     )
                     r = run_ours(cfg, size, data)
                 else:
-                    r = run_trainer(ws, size, model_dir, samples, data, where)
+                    deepspeed = system == "hf_trainer"
+                    r = run_trainer(ws, size, model_dir, samples, data, where, deepspeed=deepspeed)
                 runs.append({"rep": rep, "world_size": ws, "system": system, **r})
                 print(
                     f"  sft rep {rep} ws {ws} {system}: {r['samples_per_s']:.2f} samples/s, "
@@ -307,11 +339,13 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
             for key in ("samples_per_s", "real_tokens_per_s", "steady_samples_per_s", "setup_s")
         }
 
-        def versus(system: str, per: dict[str, list[dict[str, Any]]] = per) -> float | None:
+        def versus(
+            system: str, peer: str = "hf_trainer", per: dict[str, list[dict[str, Any]]] = per
+        ) -> float | None:
             """Per repetition (the same machine state), then their median."""
             pairs = [
                 ratio(a["samples_per_s"], b["samples_per_s"])
-                for a, b in zip(per[system], per["hf_trainer"], strict=True)
+                for a, b in zip(per[system], per[peer], strict=True)
             ]
             found = [p for p in pairs if p is not None]
             return median(found) if found else None
@@ -323,6 +357,30 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
         targets.append(
             Target(f"sft ws{ws}: elastictrain / HF Trainer, samples/s over one epoch", vs, 1.0, ">=")
         )
+        if "hf_trainer_default" in systems:
+            auto = versus("elastictrain_auto", "hf_trainer_default")
+            metrics[f"ws{ws}"]["elastictrain_auto_vs_trainer_default"] = auto
+            metrics[f"ws{ws}"]["step_costs"] = {
+                s: median([r["median_rest_s"] for r in per[s] if r.get("median_rest_s") is not None] or [0.0])
+                for s in ("elastictrain", "elastictrain_auto")
+            }
+            targets.append(
+                Target(
+                    f"sft ws{ws}: elastictrain (auto layout) / HF Trainer without DeepSpeed, samples/s",
+                    auto,
+                    1.0,
+                    ">=",
+                )
+            )
+            targets.append(
+                Target(
+                    f"sft ws{ws}: elastictrain's time around the engine per step (median, auto layout)",
+                    metrics[f"ws{ws}"]["step_costs"]["elastictrain_auto"],
+                    0.010,
+                    "<=",
+                    unit="s",
+                )
+            )
     notes = [
         "One epoch of the same tokenized records in the same order and micro-batches, fp32, ZeRO-3 on CPU "
         "(gloo), one thread per rank; real tokens/s counts non-padding tokens (the same records, so its "
@@ -339,6 +397,11 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
         "partitioned and gathered, buckets of hidden^2). elastictrain's own config keeps DeepSpeed's "
         "persistence threshold (1e5 elements) and buckets of at least 4M elements: most of its lead is that "
         "config; this row is the rest.",
+        "elastictrain_auto against hf_trainer_default: elastictrain with deepspeed.zero_stage=auto (ZeRO-0 "
+        "in fp32 for this model) and its default threads (every core for one rank alone on the machine), "
+        "against the Trainer without DeepSpeed (its default: DDP at 2 processes) with torch's default "
+        "threads; step_costs: the median of each step's time outside the engine (data, the driver's round "
+        "trip, metrics, snapshots), target 10 ms.",
         "Time: from ready-to-train (elastictrain: attempt started; Trainer: on_train_begin) to the last "
         "step's end. set-up_s is beside it, not in it: elastictrain from its launch on the already started "
         "local Ray cluster, the Trainer from torchrun's launch (imports included).",

@@ -119,7 +119,7 @@ def main() -> None:
         optim="adamw_torch",
         use_cpu=True,  # gloo; the Trainer still wraps the model in a DeepSpeed engine
         ddp_backend="gloo",
-        deepspeed=ZERO3,
+        deepspeed=ZERO3 if spec.get("deepspeed", True) else None,  # None: its default set-up (DDP)
         train_sampling_strategy="sequential",
         dataloader_num_workers=0,
         remove_unused_columns=False,
