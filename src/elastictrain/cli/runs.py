@@ -33,6 +33,8 @@ def status(run_dir: Annotated[str, typer.Argument(help="a run folder (a path or 
     if driver is not None:
         out.print(f"driver    {driver.text}")
     out.print(f"step      {info.last_step}\nfailures  {info.failures}")
+    if info.skipped_steps:  # steps not applied: a non-finite loss or gradient (events.jsonl: bad_step)
+        out.print(f"skipped   {info.skipped_steps} step(s) not applied (non-finite loss or gradients)")
     from elastictrain.tracking.tracker import resolve_tracking_uri
 
     stored_uri = info.mlflow_tracking_uri

@@ -12,7 +12,8 @@ with its ranges is docs/reference/deepspeed-compatibility.md (`python -m elastic
 
 - deepspeed/: process-wide state between attempts (process_state.py), py-cpuinfo's probe (cpu_info.py),
   the ZeRO-3 engine build (zero3_build.py), its memory (zero3_memory.py), NVMe swap buffers
-  (swap_buffers.py) and the optimizer state that elastic checkpoints read and write (optimizer_state.py)
+  (swap_buffers.py), the optimizer state that elastic checkpoints read and write (optimizer_state.py) and
+  steps with non-finite gradients left unapplied without ZeRO (skip_update.py)
 - torch_dist/: gloo gathers in pieces (gloo_gather.py), gloo's sockets (collective_sockets.py), NCCL's
   abort (process_group.py)
 - transformers/: weight initialization under ZeRO-3 (hf_init.py), a model class built from its config

@@ -49,6 +49,7 @@ PATCH_MODULES = (
     "elastictrain.compat.deepspeed.zero3_memory",
     "elastictrain.compat.deepspeed.swap_buffers",
     "elastictrain.compat.deepspeed.optimizer_state",
+    "elastictrain.compat.deepspeed.skip_update",
     "elastictrain.compat.torch_dist.gloo_gather",
     "elastictrain.compat.torch_dist.process_group",
     "elastictrain.compat.transformers.hf_init",

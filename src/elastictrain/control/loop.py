@@ -23,6 +23,7 @@ from elastictrain.checkpoint.model_record import configured_model
 from elastictrain.checkpoint.store import CheckpointStore
 from elastictrain.cluster.calls import Group
 from elastictrain.control.attempt import AttemptSetUp
+from elastictrain.control.bad_steps import BadSteps
 from elastictrain.control.callbacks import Callbacks
 from elastictrain.control.capacity import Capacity
 from elastictrain.control.errors import AttemptFailed, RunFailed
@@ -91,6 +92,7 @@ class Controller:
         self.pipeline = StepPipeline(config, group, self.snapshots, self.evals, clock=clock)
         self.memory = MemoryRecovery(config, group, self.snapshots)  # buddies, and loading from them
         self.reference = ReferencePass(config, group, self.recorder)  # a full fine-tune's DPO/KTO reference
+        self.bad_steps = BadSteps(self.recorder)  # steps not applied: a non-finite loss or gradient
         self.setup = AttemptSetUp(
             config, group, self.recorder, self.resume, self.memory, self.reference, clock
         )
@@ -289,6 +291,7 @@ class Controller:
         metrics = {
             **done.metrics,
             **self.snapshots.note(done.index, done.results, done.wall_s, self.recorder),
+            **self.bad_steps.note(done.index, done.results),
         }
         if self.recovery is not None:  # the first step after a failure or a resize
             compute = max((float(r.get("step_time_s") or 0.0) for r in done.results), default=0.0)

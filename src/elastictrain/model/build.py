@@ -200,6 +200,9 @@ def new_engine(spec: Any, *, zero3: bool) -> Any:
             model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=spec.ds_config,
         )
+    from elastictrain.compat.deepspeed.skip_update import skip_non_finite_updates
+
+    skip_non_finite_updates(engine)  # DeepSpeed's own optimizers skip such steps; torch's would not
     if cfg.model.compile:
         engine.compile()  # torch.compile with the accelerator's backend; compiles on the first steps
     if zero3:

@@ -72,6 +72,9 @@ class RunInfo:
     logged_step: int = 0
     last_metrics: dict[str, Any] = field(default_factory=dict)
     failures: int = 0
+    skipped_steps: int = (
+        0  # steps not applied: their loss or gradients were not finite (control/bad_steps.py)
+    )
     message: str | None = None
     # Keys written by a newer version are kept so that an update does not silently drop them.
     extra: dict[str, Any] = field(default_factory=dict)

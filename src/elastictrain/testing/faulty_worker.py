@@ -28,13 +28,15 @@ class FaultyTrainWorker(TrainWorker):
         self._hung: tuple[int, float] | None = None
 
     def inject_fault(self, kind: str, at_step: int, phase: str = "start") -> None:
-        """At `at_step`, "crash" (process exits), "raise" (step raises) or "hang" (stops), at one of
+        """At `at_step`, "crash" (process exits), "raise" (step raises), "hang" (stops) or "nan" (the first
+        micro-batch's logits on this rank come out NaN, as from a bad batch: its loss and gradients are
+        not finite; phase "start" only), at one of
         PHASES of that step: its start (before any forward), inside its first micro-batch's backward
         pass, right before its optimizer update, or right before the replica of the snapshot taken beside
         it is sent to the buddy (the buddy then never gets that replica); "reference": at the start of the
         reference pass's chunk that starts at item `at_step`."""
-        if kind not in ("crash", "raise", "hang"):
-            raise ValueError(f"fault kind: got {kind!r}; expected crash, raise or hang")
+        if kind not in ("crash", "raise", "hang", "nan"):
+            raise ValueError(f"fault kind: got {kind!r}; expected crash, raise, hang or nan")
         if phase not in PHASES:
             raise ValueError(f"fault phase: got {phase!r}; expected one of {', '.join(PHASES)}")
         self._faults[(at_step, phase)] = kind
@@ -55,6 +57,8 @@ class FaultyTrainWorker(TrainWorker):
 
     def _maybe_fault(self, step: int, phase: str = "start") -> None:
         kind = self._faults.pop((step, phase), None)
+        if kind == "nan":
+            self._arm_nan_logits()
         if kind == "crash":
             os._exit(17)
         if kind == "raise":
@@ -83,3 +87,17 @@ class FaultyTrainWorker(TrainWorker):
             self._maybe_fault(step, "backward")
 
         handles.append(trainable[-1].register_full_backward_hook(fire))
+
+    def _arm_nan_logits(self) -> None:
+        """The next forward's output layer (the model's last linear layer) returns NaN, once."""
+        import torch
+
+        head = [m for m in self.engine.module.modules() if isinstance(m, torch.nn.Linear)][-1]
+        handles: list[Any] = []
+
+        def poison(_module: Any, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
+            for h in handles:
+                h.remove()
+            return output * float("nan")
+
+        handles.append(head.register_forward_hook(poison))

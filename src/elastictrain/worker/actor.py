@@ -21,6 +21,7 @@ from typing import Any
 from elastictrain.compat.deepspeed.cpu_info import remember_cpu_info
 from elastictrain.compat.deepspeed.ops import load_op, prefer_environment_tools
 from elastictrain.compat.deepspeed.process_state import reset_zero_counters
+from elastictrain.compat.deepspeed.skip_update import update_applied
 from elastictrain.compat.registry import check_all
 from elastictrain.compat.torch_dist.collective_sockets import CollectiveSockets
 from elastictrain.compat.torch_dist.gloo_gather import agreed_piece_bytes, piece_bytes, use_gather_in_pieces
@@ -388,6 +389,7 @@ class TrainWorker(SnapshotPeer, ShardSaves, ReferenceShare):
             "step_time_s": elapsed,
             "forward_backward_s": forward_backward_s[0],
             "engine_s": elapsed - collate_s,  # forward, backward and update: what any system must run
+            "update_applied": update_applied(engine),  # False: skipped, its gradients not finite
             "sample_ids": samples,
             **memory_peaks(engine),
             # How the last background checkpoint write is doing: the controller commits when all are done.
