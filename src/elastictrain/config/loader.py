@@ -305,6 +305,7 @@ def validate(config: Config) -> Config:
     _at_least(p, "failure.hang_timeout_s", f.hang_timeout_s, 0, strict=True)
     _at_least(p, "failure.collective_timeout_s", f.collective_timeout_s, 0, strict=True)
     _at_least(p, "failure.wait_for_capacity_s", f.wait_for_capacity_s, 0)
+    _at_least(p, "failure.warmup_timeout_s", f.warmup_timeout_s, 0, strict=True)
     _at_least(p, "tracking.max_spool_mb", config.tracking.max_spool_mb, 0, strict=True)
     p.extend(_tracking_uri_problems(config.tracking.uri))
     if config.ray.num_cpus is not None:

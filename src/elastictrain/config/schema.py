@@ -318,6 +318,11 @@ class FailureConfig:
     collective_timeout_s: float = 300.0  # the process groups' timeout for one collective
     # How long the run waits for capacity for min_workers (after a failure or at start) before failing
     wait_for_capacity_s: float = 60.0
+    # A worker still starting (its process, imports, DeepSpeed's op builds) after this many seconds is named,
+    # stopped and started again, so a start that hangs never holds the run (which would otherwise wait for
+    # it without end). A cold start takes tens of seconds; the first NVMe offload on a machine builds
+    # DeepSpeed's async_io op: minutes
+    warmup_timeout_s: float = 600.0
 
 
 @dataclass

@@ -60,6 +60,7 @@ class Capacity:
         self.clock = clock
         self.degrees = degrees  # tensor_parallel: auto's chooser (tensor_parallel_auto.py), or None
         self.layouts = layouts  # auto layout fields' chooser (driver/layout_auto.py), or None
+        self._warming_since: dict[str, float] = {}  # worker id -> when it was started
 
     def _restart_size(self, step: int) -> int | None:
         """The warm workers' best world size; with `tensor_parallel: auto`, at the degree that fits there."""
@@ -110,9 +111,41 @@ class Capacity:
         """Workers that exist plus reservations placed: what a restart could run on."""
         return len(self.group.workers) + self.group.ready_reservations()
 
+    def tend_workers(self, step: int) -> None:
+        """Between steps: stop warm-ups that overran failure.warmup_timeout_s, start actors in placed
+        reservations."""
+        if self.group.warming:
+            self.stop_stuck_warmups(step)
+        if self.group.pending:
+            self.start_new_workers(step)
+
+    def stop_stuck_warmups(self, step: int) -> None:
+        """A worker warming up for longer than failure.warmup_timeout_s (an import, an op build or a
+        placement that never ends) is named and stopped; its slot is asked for again."""
+        limit = float(self.cfg.failure.warmup_timeout_s)
+        now = self.clock()
+        for w in list(self.group.warming):
+            since = self._warming_since.setdefault(w.worker_id, now)
+            if now - since <= limit:
+                continue
+            self.group.remove(w)
+            self._warming_since.pop(w.worker_id, None)
+            self.recorder.event(
+                "warmup_timeout",
+                f"worker {w.worker_id} did not finish starting in {limit:.0f}s (failure.warmup_timeout_s): "
+                "stopped; a new worker starts in its place",
+                style="yellow",
+                step=step,
+                worker=w.worker_id,
+                seconds=round(now - since, 1),
+            )
+        self._request_missing()
+
     def start_new_workers(self, step: int) -> None:
         """Start actors in every placed reservation; they warm up while the others train."""
         new = self.group.start_workers(self.actors_wanted, self.cfg)
+        now = self.clock()
+        self._warming_since.update((w.worker_id, now) for w in new)
         if new:
             self.recorder.event(
                 "workers_starting",
@@ -144,6 +177,7 @@ class Capacity:
         waiting_since: float | None = None
         announced = None
         while True:
+            self.stop_stuck_warmups(step)
             self.start_new_workers(step)
             self.group.poll_warm()
             self._fail_on_repeated_warmup_error()
@@ -220,6 +254,7 @@ class Capacity:
         if world_size >= self.rules.max_workers:
             return None
         self._request_missing()
+        self.stop_stuck_warmups(step)
         self.start_new_workers(step)
         self.group.poll_warm()
         return decide_grow(self.rules, world_size, self.usable_warm())

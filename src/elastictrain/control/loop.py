@@ -309,8 +309,7 @@ class Controller:
         if self.ledger is not None:
             for r in sorted(done.replicas, key=lambda r: r["rank"]):
                 self.ledger(done.index, r["rank"], r["sample_ids"])
-        if self.group.pending:
-            self.capacity.start_new_workers(self.step)  # a replacement placed mid-segment starts warming now
+        self.capacity.tend_workers(self.step)  # a replacement placed mid-segment starts warming now
         self.recorder.step_metrics(self.step, metrics, log_every=self.cfg.training.log_every_steps)
         self.evals.collect(self.group, done.index)
         for callback in self.callbacks.after_step:

@@ -70,6 +70,7 @@ class FakeGroup(WorkerViews):
     def __init__(self, capacity: int, *, nodes: int | None = None, warmup_polls: int = 1) -> None:
         self.capacity = capacity
         self.warmup_polls = warmup_polls
+        self._never_warm: set[str] = set()  # worker ids whose warm-up never ends
         self.workers: list[FakeWorker] = []
         self.pending: list[int] = []  # reservations not turned into workers yet
         self._nodes = nodes or capacity  # workers are spread over this many nodes, round-robin
@@ -160,12 +161,18 @@ class FakeGroup(WorkerViews):
         self.workers.extend(new)
         return new
 
+    def never_warm(self, worker_number: int) -> None:
+        """The `worker_number`-th worker started (1-based) never finishes its warm-up (a hung import)."""
+        self._never_warm.add(f"fw{worker_number - 1}")
+
     def poll_warm(self, timeout_s: float = 0.0, n: int | None = None) -> list[FakeWorker]:
         """A new worker is warm from its second look on: one that starts after a failure is not
         there for the restart right away (survivors restart alone, the newcomer joins by a grow)."""
         became = []
         for w in self.warming:
             w.polls += 1
+            if w.worker_id in self._never_warm:
+                continue
             if w.polls > self.warmup_polls and self._warmup_error:
                 self.warmup_errors.append((w.worker_id, self._warmup_error))
                 self.remove(w)

@@ -60,7 +60,9 @@ def skip_non_finite_updates(engine: Any) -> None:
 
     def guarded_step(*args: Any, **kwargs: Any) -> Any:
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        finite = not grads or bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
+        # One norm over every gradient (NaN or inf anywhere makes it so); torch >= 2.4 has no get_total_norm.
+        norms = torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]) if grads else None
+        finite = norms is None or bool(torch.isfinite(torch.linalg.vector_norm(norms)))
         optimizer.overflow = not finite
         return update(*args, **kwargs) if finite else None
 
