@@ -57,8 +57,11 @@ def train_reference(
     micro_batches: int = 1,
     device: str = "cpu",
     precision: str = "fp32",
+    skipped: frozenset[int] = frozenset(),
 ) -> tuple[list[float], torch.nn.Module]:
-    """Losses of `steps` optimizer steps, and the trained model.
+    """Losses of `steps` optimizer steps, and the trained model. The steps (0-based) in `skipped` are not
+    taken: their batch is left out, the optimizer's own step count does not move, their loss is NaN (a
+    run skipping a non-finite step, control/bad_steps.py).
 
     Each global batch runs as `micro_batches` equal accumulated parts.
 
@@ -83,6 +86,9 @@ def train_reference(
     )
     losses = []
     for step in range(steps):
+        if step in skipped:
+            losses.append(math.nan)
+            continue
         lr = step_learning_rate(step, t)
         for group in optimizer.param_groups:
             group["lr"] = lr

@@ -11,9 +11,11 @@ import pytest
 import ray
 import torch
 from helpers import run, tiny_config
+from reference import train_reference
 from test_train_end_to_end import _losses
 
 from elastictrain.checkpoint.zero_state import FragmentReader
+from elastictrain.data.sources import dataset_from_config
 from elastictrain.testing.chaos import at_step
 
 pytestmark = pytest.mark.integration
@@ -22,16 +24,22 @@ POISONED = 5  # the step index (0-based) whose first micro-batch on rank 0 comes
 
 
 @pytest.mark.parametrize(
-    "stage, precision",
-    [(0, "fp32"), (2, "bf16")],  # torch's own optimizer (guarded by elastictrain); DeepSpeed's ZeRO and bf16
+    "stage, precision, offload",
+    [
+        (0, "fp32", "none"),  # torch's own optimizer, guarded by elastictrain
+        (3, "fp32", "none"),  # DeepSpeed's ZeRO-3 optimizer
+        (2, "bf16", "none"),  # DeepSpeed's ZeRO-1/2 optimizer through its bf16 overflow check
+        (3, "bf16", "cpu"),  # ZeRO-3 with DeepSpeed's CPU Adam
+    ],
 )
 def test_a_non_finite_step_is_skipped_by_every_rank_and_recorded(
-    ray_local: None, tmp_path: Path, stage: int, precision: str
+    ray_local: None, tmp_path: Path, stage: int, precision: str, offload: str
 ) -> None:
     cfg = tiny_config(
         tmp_path / "run",
         f"deepspeed.zero_stage={stage}",
         f"training.precision={precision}",
+        f"deepspeed.offload_optimizer={offload}",
         "training.max_steps=8",
         "checkpoint.every_steps=4",
     )
@@ -55,3 +63,18 @@ def test_a_non_finite_step_is_skipped_by_every_rank_and_recorded(
     assert _losses(run_dir, "skipped_steps")[8] == 1.0
     weights = FragmentReader(sorted((run_dir.path / "checkpoints" / "step-000008").glob("*.safetensors")))
     assert all(torch.isfinite(weights.full(name)).all() for name in weights.params)
+    if precision == "fp32":
+        # Exactly the plain PyTorch loop that leaves that batch out (its step not taken), at every step.
+        dataset = dataset_from_config(cfg)
+        want, model = train_reference(cfg, dataset, 8, skipped=frozenset({POISONED}))
+        split, _ = train_reference(cfg, dataset, 8, micro_batches=6, skipped=frozenset({POISONED}))
+        finite = [s for s in range(8) if s != POISONED]
+        noise = max(abs(want[s] - split[s]) for s in finite)
+        tol = 10 * max(noise, 1.2e-7 * max(want[s] for s in finite))
+        worst = max(abs(losses[s + 1] - want[s]) for s in finite)
+        assert worst <= tol, (worst, tol, losses, want)
+        trained = dict(model.named_parameters())
+        for name in weights.params:
+            assert torch.allclose(
+                weights.full(name).view_as(trained[name]), trained[name].detach(), atol=1e-5
+            ), name
