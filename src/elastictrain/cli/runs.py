@@ -33,6 +33,11 @@ def status(run_dir: Annotated[str, typer.Argument(help="a run folder (a path or 
     if driver is not None:
         out.print(f"driver    {driver.text}")
     out.print(f"step      {info.last_step}\nfailures  {info.failures}")
+    for slow in info.extra.get("stragglers", [])[-3:]:  # the latest named (events.jsonl: straggler)
+        out.print(
+            f"straggler rank {slow['rank']} (worker {slow['worker']}, node {str(slow['node'])[:12]}) at step "
+            f"{slow['step']}: {slow['ratio']}x the others"
+        )
     if info.skipped_steps:  # steps not applied: a non-finite loss or gradient (events.jsonl: bad_step)
         out.print(f"skipped   {info.skipped_steps} step(s) not applied (non-finite loss or gradients)")
     from elastictrain.tracking.tracker import resolve_tracking_uri

@@ -306,6 +306,9 @@ def validate(config: Config) -> Config:
     _at_least(p, "failure.collective_timeout_s", f.collective_timeout_s, 0, strict=True)
     _at_least(p, "failure.wait_for_capacity_s", f.wait_for_capacity_s, 0)
     _at_least(p, "failure.warmup_timeout_s", f.warmup_timeout_s, 0, strict=True)
+    if f.straggler_factor != 0 and f.straggler_factor <= 1:
+        p.append(f"failure.straggler_factor: got {f.straggler_factor}; expected 0 (off) or a number > 1")
+    _at_least(p, "failure.straggler_steps", f.straggler_steps, 1)
     _at_least(p, "tracking.max_spool_mb", config.tracking.max_spool_mb, 0, strict=True)
     p.extend(_tracking_uri_problems(config.tracking.uri))
     if config.ray.num_cpus is not None:

@@ -323,6 +323,11 @@ class FailureConfig:
     # it without end). A cold start takes tens of seconds; the first NVMe offload on a machine builds
     # DeepSpeed's async_io op: minutes
     warmup_timeout_s: float = 600.0
+    # A rank whose forward passes take more than this times the other ranks' median for straggler_steps
+    # consecutive steps is named (log, events, status, MLflow) with its node; 0: off. 1.3: a GPU's clock
+    # throttling or a noisy neighbour shows as 1.5x and more, step-to-step noise stays within 1.2x
+    straggler_factor: float = 1.3
+    straggler_steps: int = 5  # consecutive slow steps: one-off pauses (a collection, a copy) are not named
 
 
 @dataclass

@@ -40,6 +40,7 @@ from elastictrain.control.saves import QueuedSave, SaveCoordinator
 from elastictrain.control.snapshot_schedule import SnapshotSchedule
 from elastictrain.control.specs import resize_reason
 from elastictrain.control.stop import STOPPED_BY_SIGTERM, Signals, sigterm_stops
+from elastictrain.control.stragglers import Stragglers
 from elastictrain.core.batch import BatchPlan
 from elastictrain.core.policy import Fail, Failure, Restart, decide_after_failure
 from elastictrain.core.recovery import Recovery
@@ -93,6 +94,7 @@ class Controller:
         self.memory = MemoryRecovery(config, group, self.snapshots)  # buddies, and loading from them
         self.reference = ReferencePass(config, group, self.recorder)  # a full fine-tune's DPO/KTO reference
         self.bad_steps = BadSteps(self.recorder)  # steps not applied: a non-finite loss or gradient
+        self.stragglers = Stragglers(config, self.recorder)  # a rank slower than the others, named
         self.setup = AttemptSetUp(
             config, group, self.recorder, self.resume, self.memory, self.reference, clock
         )
@@ -217,6 +219,7 @@ class Controller:
             self.recovery = self.recovery.set_up(self.step - source.step, source.name)
         previous = self.world_size
         self.plan, self.active, self.active_before = plan, workers, workers
+        self.stragglers.attach(workers)
         self.pipeline.attach(workers, source.step)
         self.saves.attach(workers, manifest_for(self.cfg, self.recorder.run_dir, size, plan))
         attempt = self.setup.attempt(self.attempt, plan, workers, source, self.step)
@@ -292,6 +295,7 @@ class Controller:
             **done.metrics,
             **self.snapshots.note(done.index, done.results, done.wall_s, self.recorder),
             **self.bad_steps.note(done.index, done.results),
+            **self.stragglers.note(done.index, done.results),
         }
         if self.recovery is not None:  # the first step after a failure or a resize
             compute = max((float(r.get("step_time_s") or 0.0) for r in done.results), default=0.0)

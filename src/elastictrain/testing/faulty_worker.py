@@ -41,6 +41,10 @@ class FaultyTrainWorker(TrainWorker):
             raise ValueError(f"fault phase: got {phase!r}; expected one of {', '.join(PHASES)}")
         self._faults[(at_step, phase)] = kind
 
+    def inject_forward_delay(self, seconds: float) -> None:
+        """Every later forward pass on this rank takes `seconds` longer, as on a throttled device."""
+        self._forward_delay_s = float(seconds)
+
     def inject_write_delay(self, seconds: float) -> None:
         """Every later checkpoint write starts `seconds` late, as on a slow disk."""
         self._write_delay_s = float(seconds)
@@ -56,6 +60,8 @@ class FaultyTrainWorker(TrainWorker):
         return out
 
     def _maybe_fault(self, step: int, phase: str = "start") -> None:
+        if phase == "start" and getattr(self, "_forward_delay_s", 0.0) > 0:
+            self._delay_forwards()
         kind = self._faults.pop((step, phase), None)
         if kind == "nan":
             self._arm_nan_logits()
@@ -101,3 +107,10 @@ class FaultyTrainWorker(TrainWorker):
             return output * float("nan")
 
         handles.append(head.register_forward_hook(poison))
+
+    def _delay_forwards(self) -> None:
+        """This attempt's model sleeps before each forward (once per engine: a new attempt builds anew)."""
+        if getattr(self, "_delayed_engine", None) is self.engine:
+            return
+        self._delayed_engine = self.engine
+        self.engine.module.register_forward_pre_hook(lambda *_: time.sleep(self._forward_delay_s))

@@ -9,6 +9,7 @@ every micro-batch weighs the same.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,41 @@ from elastictrain.model.objective import PreferenceObjective
 from elastictrain.worker.preference_steps import run_preference_batches
 
 
+class ForwardClock:
+    """Time spent in forward passes. Without ZeRO-3 a forward awaits no other rank, so it measures this
+    rank's own speed (a step's backward and update wait for the slowest rank in their collectives). On a
+    GPU, CUDA events read after the step's one synchronisation: timing adds no wait."""
+
+    def __init__(self, device: Any) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self.spans: list[tuple[Any, Any]] = []
+        self.host_s = 0.0
+        self._began: Any = None
+
+    def __enter__(self) -> ForwardClock:
+        if self.cuda:
+            self._began = torch.cuda.Event(enable_timing=True)
+            self._began.record()
+        else:
+            self._began = time.perf_counter()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.spans.append((self._began, end))
+        else:
+            self.host_s += time.perf_counter() - self._began
+
+    def seconds(self) -> float:
+        if not self.cuda:
+            return self.host_s
+        if self.spans:
+            self.spans[-1][1].synchronize()
+        return sum(start.elapsed_time(end) for start, end in self.spans) / 1000.0
+
+
 @dataclass
 class StepLoss:
     """What a rank reports of its share of a step's loss."""
@@ -30,9 +66,10 @@ class StepLoss:
     target_tokens: int | None = None  # built-in loss: target tokens of this rank
     items: int | None = None  # a preference objective: pairs (KTO records) of this rank
     preference: dict[str, list[float]] | None = None  # its figures: name -> [sum, count]
+    forward_s: float | None = None  # this rank's forward passes: its own compute, no collective awaited
 
     def fields(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"loss": self.loss}
+        out: dict[str, Any] = {"loss": self.loss, "forward_s": self.forward_s}
         if self.target_tokens is not None:
             out.update(loss_sum=self.loss_sum, target_tokens=self.target_tokens)
         if self.items is not None:
@@ -71,15 +108,17 @@ def run_micro_batches(
         return StepLoss(
             sums["loss_sum"] / max(items, 1), sums["loss_sum"], items=items, preference=sums["preference"]
         )
+    clock = ForwardClock(engine.device)
     if loss_fn is not causal_lm_loss:
         acc = torch.zeros((), dtype=torch.float64, device=engine.device)
         for i, (batch, seed) in enumerate(batches):
             torch.manual_seed(seed)  # dropout and other randomness follow the data position
-            loss = loss_fn(engine, batch)  # the engine forwards to the module, as the module would
+            with clock:
+                loss = loss_fn(engine, batch)  # the engine forwards to the module, as the module would
             engine.backward(loss)
             step(i)
             acc = acc + loss.detach().float().double()  # fp64, in order: the sum floats would give
-        return StepLoss(float(acc.item()) / len(batches))
+        return StepLoss(float(acc.item()) / len(batches), forward_s=clock.seconds())
     counts = [target_token_count(batch) for batch, _ in batches]
     local = torch.stack(counts).sum()
     total = global_count(local)  # queued once per step, before any forward; never waited for here
@@ -89,9 +128,10 @@ def run_micro_batches(
     loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
     for i, (batch, seed) in enumerate(batches):
         torch.manual_seed(seed)
-        summed = causal_lm_token_loss_sum(engine, batch)
+        with clock:
+            summed = causal_lm_token_loss_sum(engine, batch)
         engine.backward(summed * scale.to(summed.device))
         step(i)
         loss_sum = loss_sum + summed.detach().double()
     summed_total, counted = torch.stack([loss_sum, local.to(loss_sum.device).double()]).tolist()
-    return StepLoss(summed_total / max(counted, 1), summed_total, int(counted))
+    return StepLoss(summed_total / max(counted, 1), summed_total, int(counted), forward_s=clock.seconds())

@@ -1,0 +1,60 @@
+"""A rank slower than the others, named with its worker and node: an event, a terminal line, run.json's
+`stragglers` (shown by `elastictrain status`) and the `straggler_ratio` metric (the slowest rank's forward
+time over the others' median, each step). The rule is pure (core/stragglers.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from typing import Any
+
+from elastictrain.control.record import RunRecorder
+from elastictrain.core.stragglers import StragglerWatch
+
+
+class Stragglers:
+    def __init__(self, config: Any, recorder: RunRecorder) -> None:
+        f = config.failure
+        self.watch = StragglerWatch(float(f.straggler_factor), int(f.straggler_steps))
+        self.recorder = recorder
+        self.workers: list[Any] = []
+
+    def attach(self, workers: list[Any]) -> None:
+        """A new attempt's workers, in rank order."""
+        self.workers = list(workers)
+        self.watch.forget()
+
+    def note(self, index: int, results: list[dict[str, Any]]) -> dict[str, float]:
+        seconds = {int(r["rank"]): float(r["forward_s"]) for r in results if r.get("forward_s")}
+        if len(seconds) < 2:
+            return {}
+        ratios = [
+            own / statistics.median(s for r, s in seconds.items() if r != rank)
+            for rank, own in seconds.items()
+        ]
+        for rank, ratio in self.watch.observe(seconds):
+            self._name(index + 1, rank, ratio)
+        return {"straggler_ratio": max(ratios)}
+
+    def _name(self, step: int, rank: int, ratio: float) -> None:
+        worker = self.workers[rank] if rank < len(self.workers) else None
+        worker_id = getattr(worker, "worker_id", f"rank {rank}")
+        node = getattr(worker, "node_id", "") or "?"
+        w = self.watch
+        self.recorder.event(
+            "straggler",
+            f"rank {rank} (worker {worker_id}, node {node[:12]}) is a straggler: its forward passes took "
+            f"{ratio:.2f}x the other ranks' median for {w.steps} steps (failure.straggler_factor={w.factor})",
+            style="yellow",
+            step=step,
+            rank=rank,
+            worker=worker_id,
+            node=node,
+            ratio=round(ratio, 3),
+        )
+        named = [*self.recorder.run_dir.read_info().extra.get("stragglers", [])]
+        named.append(
+            {"step": step, "rank": rank, "worker": worker_id, "node": node, "ratio": round(ratio, 3)}
+        )
+        with contextlib.suppress(OSError):  # disk full: the event has it; training goes on
+            self.recorder.run_dir.set_extra("stragglers", named[-20:])

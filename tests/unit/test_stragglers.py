@@ -1,0 +1,55 @@
+"""Naming a slow rank (core/stragglers.py)."""
+
+from __future__ import annotations
+
+from elastictrain.core.stragglers import StragglerWatch
+
+
+def test_a_rank_slower_than_the_others_median_for_n_steps_is_named_once():
+    watch = StragglerWatch(factor=1.3, steps=3)
+    seen = [watch.observe({0: 0.10, 1: 0.21, 2: 0.11}) for _ in range(5)]
+    assert seen[:2] == [[], []]
+    assert [(rank, round(ratio, 2)) for rank, ratio in seen[2]] == [(1, 2.0)]
+    assert seen[3:] == [[], []]  # named once while it stays slow
+
+
+def test_a_one_off_slow_step_is_not_a_straggler():
+    watch = StragglerWatch(factor=1.3, steps=3)
+    times = [{0: 0.1, 1: 0.1}, {0: 0.3, 1: 0.1}, {0: 0.1, 1: 0.1}, {0: 0.3, 1: 0.1}, {0: 0.3, 1: 0.1}]
+    assert all(watch.observe(t) == [] for t in times)
+
+
+def test_a_rank_back_at_pace_is_named_again_if_it_slows_again():
+    watch = StragglerWatch(factor=1.3, steps=1)
+    assert watch.observe({0: 0.2, 1: 0.1}) == [(0, 2.0)]
+    assert watch.observe({0: 0.1, 1: 0.1}) == []
+    assert watch.observe({0: 0.2, 1: 0.1}) == [(0, 2.0)]
+
+
+def test_off_and_single_rank_name_nobody():
+    assert StragglerWatch(factor=0, steps=1).observe({0: 1.0, 1: 0.1}) == []
+    assert StragglerWatch(factor=1.3, steps=1).observe({0: 1.0}) == []
+
+
+def test_the_controller_names_the_straggler_with_its_worker_and_node_in_events_and_run_json(tmp_path):
+    from dataclasses import dataclass
+
+    from loop_harness import make_run
+
+    from elastictrain.control.stragglers import Stragglers
+
+    @dataclass
+    class Worker:
+        worker_id: str
+        node_id: str
+
+    r = make_run(tmp_path, "failure.straggler_steps=2")
+    watch = Stragglers(r.controller.cfg, r.controller.recorder)
+    watch.attach([Worker("w0", "node-a"), Worker("w1", "node-b"), Worker("w2", "node-c")])
+    results = [{"rank": 0, "forward_s": 0.1}, {"rank": 1, "forward_s": 0.25}, {"rank": 2, "forward_s": 0.1}]
+    assert watch.note(0, results) == {"straggler_ratio": 2.5}
+    watch.note(1, results)
+    (event,) = r.events("straggler")
+    assert (event["rank"], event["worker"], event["node"], event["step"]) == (1, "w1", "node-b", 2)
+    assert "rank 1 (worker w1, node node-b) is a straggler: its forward passes took 2.50x" in event["message"]
+    assert r.run_dir.read_info().extra["stragglers"][0]["worker"] == "w1"
