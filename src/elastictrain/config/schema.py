@@ -328,6 +328,10 @@ class FailureConfig:
     # throttling or a noisy neighbour shows as 1.5x and more, step-to-step noise stays within 1.2x
     straggler_factor: float = 1.3
     straggler_steps: int = 5  # consecutive slow steps: one-off pauses (a collection, a copy) are not named
+    # A named straggler is stopped and replaced: the others go on from memory (the step in flight lost), a
+    # new worker joins by a grow once warm; it counts against max_failures. Off by default: a slow rank may
+    # be slow for a while only, and a swap costs a restart and a worker's start
+    replace_stragglers: bool = False
 
 
 @dataclass

@@ -315,6 +315,7 @@ class Controller:
                 self.ledger(done.index, r["rank"], r["sample_ids"])
         self.capacity.tend_workers(self.step)  # a replacement placed mid-segment starts warming now
         self.recorder.step_metrics(self.step, metrics, log_every=self.cfg.training.log_every_steps)
+        self.stragglers.replace_named()  # with failure.replace_stragglers: ends the attempt to swap it
         self.evals.collect(self.group, done.index)
         for callback in self.callbacks.after_step:
             callback(self, done.index, done.results)

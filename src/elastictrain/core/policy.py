@@ -11,7 +11,15 @@ from dataclasses import dataclass, replace
 
 from elastictrain.core.batch import BatchPlan, plan_batch
 
-FAILURE_KINDS = ("worker_died", "node_lost", "out_of_memory", "step_error", "hang", "setup_error")
+FAILURE_KINDS = (
+    "worker_died",
+    "node_lost",
+    "out_of_memory",
+    "step_error",
+    "hang",
+    "setup_error",
+    "straggler",
+)
 
 
 @dataclass(frozen=True)
