@@ -4,6 +4,7 @@ recorded. Real Ray workers, real DeepSpeed engines (gloo)."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -33,8 +34,10 @@ POISONED = 5  # the step index (0-based) whose first micro-batch on rank 0 comes
     ],
 )
 def test_a_non_finite_step_is_skipped_by_every_rank_and_recorded(
-    ray_local: None, tmp_path: Path, stage: int, precision: str, offload: str
+    ray_local: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: int, precision: str, offload: str
 ) -> None:
+    ledger = tmp_path / "ledger.jsonl"
+    monkeypatch.setenv("ELASTICTRAIN_SAMPLE_LEDGER", str(ledger))
     cfg = tiny_config(
         tmp_path / "run",
         f"deepspeed.zero_stage={stage}",
@@ -55,6 +58,11 @@ def test_a_non_finite_step_is_skipped_by_every_rank_and_recorded(
     # Each rank's samples of that step are named (3 micro-batches of 2 per rank), and were not retried.
     assert {rank: len(ids) for rank, ids in bad["samples"].items()} == {"0": 6, "1": 6}
     assert run_dir.read_info().skipped_steps == 1
+    # The sample ledger lists that step's samples as skipped; no sample is read twice.
+    lines = [json.loads(line) for line in ledger.read_text().splitlines()]
+    assert {line["step"] for line in lines if line.get("skipped")} == {POISONED}
+    ids = [i for line in lines for i in line["ids"]]
+    assert len(ids) == len(set(ids)) == 8 * 12
     assert f"step {POISONED + 1} was not applied" in output
 
     losses = _losses(run_dir)

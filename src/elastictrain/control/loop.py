@@ -100,7 +100,7 @@ class Controller:
         )
         self.recovery: Recovery | None = None  # from a failure's detection or a grow to the next step done
         # ELASTICTRAIN_SAMPLE_LEDGER=FILE: every step's sample ids, appended (audits and chaos tests).
-        self.ledger: Callable[[int, int, list[int]], None] | None = ledger_from_env()
+        self.ledger: Callable[[int, int, list[int], bool], None] | None = ledger_from_env()
         self.attempt = 0
         self.failure_history: list[Failure] = []  # what recurs unchanged after a restart is not retried
         self.plan: BatchPlan | None = None
@@ -312,7 +312,7 @@ class Controller:
             self.recovery = None
         if self.ledger is not None:
             for r in sorted(done.replicas, key=lambda r: r["rank"]):
-                self.ledger(done.index, r["rank"], r["sample_ids"])
+                self.ledger(done.index, r["rank"], r["sample_ids"], not r.get("update_applied", True))
         self.capacity.tend_workers(self.step)  # a replacement placed mid-segment starts warming now
         self.recorder.step_metrics(self.step, metrics, log_every=self.cfg.training.log_every_steps)
         self.stragglers.replace_named()  # with failure.replace_stragglers: ends the attempt to swap it

@@ -124,14 +124,16 @@ class RunRecorder:
         return [h["world_size"] for h in self.run_dir.read_info().world_size_history]
 
 
-def ledger_from_env() -> Callable[[int, int, list[int]], None] | None:
-    """ELASTICTRAIN_SAMPLE_LEDGER=FILE: append every reported step's sample ids (audits and chaos tests)."""
+def ledger_from_env() -> Callable[[int, int, list[int], bool], None] | None:
+    """ELASTICTRAIN_SAMPLE_LEDGER=FILE: append every reported step's sample ids (audits and chaos tests);
+    a step not applied (control/bad_steps.py) has its samples marked skipped: read once, never trained."""
     path = os.environ.get("ELASTICTRAIN_SAMPLE_LEDGER")
     if not path:
         return None
 
-    def record(step: int, rank: int, ids: list[int]) -> None:
+    def record(step: int, rank: int, ids: list[int], skipped: bool = False) -> None:
+        line = {"step": step, "rank": rank, "ids": ids, **({"skipped": True} if skipped else {})}
         with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"step": step, "rank": rank, "ids": ids}) + "\n")
+            f.write(json.dumps(line) + "\n")
 
     return record
