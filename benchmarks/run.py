@@ -5,13 +5,13 @@
     python -m benchmarks.run --report-only    # BENCHMARKS.md again from results/*.json, nothing run
 
 Benchmarks: throughput, checkpoint_stall, memory, reshard, recovery, memory_recovery, controller_scale,
-zero_stages, warm_rerun; and, only when named with --only: goodput (a long run with failures injected),
-memory_presets (in-memory snapshots at the 30M and 125M presets, default settings), sft (one
-epoch of instruction records against Hugging Face's Trainer), dpo (one epoch of preference pairs
-against TRL's DPOTrainer, LoRA and full fine-tune) and scale (30M to 1B parameters: hours
-on 2 cores; `--sizes` picks sizes, and sizes already in results/scale.json are skipped unless
-`--redo`). Runs that several benchmarks read (the plain training runs of each system) happen once per
-repetition.
+zero_stages, warm_rerun; and, only when named with --only: straggler (one rank of 3 slowed, kept or
+replaced), goodput (a long run with failures injected), memory_presets (in-memory snapshots at the 30M
+and 125M presets, default settings), sft (one epoch of instruction records against Hugging Face's
+Trainer), dpo (one epoch of preference pairs against TRL's DPOTrainer, LoRA and full fine-tune) and scale
+(30M to 1B parameters: hours on 2 cores; `--sizes` picks sizes, and sizes already in results/scale.json
+are skipped unless `--redo`). Runs that several benchmarks read (the plain training runs of each system)
+happen once per repetition.
 `--smoke` runs every benchmark at its smallest size, for the harness's own test: not a measurement.
 """
 
@@ -38,6 +38,7 @@ from benchmarks import (
     reshard,
     scale,
     sft,
+    straggler,
     throughput,
     warm_rerun,
     zero_stages,
@@ -59,9 +60,10 @@ MODULES = {
     "scale": scale,
     "sft": sft,
     "dpo": dpo,
+    "straggler": straggler,
 }
 # Long: run with --only (GOODPUT_MINUTES sets goodput's length).
-OPT_IN = {"goodput", "memory_presets", "scale", "sft", "dpo"}
+OPT_IN = {"goodput", "memory_presets", "scale", "sft", "dpo", "straggler"}
 DEFAULT_REPS = 1  # the full run stays under 25 minutes on 2 cores; more with --reps
 
 

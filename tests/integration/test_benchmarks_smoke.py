@@ -197,3 +197,17 @@ def test_dpo_benchmark_at_smoke_size(tmp_path: Path) -> None:
     full = [r for r in data["runs"] if r["mode"] == "full"]
     assert all(r["ref_s"] > 0 for r in full)  # each system's reference pass, timed beside the epoch
     assert (results / "dpo.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(420)
+def test_straggler_benchmark_at_smoke_size(tmp_path: Path) -> None:
+    """The opt-in straggler benchmark (one rank of 3 slowed, kept or replaced) alone: about 2 minutes."""
+    results = _smoke_only("straggler", tmp_path, timeout=400)
+    data = json.loads((results / "straggler.json").read_text())
+    (run,) = data["runs"]
+    assert run["kept"]["named_after_steps"] is not None and run["replaced"]["named_after_steps"] is not None
+    assert run["fault_free"]["named_after_steps"] is None  # nobody named without a slowed rank
+    assert min(ws for _, _, ws in run["replaced"]["steps"]) == 2  # the straggler left the run
+    for name in ("fault_free", "kept", "replaced"):
+        assert run[name]["tail_samples_per_s"] > 0
+    assert (results / "straggler.png").stat().st_size > 0
