@@ -77,4 +77,4 @@ def test_fault_injection_lives_only_on_the_testing_subclass_of_the_worker() -> N
 
     assert [n for n in dir(TrainWorker) if n.startswith("inject_")] == []
     injected = sorted(n for n in dir(FaultyTrainWorker) if n.startswith("inject_"))
-    assert injected == ["inject_fault", "inject_snapshot_delay", "inject_write_delay"]
+    assert injected == ["inject_fault", "inject_forward_delay", "inject_snapshot_delay", "inject_write_delay"]
