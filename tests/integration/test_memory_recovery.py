@@ -48,7 +48,7 @@ def config(path: Path, *overrides: str):  # noqa: ANN201
 
 def ledger(records: list[tuple[int, int, list[int]]]) -> Callable[[Any], None]:
     def hook(controller: Any) -> None:
-        controller.ledger = lambda step, rank, ids: records.append((step, rank, list(ids)))
+        controller.ledger = lambda step, rank, ids, _skipped=False: records.append((step, rank, list(ids)))
 
     return hook
 

@@ -239,7 +239,7 @@ def test_a_replica_losing_a_rank_or_its_node_leaves_the_run_to_the_others_from_m
     records: list[tuple[int, int, list[int]]] = []
 
     def ledger(controller: Any) -> None:
-        controller.ledger = lambda step, rank, ids: records.append((step, rank, list(ids)))
+        controller.ledger = lambda step, rank, ids, _skipped=False: records.append((step, rank, list(ids)))
 
     nodes_before: list[list[str]] = []
 

@@ -55,7 +55,7 @@ def test_user_model_and_dataset_shrink_and_grow_with_an_exact_sample_ledger(
     records: list[tuple[int, int, list[int]]] = []
 
     def ledger(controller: Any) -> None:
-        controller.ledger = lambda step, rank, ids: records.append((step, rank, list(ids)))
+        controller.ledger = lambda step, rank, ids, _skipped=False: records.append((step, rank, list(ids)))
 
     def remove_a_worker_node(controller: Any) -> None:
         node_id = controller.active[-1].node_id
