@@ -23,7 +23,7 @@ from benchmarks.common import Result, Target, Workload, config_overrides, load, 
 
 SLOWED_AT = 3  # steps done when rank 1 is slowed
 TAIL = 8  # the last steps, measured after the straggler is named (and replaced)
-STEPS = {True: 16, False: 36}  # smoke, full
+STEPS = {True: 16, False: 90}  # smoke; full: long enough for the replacement to warm and grow back
 WORKERS = ("scaling.min_workers=2", "scaling.max_workers=3", "deepspeed.zero_stage=1")
 
 
