@@ -454,8 +454,9 @@ def worker_peak_rss(controller: Any) -> list[dict[str, Any]]:
     return out
 
 
-def run_elastictrain(cfg: Any, hook: Any = None) -> Any:
-    """Train `cfg` through elastictrain's API on the Ray cluster already connected; returns the RunDir."""
+def run_elastictrain(cfg: Any, hook: Any = None, worker_class: type | None = None) -> Any:
+    """Train `cfg` through elastictrain's API on the Ray cluster already connected; returns the RunDir.
+    `worker_class`: FaultyTrainWorker where the benchmark injects faults."""
     from elastictrain.control.progress import Reporter
     from elastictrain.driver.launch import prepare_run_dir, run_training
 
@@ -466,6 +467,7 @@ def run_elastictrain(cfg: Any, hook: Any = None) -> Any:
         tracking=False,
         reporter=Reporter(cfg.training.max_steps, stream=io.StringIO(), live=False),
         controller_hook=hook,
+        worker_class=worker_class,
     )
     if summary.status.value != "FINISHED":
         # What led there, kept in the message: benchmarks remove a failed run's folder (its checkpoints).

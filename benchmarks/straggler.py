@@ -19,7 +19,17 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.baselines import ensure_local_ray
-from benchmarks.common import Result, Target, Workload, config_overrides, load, median, ratio, workload_info
+from benchmarks.common import (
+    Result,
+    Target,
+    Workload,
+    config_overrides,
+    load,
+    median,
+    ratio,
+    run_elastictrain,
+    workload_info,
+)
 
 SLOWED_AT = 3  # steps done when rank 1 is slowed
 TAIL = 8  # the last steps, measured after the straggler is named (and replaced)
@@ -29,12 +39,8 @@ WORKERS = ("scaling.min_workers=2", "scaling.max_workers=3", "deepspeed.zero_sta
 
 def _train(cfg: Any, delay_s: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(each step's record, the run's events): the controller's view, with rank 1 slowed at SLOWED_AT."""
-    import io
-
     import ray
 
-    from elastictrain.control.progress import Reporter
-    from elastictrain.driver.launch import prepare_run_dir, run_training
     from elastictrain.testing.faulty_worker import FaultyTrainWorker
 
     steps: list[dict[str, Any]] = []
@@ -47,17 +53,7 @@ def _train(cfg: Any, delay_s: float) -> tuple[list[dict[str, Any]], list[dict[st
 
         controller.callbacks.after_step.append(after_step)
 
-    run_dir, _ = prepare_run_dir(cfg, fresh=True)
-    summary = run_training(
-        cfg,
-        run_dir,
-        tracking=False,
-        reporter=Reporter(cfg.training.max_steps, stream=io.StringIO(), live=False),
-        controller_hook=hook,
-        worker_class=FaultyTrainWorker,
-    )
-    if summary.status.value != "FINISHED":
-        raise RuntimeError(f"straggler: run {run_dir.path} ended {summary.status.value}: {summary.message}")
+    run_dir = run_elastictrain(cfg, hook, worker_class=FaultyTrainWorker)
     return steps, run_dir.read_events()
 
 
