@@ -28,6 +28,7 @@ POISONED = 5  # the step index (0-based) whose first micro-batch on rank 0 comes
     "stage, precision, offload",
     [
         (0, "fp32", "none"),  # torch's own optimizer, guarded by elastictrain
+        (1, "fp32", "none"),  # DeepSpeed's ZeRO-1/2 optimizer through its gradient norm
         (3, "fp32", "none"),  # DeepSpeed's ZeRO-3 optimizer
         (2, "bf16", "none"),  # DeepSpeed's ZeRO-1/2 optimizer through its bf16 overflow check
         (3, "bf16", "cpu"),  # ZeRO-3 with DeepSpeed's CPU Adam
