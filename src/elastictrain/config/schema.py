@@ -318,10 +318,10 @@ class FailureConfig:
     collective_timeout_s: float = 300.0  # the process groups' timeout for one collective
     # How long the run waits for capacity for min_workers (after a failure or at start) before failing
     wait_for_capacity_s: float = 60.0
-    # A worker still starting (its process, imports, DeepSpeed's op builds) after this many seconds is named,
-    # stopped and started again, so a start that hangs never holds the run (which would otherwise wait for
-    # it without end). A cold start takes tens of seconds; the first NVMe offload on a machine builds
-    # DeepSpeed's async_io op: minutes
+    # A worker still starting (its process, imports, ops, data) after this many seconds, and three times the
+    # longest start that finished, is named, stopped and started again, so a start that hangs never holds
+    # the run (it would otherwise wait for it without end); while none has finished, three times this. A
+    # cold start takes tens of seconds; starts slow alike (a large dataset to tokenize) get the longer bound
     warmup_timeout_s: float = 600.0
     # A rank whose forward passes take more than this times the other ranks' median for straggler_steps
     # consecutive steps is named (log, events, status, MLflow) with its node; 0: off. 1.3: a GPU's clock

@@ -61,6 +61,7 @@ class Capacity:
         self.degrees = degrees  # tensor_parallel: auto's chooser (tensor_parallel_auto.py), or None
         self.layouts = layouts  # auto layout fields' chooser (driver/layout_auto.py), or None
         self._warming_since: dict[str, float] = {}  # worker id -> when it was started
+        self._warm_up_s: list[float] = []  # how long the finished warm-ups took (as noticed)
 
     def _restart_size(self, step: int) -> int | None:
         """The warm workers' best world size; with `tensor_parallel: auto`, at the degree that fits there."""
@@ -120,10 +121,18 @@ class Capacity:
             self.start_new_workers(step)
 
     def stop_stuck_warmups(self, step: int) -> None:
-        """A worker warming up for longer than failure.warmup_timeout_s (an import, an op build or a
-        placement that never ends) is named and stopped; its slot is asked for again."""
-        limit = float(self.cfg.failure.warmup_timeout_s)
+        """A worker warming up for longer than failure.warmup_timeout_s and three times the longest warm-up
+        that finished (an import, an op build or a placement that never ends, while the others' ended) is
+        named and stopped; its slot is asked for again. While none has finished, warm-ups slow alike (a
+        large dataset to tokenize) get three timeouts before they are taken as stuck."""
         now = self.clock()
+        for wid, since in list(self._warming_since.items()):
+            if any(w.worker_id == wid for w in self.group.warm_workers):
+                self._warm_up_s.append(now - since)
+                del self._warming_since[wid]
+        timeout = float(self.cfg.failure.warmup_timeout_s)
+        # None finished yet: slow alike for three timeouts is taken as stuck alike too, so none waits forever.
+        limit = max(timeout, 3 * max(self._warm_up_s)) if self._warm_up_s else 3 * timeout
         for w in list(self.group.warming):
             since = self._warming_since.setdefault(w.worker_id, now)
             if now - since <= limit:
@@ -132,8 +141,9 @@ class Capacity:
             self._warming_since.pop(w.worker_id, None)
             self.recorder.event(
                 "warmup_timeout",
-                f"worker {w.worker_id} did not finish starting in {limit:.0f}s (failure.warmup_timeout_s): "
-                "stopped; a new worker starts in its place",
+                f"worker {w.worker_id} did not finish starting in {limit:.0f}s (failure.warmup_timeout_s; "
+                "3x the slowest finished start, or 3x the timeout while none has): stopped; a new worker "
+                "starts in its place",
                 style="yellow",
                 step=step,
                 worker=w.worker_id,
