@@ -69,11 +69,11 @@ def rungs(cfg: Any) -> list[tuple[str, dict[str, Any], list[str]]]:
 
     from elastictrain.driver.layout_auto import choose_at_start, rank_memory_here
 
-    lines, chooser = choose_at_start(cfg, rank_memory_here(cfg))
-    chosen = asdict(chooser.current)
-    out = [("auto", chosen, lines), ("before", dict(BEFORE), [])]
+    choice, _ = choose_at_start(cfg, rank_memory_here(cfg))  # the check runs one rank: min_workers 1
+    chosen = asdict(choice.layout)
+    out = [("auto", chosen, choice.lines()), ("before", dict(BEFORE), [])]
     # Those that fit with fewer tokens a pass than the choice wants (the others would not fit at all).
-    passed = [asdict(x) for x, why in chooser.choose(1).passed_over if "only micro batch" in why]
+    passed = [asdict(x) for x, why in choice.passed_over if "only micro batch" in why]
     if not passed:
         passed = [{**chosen, "activation_checkpointing": True}, {**chosen, "zero_stage": 3}]
     seen = [chosen, BEFORE]

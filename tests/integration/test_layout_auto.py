@@ -26,7 +26,8 @@ def test_the_nodes_memory_decides_the_layout_chosen_at_the_start(ray_local: None
     assert memory is not None and memory.device == 0  # no GPU asked for: the host is the rank's memory
     # This machine is the cluster's one node: its memory shared by the ranks it holds (2 CPUs, 1 each).
     assert memory.host == meminfo_bytes("MemTotal") // 2
-    lines, chooser = choose_at_start(cfg, memory)
+    choice, chooser = choose_at_start(cfg, memory)
+    lines = choice.lines()
     assert lines[0] == (
         "layout (auto) at world size 2: ZeRO-0, no offload, no activation checkpointing, micro batch 6"
     )

@@ -222,9 +222,8 @@ class DeepSpeedConfig:
     # the least communication and recomputation that fits each rank's memory, chosen at the start and at
     # every world size, printed with its estimate (docs/guides/automatic-layout.md); values you set stay
     zero_stage: Any = 3
-    offload_optimizer: str = (
-        "none"  # where the optimizer state lives: none | cpu | nvme (nvme: stage 3) | auto
-    )
+    # where the optimizer state lives: none | cpu | nvme (nvme: stage 3) | auto
+    offload_optimizer: str = "none"
     offload_param: str = "none"  # where the parameters live between uses: none | cpu | nvme (stage 3) | auto
     # A node-local folder for NVMe offload, checked writable on every node before training; each rank
     # swaps into NVME_PATH/RUN_ID/rank-N

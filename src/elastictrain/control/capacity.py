@@ -133,12 +133,14 @@ class Capacity:
         timeout = float(self.cfg.failure.warmup_timeout_s)
         # None finished yet: slow alike for three timeouts is taken as stuck alike too, so none waits forever.
         limit = max(timeout, 3 * max(self._warm_up_s)) if self._warm_up_s else 3 * timeout
+        stopped = False
         for w in list(self.group.warming):
             since = self._warming_since.setdefault(w.worker_id, now)
             if now - since <= limit:
                 continue
             self.group.remove(w)
             self._warming_since.pop(w.worker_id, None)
+            stopped = True
             self.recorder.event(
                 "warmup_timeout",
                 f"worker {w.worker_id} did not finish starting in {limit:.0f}s (failure.warmup_timeout_s; "
@@ -149,7 +151,8 @@ class Capacity:
                 worker=w.worker_id,
                 seconds=round(now - since, 1),
             )
-        self._request_missing()
+        if stopped:
+            self._request_missing()
 
     def start_new_workers(self, step: int) -> None:
         """Start actors in every placed reservation; they warm up while the others train."""

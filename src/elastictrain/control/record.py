@@ -117,7 +117,7 @@ class RunRecorder:
     def step_costs(self, step: int) -> None:
         """The end-of-run line: the median step, its time in the engine and around it (core/step_cost.py)."""
         if self.costs.walls:
-            figures: dict[str, Any] = dict(self.costs.figures())
+            figures: dict[str, Any] = self.costs.figures()
             self.event("step_costs", self.costs.describe(), "", step=step, **figures)
 
     def history(self) -> list[int]:

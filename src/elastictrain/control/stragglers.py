@@ -6,13 +6,12 @@ lost worker is (the others go on from memory). The rule is pure (core/stragglers
 from __future__ import annotations
 
 import contextlib
-import statistics
 from typing import Any
 
 from elastictrain.control.errors import AttemptFailed
 from elastictrain.control.record import RunRecorder
 from elastictrain.core.policy import Failure
-from elastictrain.core.stragglers import StragglerWatch
+from elastictrain.core.stragglers import StragglerWatch, ratios
 
 
 class Stragglers:
@@ -34,13 +33,9 @@ class Stragglers:
         seconds = {int(r["rank"]): float(r["forward_s"]) for r in results if r.get("forward_s")}
         if len(seconds) < 2:
             return {}
-        ratios = [
-            own / statistics.median(s for r, s in seconds.items() if r != rank)
-            for rank, own in seconds.items()
-        ]
         for rank, ratio in self.watch.observe(seconds):
             self._name(index + 1, rank, ratio)
-        return {"straggler_ratio": max(ratios)}
+        return {"straggler_ratio": max(ratios(seconds).values())}
 
     def _name(self, step: int, rank: int, ratio: float) -> None:
         worker = self.workers[rank] if rank < len(self.workers) else None

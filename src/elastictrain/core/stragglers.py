@@ -9,6 +9,15 @@ import statistics
 from dataclasses import dataclass, field
 
 
+def ratios(seconds: dict[int, float]) -> dict[int, float]:
+    """Each rank's seconds over the median of the other ranks' (1.0 where the others took no time)."""
+    out = {}
+    for rank, own in seconds.items():
+        others = statistics.median(s for r, s in seconds.items() if r != rank)
+        out[rank] = own / others if others > 0 else 1.0
+    return out
+
+
 @dataclass
 class StragglerWatch:
     factor: float  # 0: off
@@ -21,9 +30,7 @@ class StragglerWatch:
         if self.factor <= 0 or len(seconds) < 2:
             return []
         named_now = []
-        for rank, own in seconds.items():
-            others = statistics.median(s for r, s in seconds.items() if r != rank)
-            ratio = own / others if others > 0 else 1.0
+        for rank, ratio in ratios(seconds).items():
             if ratio <= self.factor:
                 self.slow_for[rank] = 0
                 self.named.discard(rank)

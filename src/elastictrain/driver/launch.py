@@ -228,8 +228,8 @@ def _auto_layout(config: Config, reporter: Reporter, *, local: bool) -> Any:
         return None
     from elastictrain.driver.layout_auto import choose_at_start, rank_memory, rank_memory_here
 
-    lines, chooser = choose_at_start(config, rank_memory_here(config) if local else rank_memory(config))
-    for line in lines:
+    choice, chooser = choose_at_start(config, rank_memory_here(config) if local else rank_memory(config))
+    for line in choice.lines():
         reporter.event(line)
     return chooser
 

@@ -35,13 +35,13 @@ def model_shape(config: Any) -> ModelShape:
     from transformers import AutoConfig
 
     from elastictrain.config.deepspeed_config import live_parameters
+    from elastictrain.model.build import build_hf_config
 
     m = config.model
     if m.pretrained:
         hf = AutoConfig.from_pretrained(m.pretrained, local_files_only=True)
     else:
-        params = dict(m.hf_config)
-        hf = AutoConfig.for_model(params.pop("model_type"), **params)
+        hf = build_hf_config(dict(m.hf_config))
     hf = getattr(hf, "text_config", None) or hf  # a multimodal config's language model
     hidden = int(hf.hidden_size)
     heads = int(getattr(hf, "num_attention_heads", 1) or 1)
@@ -157,9 +157,9 @@ class LayoutChooser:
         return changed
 
 
-def choose_at_start(config: Any, memory: Memory | None) -> tuple[list[str], LayoutChooser]:
-    """Resolve the auto fields for scaling.min_workers ranks: sets them in `config`, returns the lines
-    saying what was chosen and from which estimate, and the chooser the control loop asks again.
+def choose_at_start(config: Any, memory: Memory | None) -> tuple[LayoutChoice, LayoutChooser]:
+    """Resolve the auto fields for scaling.min_workers ranks: sets them in `config`, returns the choice
+    (its `lines()` say what was chosen and from which estimate) and the chooser the control loop asks again.
     Raises PreflightError where nothing fits, or where no node says how much memory it has."""
     names = ", ".join(auto_fields(config))
     if memory is None:
@@ -179,7 +179,7 @@ def choose_at_start(config: Any, memory: Memory | None) -> tuple[list[str], Layo
             "shorten data.seq_len, or train a smaller model"
         )
     chooser.apply(choice)
-    return choice.lines(), chooser
+    return choice, chooser
 
 
 def resolve_in_this_process(config: Any) -> None:
