@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from elastictrain.core.memory_estimate import GIB, estimate_rank_memory
+from elastictrain.core.memory_estimate import GIB, estimate_rank_memory, gathered_params
 from elastictrain.core.zero import stage_problems
 
 MARGIN = 0.10  # of each memory: the allocator's fragmentation and what the estimate leaves out
@@ -194,11 +194,11 @@ def need(
     shape: ModelShape, layout: Layout, world_size: int, tokens: int, precision: str, on_gpu: bool
 ) -> Need:
     """The per-rank estimate of a setting whose micro batch holds `tokens` tokens."""
-    largest = max(shape.largest_layer, min(shape.params, shape.zero3_live)) if layout.zero_stage >= 3 else 0
+    largest = gathered_params(shape.largest_layer, shape.params, shape.zero3_live, layout.zero_stage)
     trained = shape.trainable or shape.params
     states = estimate_rank_memory(
         trained,
-        min(largest or shape.largest_layer, trained),
+        min(largest, trained),
         world_size,
         zero_stage=layout.zero_stage,
         precision=precision,

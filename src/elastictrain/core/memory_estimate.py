@@ -174,6 +174,12 @@ def estimate_rank_memory(
     )
 
 
+def gathered_params(largest_layer: int, params: int, live_params: int, zero_stage: int) -> int:
+    """What a rank holds gathered at once: the largest layer, and under ZeRO-3 up to its live-parameter
+    bound (stage3_max_live_parameters) where that is larger."""
+    return max(largest_layer, min(params, live_params)) if zero_stage >= 3 else largest_layer
+
+
 def largest_sub_group(partition_numels: list[int], sub_group_size: int) -> int:
     """Elements in the largest of ZeRO-3's optimizer sub-groups (DeepSpeed's `_create_fp16_sub_groups`):
     a rank's parameter partitions, in order, each sub-group closed once it reaches `sub_group_size`, so

@@ -244,17 +244,14 @@ def memory_estimate(
     at scaling.tensor_parallel unless `tensor_parallel` is given; `parts`: `model_parts(config)` where
     the caller has it (each build of the empty model costs a fraction of a second)."""
     from elastictrain.config.deepspeed_config import NVME_SUB_GROUP, live_parameters
-    from elastictrain.core.memory_estimate import estimate_rank_memory, largest_sub_group
+    from elastictrain.core.memory_estimate import estimate_rank_memory, gathered_params, largest_sub_group
 
     if config.model.lora.enabled:
         return None
     n = int(config.scaling.tensor_parallel) if tensor_parallel is None else tensor_parallel
     sizes, largest, sliced = parts or model_parts(config)
     params = sum(sizes)
-    # What ZeRO-3 may hold gathered at once: at least the largest layer, at most its live-parameter bound.
-    largest = (
-        max(largest, min(params, live_parameters(config))) if config.deepspeed.zero_stage >= 3 else largest
-    )
+    largest = gathered_params(largest, params, live_parameters(config), config.deepspeed.zero_stage)
     ds, t = config.deepspeed, config.training
     # DeepSpeed's optimizer swapper stages sub-groups through 4 fp32 buffers of its largest sub-group.
     partitions = [-(-size // world_size) for size in sizes]
