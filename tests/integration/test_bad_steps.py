@@ -15,6 +15,7 @@ from helpers import run, tiny_config
 from reference import train_reference
 from test_train_end_to_end import _losses
 
+from elastictrain.checkpoint.store import verify
 from elastictrain.checkpoint.zero_state import FragmentReader
 from elastictrain.data.sources import dataset_from_config
 from elastictrain.testing.chaos import at_step
@@ -95,3 +96,75 @@ def test_a_non_finite_step_is_skipped_by_every_rank_and_recorded(
             assert torch.allclose(
                 weights.full(name).view_as(trained[name]), trained[name].detach(), atol=1e-5
             ), name
+
+
+# (step done, step index): once `step done` steps are done, a weight of rank 0 turns NaN at the start of the
+# step of that index (0-based); the second is asked for after the rollback, which redoes steps 6-9.
+CORRUPTED = ((2, 5), (9, 10))
+
+
+def test_a_weight_gone_bad_rolls_back_to_the_snapshot_before_it_and_gone_bad_again_soon_stops_the_run(
+    ray_local: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every step after a corruption is NaN on rank 0 and not applied. After failure.max_bad_steps (3) the
+    run returns to the in-memory snapshot of step 5 (clean: taken before), skips the batches of steps 6-8
+    and trains as the plain loop that leaves them out. Corrupted again at step 11, within
+    failure.bad_steps_window of the first rollback, the run stops naming steps 11-13 and their samples;
+    the checkpoint before them (step 8; keep_last=1 would have pruned it) is kept and verifies."""
+    ledger = tmp_path / "ledger.jsonl"
+    monkeypatch.setenv("ELASTICTRAIN_SAMPLE_LEDGER", str(ledger))
+    cfg = tiny_config(
+        tmp_path / "run",
+        "deepspeed.zero_stage=0",
+        "checkpoint.keep_last=1",
+        "checkpoint.memory_max_step_share=0",  # a snapshot every step, whatever the copies cost
+        "training.max_steps=16",
+    )
+    asked: set[int] = set()
+
+    def corrupt(controller, _index, _results) -> None:  # noqa: ANN001
+        for done, index in CORRUPTED:
+            if controller.step == done and index not in asked:
+                asked.add(index)
+                ray.get(controller.active[0].actor.inject_fault.remote("corrupt", index))
+
+    summary, run_dir, output = run(cfg, hook=lambda c: c.callbacks.after_step.append(corrupt))
+    assert summary.status.value == "FAILED", output
+    events = run_dir.read_events()
+    assert [e["step"] for e in events if e["event"] == "bad_step"] == [6, 7, 8, 11, 12, 13]
+    (rollback,) = [e for e in events if e["event"] == "rollback"]
+    assert rollback["steps"] == [6, 7, 8] and rollback["recovered_from"] == "memory", rollback
+    assert "rolling back to the in-memory snapshot at step 5" in output
+    assert "step(s) 11, 12, 13 call for a rollback" in summary.message
+    assert "within failure.bad_steps_window of the one for step(s) 6, 7, 8" in summary.message
+    assert "step 11: 0: [" in summary.message  # its samples, by rank
+    assert "The last checkpoint from before them: step-000008" in summary.message
+    good = run_dir.path / "checkpoints" / "step-000008"
+    assert verify(good).problems == []
+    info = run_dir.read_info()
+    assert info.skipped_steps == 6 and info.extra["skip_steps"] == [6, 7, 8, 11, 12, 13]
+    # The ledger's last word on steps 1-9: steps 6-8 skipped, every other sample read once.
+    last: dict[int, dict[int, dict]] = {}
+    for line in map(json.loads, ledger.read_text().splitlines()):
+        last.setdefault(line["step"], {})[line["rank"]] = line
+    assert [s for s in range(9) if all(x.get("skipped") for x in last[s].values())] == [5, 6, 7]
+    applied = [i for s in range(9) if s not in (5, 6, 7) for x in last[s].values() for i in x["ids"]]
+    assert len(applied) == len(set(applied)) == 6 * 12
+
+    # Steps 1-9 as the plain PyTorch loop that leaves the batches of steps 6-8 out.
+    dataset = dataset_from_config(cfg)
+    left_out = frozenset({5, 6, 7})
+    want, model = train_reference(cfg, dataset, 9, skipped=left_out)
+    split, _ = train_reference(cfg, dataset, 9, micro_batches=6, skipped=left_out)
+    losses = _losses(run_dir)
+    kept = [s for s in range(9) if s not in left_out]
+    noise = max(abs(want[s] - split[s]) for s in kept)
+    tol = 10 * max(noise, 1.2e-7 * max(want[s] for s in kept))
+    assert abs(losses[9] - want[8]) <= tol, (losses, want)  # the first step after the rollback
+    _, at_8 = train_reference(cfg, dataset, 8, skipped=left_out)
+    weights = FragmentReader(sorted(good.glob("*.safetensors")))
+    trained = dict(at_8.named_parameters())
+    for name in weights.params:
+        assert torch.allclose(weights.full(name).view_as(trained[name]), trained[name].detach(), atol=1e-5), (
+            name
+        )

@@ -79,6 +79,9 @@ def test_all_problems_are_reported_at_once():
     [
         ("training.max_steps=abc", "training.max_steps: got 'abc'; expected an integer"),
         ("training.max_steps=0", "training.max_steps: got 0; expected a number >= 1"),
+        ("failure.loss_spike=0.5", "failure.loss_spike: got 0.5; expected 0 (off) or a factor > 1, e.g. 3"),
+        ("failure.max_bad_steps=-1", "failure.max_bad_steps: got -1; expected a number >= 0"),
+        ("failure.loss_spike_window=2", "failure.loss_spike_window: got 2; expected a number >= 3"),
         ("training.lr=0", "training.lr: got 0.0; expected a number > 0"),
         ("training.lr=-1", "training.lr: got -1.0; expected a number > 0"),
         ("training.min_lr=0.5", "training.min_lr: got 0.5; expected <= training.lr"),

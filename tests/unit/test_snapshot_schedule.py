@@ -15,7 +15,9 @@ from omegaconf import OmegaConf
 from elastictrain.control.snapshot_schedule import SnapshotSchedule
 
 
-def _schedule(every: int = 1, share: float = 0.03, use_gpu: bool = True) -> SnapshotSchedule:
+def _schedule(
+    every: int = 1, share: float = 0.03, use_gpu: bool = True, loss_spike: float = 0.0
+) -> SnapshotSchedule:
     """GPU workers by default: their snapshots are measured by step times (CPU workers' by CPU time)."""
     cfg = OmegaConf.create(
         {
@@ -25,9 +27,16 @@ def _schedule(every: int = 1, share: float = 0.03, use_gpu: bool = True) -> Snap
                 "background_write": True,
             },
             "scaling": {"use_gpu": use_gpu},
+            "failure": {"loss_spike": loss_spike},
         }
     )
     return SnapshotSchedule(cfg)
+
+
+def test_with_loss_spikes_watched_snapshots_are_at_least_two_steps_apart():
+    assert _schedule(every=1, loss_spike=3.0).interval == 2
+    assert _schedule(every=5, loss_spike=3.0).interval == 5
+    assert _schedule(every=1).interval == 1
 
 
 def simulate(

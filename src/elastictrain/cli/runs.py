@@ -40,6 +40,9 @@ def status(run_dir: Annotated[str, typer.Argument(help="a run folder (a path or 
         )
     if info.skipped_steps:  # steps not applied: a non-finite loss or gradient (events.jsonl: bad_step)
         out.print(f"skipped   {info.skipped_steps} step(s) not applied (non-finite loss or gradients)")
+    rollbacks = info.extra.get("rollbacks", [])
+    if rollbacks:  # events.jsonl: rollback
+        out.print(f"rollbacks {len(rollbacks)}, the last over step(s) {', '.join(map(str, rollbacks[-1]))}")
     from elastictrain.tracking.tracker import resolve_tracking_uri
 
     stored_uri = info.mlflow_tracking_uri

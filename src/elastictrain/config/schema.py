@@ -331,6 +331,19 @@ class FailureConfig:
     # new worker joins by a grow once warm; it counts against max_failures. Off by default: a slow rank may
     # be slow for a while only, and a swap costs a restart and a worker's start
     replace_stragglers: bool = False
+    # Steps not applied in a row (a non-finite loss or gradient) before the run returns to the in-memory
+    # snapshot before the first of them (disk if none) and skips their batches; 0: never. 3: one bad batch,
+    # or two, is data; three in a row is a state gone bad (a corrupted weight, a device's silent error).
+    # fp16's loss-scale overflows with a finite loss are its scaler calibrating and do not count
+    max_bad_steps: int = 3
+    # A second rollback whose first step is within this many steps of the last one's stops the run, naming
+    # the steps and samples: going back again would repeat it
+    bad_steps_window: int = 200
+    # A loss above this times the median of the last loss_spike_window steps' is a spike: the run returns
+    # to the snapshot before it and skips its batch. 0: off (opt-in: early losses fall fast). With it on,
+    # snapshots are at least 2 steps apart, so the one before a spike is still held when it is seen
+    loss_spike: float = 0.0
+    loss_spike_window: int = 20  # steps in the running median; none is judged before that many
 
 
 @dataclass

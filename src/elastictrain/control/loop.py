@@ -26,7 +26,7 @@ from elastictrain.control.attempt import AttemptSetUp
 from elastictrain.control.bad_steps import BadSteps
 from elastictrain.control.callbacks import Callbacks
 from elastictrain.control.capacity import Capacity
-from elastictrain.control.errors import AttemptFailed, RunFailed
+from elastictrain.control.errors import AttemptFailed, RollBackDue, RunFailed
 from elastictrain.control.evaluation import Evaluations
 from elastictrain.control.failures import leave_workers, remove_at_fault, teardown
 from elastictrain.control.manifest import manifest_for
@@ -90,10 +90,18 @@ class Controller:
         self.saves = SaveCoordinator(config, group, self.store, self.recorder, self.resume, clock=clock)
         self.snapshots = SnapshotSchedule(config)  # which steps the ranks copy to host memory
         self.evals = Evaluations(config, self.recorder)
-        self.pipeline = StepPipeline(config, group, self.snapshots, self.evals, clock=clock)
+        self.bad_steps = BadSteps(config, self.recorder)  # steps not applied, rollbacks, batches skipped
+        self.pipeline = StepPipeline(
+            config,
+            group,
+            self.snapshots,
+            self.evals,
+            clock=clock,
+            skip=self.bad_steps.skip,
+            hold_snapshots=lambda: self.bad_steps.first_bad() is not None,
+        )
         self.memory = MemoryRecovery(config, group, self.snapshots)  # buddies, and loading from them
         self.reference = ReferencePass(config, group, self.recorder)  # a full fine-tune's DPO/KTO reference
-        self.bad_steps = BadSteps(self.recorder)  # steps not applied: a non-finite loss or gradient
         self.stragglers = Stragglers(config, self.recorder)  # a rank slower than the others, named
         self.setup = AttemptSetUp(
             config, group, self.recorder, self.resume, self.memory, self.reference, clock
@@ -132,6 +140,8 @@ class Controller:
                 try:
                     self._start_attempt(size)
                     self._train()
+                except RollBackDue as due:
+                    self._roll_back(due)
                 except AttemptFailed as e:
                     self._after_failure(e.failure)
             recorder.set_status(RunStatus.FINISHED, "finished", step=self.step)
@@ -294,7 +304,7 @@ class Controller:
         metrics = {
             **done.metrics,
             **self.snapshots.note(done.index, done.results, done.wall_s, self.recorder),
-            **self.bad_steps.note(done.index, done.results),
+            **self.bad_steps.note(done.index, done.results, done.metrics["loss"]),
             **self.stragglers.note(done.index, done.results),
         }
         if self.recovery is not None:  # the first step after a failure or a resize
@@ -316,6 +326,8 @@ class Controller:
         self.capacity.tend_workers(self.step)  # a replacement placed mid-segment starts warming now
         self.recorder.step_metrics(self.step, metrics, log_every=self.cfg.training.log_every_steps)
         self.stragglers.replace_named()  # with failure.replace_stragglers: ends the attempt to swap it
+        self.bad_steps.roll_back_if_due()  # bad steps in a row, or a spike: ends the attempt to go back
+        self.saves.keep_before = self.bad_steps.first_bad()  # the last good checkpoint is not pruned
         self.evals.collect(self.group, done.index)
         for callback in self.callbacks.after_step:
             callback(self, done.index, done.results)
@@ -353,6 +365,33 @@ class Controller:
         self._teardown()
         self.memory.choose(max_step=self.step, disk_step=self._committed_step())  # no disk read if held
         return True
+
+    def _roll_back(self, due: RollBackDue) -> None:
+        """Return to the newest state before `due`'s steps, from memory (disk if none); the next attempt
+        skips their batches (the pipeline's skip set holds them)."""
+        detected = self.clock()
+        self.recorder.set_status(RunStatus.RECOVERING, str(due), step=self.step)
+        self.saves.settle(Failure("rollback", (), self.step, str(due)), self.step)
+        self._teardown()
+        self.store.clean_partials()
+        # Checkpoints saved since the bad steps began are not loaded (a replay saves them again).
+        self.resume.reject_after(due.before, f"saved after step {due.before}, once bad steps began")
+        memory = self.memory.choose(max_step=due.before, disk_step=self._committed_step())
+        source = (
+            f"the in-memory snapshot at step {memory.plan.step}"
+            if memory.plan
+            else f"the last checkpoint at or before step {due.before} (not from memory: {memory.reason})"
+        )
+        steps = ", ".join(map(str, due.steps))
+        self._event(
+            "rollback",
+            f"rolling back to {source}: {due}; the batches of step(s) {steps} are skipped",
+            style="bold yellow",
+            cause=due.cause,
+            steps=list(due.steps),
+            recovered_from="memory" if memory.plan else "disk",
+        )
+        self.recovery = Recovery(detected, stalled_since=self.pipeline.last_step_done_at)
 
     # ------------------------------------------------------------------ decide after a failure
     def _after_failure(self, failure: Failure) -> None:

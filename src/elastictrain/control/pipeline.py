@@ -57,8 +57,18 @@ class StepPipeline:
         evals: Evaluations,
         *,
         clock: Callable[[], float] = time.monotonic,
+        skip: set[int] | None = None,
+        hold_snapshots: Callable[[], bool] = lambda: False,
     ) -> None:
+        """`skip`: steps (1-based) whose batches the workers skip on purpose (control/bad_steps.py's set,
+        read at each submit); `hold_snapshots()`: true while steps in a row are not applied, so no copy
+        replaces the snapshots from before them (a rollback returns to one)."""
         self.cfg = config
+        self.skip = skip if skip is not None else set()
+        self.hold_snapshots = hold_snapshots
+        # A spike is seen with the next step running: none queued past a checkpoint, so at most one step
+        # past it copies its state (control/snapshot_schedule.py keeps snapshots 2 steps apart then).
+        self.queue_past_checkpoints = float(config.failure.loss_spike) <= 0
         self.group = group
         self.snapshots = snapshots  # which steps the ranks copy to host memory (read at submit)
         self.evals = evals  # validation, queued behind its step on every rank
@@ -102,10 +112,9 @@ class StepPipeline:
     # -- what a Segment uses
     def _submit(self, step: int, checkpoint_at: int) -> Calls:
         # The checkpoint's step is copied to memory too: its save then writes that copy (no pause for it).
-        due = self.snapshots.due(step + 1, checkpoint=step + 1 == checkpoint_at)
-        calls = self.group.call(
-            self._workers, WorkerApi.train_step, step, due, self.snapshots.probe(step + 1)
-        )
+        due = not self.hold_snapshots() and self.snapshots.due(step + 1, checkpoint=step + 1 == checkpoint_at)
+        probe, skip = self.snapshots.probe(step + 1), step + 1 in self.skip
+        calls = self.group.call(self._workers, WorkerApi.train_step, step, due, probe, skip)
         self.evals.submit(self.group, self._workers, step)  # queued behind the step on every rank
         return calls
 
@@ -187,7 +196,12 @@ class Segment:
             if next_step == end and self.save is None and not self._stopping:
                 yield SAVE_DUE
                 assert self.save is not None, "SAVE_DUE is answered with queued()"
-                if self.save.calls and end < max_steps and not self._resize_may_follow:
+                if (
+                    self.save.calls
+                    and end < max_steps
+                    and not self._resize_may_follow
+                    and p.queue_past_checkpoints
+                ):
                     # Never past the next checkpoint, whose snapshot must queue behind its last step.
                     limit = min(max_steps, end + PIPELINE_DEPTH, end + every)
                     self.ahead.extend((s, p._submit(s, end + every)) for s in range(end, limit))

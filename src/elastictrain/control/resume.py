@@ -18,7 +18,7 @@ from elastictrain.checkpoint.store import (
 )
 from elastictrain.control.errors import RunFailed
 from elastictrain.control.record import RunRecorder
-from elastictrain.core.checkpoints import choose_resume_tag
+from elastictrain.core.checkpoints import choose_resume_tag, step_of_tag
 
 
 class ResumePoints:
@@ -27,6 +27,7 @@ class ResumePoints:
         self.configured = configured  # the model as the config describes it (model_record.configured_model)
         self.recorder = recorder
         self.rejected: list[str] = []  # checkpoints that failed verification: never loaded again
+        self.passed_over: list[str] = []  # checkpoints saved after a rollback's bad steps began
         self.last_verify_s = 0.0
         self._step = 0  # the loop's step at the last find(), for the events of latest()
 
@@ -37,7 +38,7 @@ class ResumePoints:
         verify, and the previous one is used.
         """
         while True:
-            tag = choose_resume_tag(self.store.listing(), tuple(self.rejected))
+            tag = choose_resume_tag(self.store.listing(), (*self.rejected, *self.passed_over))
             if tag is None:
                 return None
             try:
@@ -57,10 +58,27 @@ class ResumePoints:
             problems=problems,
         )
 
+    def reject_after(self, step: int, why: str) -> list[str]:
+        """Pass over committed checkpoints of steps after `step` from now on (a rollback's: they were saved
+        once bad steps began); a restart finding none left starts from the beginning."""
+        later = [t for t in self.store.listing().committed if (step_of_tag(t) or 0) > step]
+        self.passed_over.extend(t for t in later if t not in self.passed_over)
+        if later:
+            self.recorder.event(
+                "checkpoints_passed_over",
+                f"checkpoint(s) {', '.join(later)} will not be loaded: {why}",
+                style="yellow",
+                step=self._step,
+                tags=later,
+            )
+        return later
+
     def saved_anew(self, tag: str) -> None:
         """A checkpoint of this tag was committed again: the damaged copy is gone."""
         if tag in self.rejected:
             self.rejected.remove(tag)
+        if tag in self.passed_over:
+            self.passed_over.remove(tag)
 
     def candidate(self, step: int) -> Committed | None:
         """The newest committed checkpoint not rejected, not yet verified; one of another model is refused.

@@ -24,7 +24,7 @@ from elastictrain.control.evaluation import best_checkpoint
 from elastictrain.control.failures import gather_results, is_disk_full, short
 from elastictrain.control.record import RunRecorder
 from elastictrain.control.resume import ResumePoints
-from elastictrain.core.checkpoints import prune_leaves_no_fallback, tag_for_step
+from elastictrain.core.checkpoints import newest_at_or_before, prune_leaves_no_fallback, tag_for_step
 from elastictrain.core.policy import Failure
 from elastictrain.storage import AnyPath
 
@@ -87,6 +87,7 @@ class SaveCoordinator:
         self._streamed = False  # the pending save's ranks streamed their files (no room for a snapshot)
         self._streamed_beside = False  # ... beside the next step (not while training waited)
         self._watch: Calls = {}  # per worker: a call that returns when its write into pending ends
+        self.keep_before: int | None = None  # the first of the steps not applied in a row now (the loop's)
 
     # -- the attempt the saves belong to --
     def attach(self, workers: Sequence[Any], manifest: ManifestFields) -> None:
@@ -331,6 +332,14 @@ class SaveCoordinator:
             self.resume.reject(committed.tag, problems, step)
         return not problems
 
+    def _last_good(self, new: str) -> tuple[str, ...]:
+        """While steps in a row are not applied (`keep_before`: the first of them): the newest checkpoint
+        from before them, kept from pruning so a run that stops over them keeps a good one."""
+        if self.keep_before is None:
+            return ()
+        tag = newest_at_or_before(self.store.listing().committed, self.keep_before - 1)
+        return (tag,) if tag and tag != new else ()
+
     def _commit_if_written(self, step: int) -> bool:
         """Commit the pending checkpoint if every rank's file is in; True when nothing is pending anymore."""
         pending = self.pending
@@ -351,7 +360,8 @@ class SaveCoordinator:
             return True
         self.last_committed = committed
         best = best_checkpoint(self.cfg, self.recorder)
-        removed = self.store.prune(self.cfg.checkpoint.keep_last, protect=(committed.tag, *best))
+        good = self._last_good(committed.tag)
+        removed = self.store.prune(self.cfg.checkpoint.keep_last, protect=(committed.tag, *best, *good))
         seconds = self.clock() - pending.started
         self.recorder.metrics({"checkpoint_time_s": seconds}, step=pending.step)
         written = (

@@ -53,6 +53,10 @@ class SnapshotSchedule:
     def __init__(self, config: Any) -> None:
         ck = config.checkpoint
         self.every = int(ck.memory_every_steps)
+        if self.every == 1 and float(config.failure.loss_spike) > 0:
+            # A spike is seen when the next step is already running: with a snapshot every step, the two
+            # a worker keeps would both be from after the spike.
+            self.every = 2
         self.max_share = float(ck.memory_max_step_share)
         self.for_checkpoints = bool(ck.background_write)  # a checkpoint's save writes its step's copy
         self.interval = self.every  # steps between snapshots now (0: none)

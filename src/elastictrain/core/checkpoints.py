@@ -60,6 +60,12 @@ def tags_to_delete(committed: Iterable[str], keep_last: int, protect: Iterable[s
     return [t for t in doomed if t not in keep]
 
 
+def newest_at_or_before(committed: Iterable[str], step: int) -> str | None:
+    """The newest committed tag of a step at or before `step`, or None."""
+    steps = [(s, t) for t in committed if (s := step_of_tag(t)) is not None and s <= step]
+    return max(steps)[1] if steps else None
+
+
 def prune_leaves_no_fallback(
     committed: Iterable[str], new: str, keep_last: int, rejected: Iterable[str] = ()
 ) -> bool:

@@ -82,6 +82,8 @@ class FakeGroup(WorkerViews):
         self.warmup_errors: list[tuple[str, str]] = []
         self._warmup_error = ""  # every warm-up raises this (e.g. a data config error)
         self.eval_loss_at: dict[int, float] = {}  # steps trained -> validation loss (default 1/steps)
+        self.loss_at: dict[int, float] = {}  # step index -> its training loss (default 10/(step + 1))
+        self.nan_steps: set[int] = set()  # step indices whose loss is NaN and update not applied
         self._broken_attempts: set[int] = set()  # attempts one of whose workers died
         self.memory_report: dict[str, Any] = {}  # every step's `memory` report ({"off": why}: no copies)
 
@@ -286,9 +288,25 @@ class FakeGroup(WorkerViews):
         return {"total_s": 0.0, "load_s": 0.0}
 
     def _train_step(
-        self, w: FakeWorker, step: int, snapshot: bool | None = None, probe: bool = False
+        self, w: FakeWorker, step: int, snapshot: bool | None = None, probe: bool = False, skip: bool = False
     ) -> dict[str, Any]:
         rank = w.spec.rank
+        if skip or step in self.nan_steps:  # skipped on purpose, or a non-finite loss: not applied
+            w.step = step + 1
+            return {
+                "memory": dict(self.memory_report),
+                "step": step,
+                "rank": rank,
+                "loss": float("nan"),
+                "lr": 1e-3,
+                "samples": 0 if skip else 1,
+                "tokens": 0 if skip else 1,
+                "step_time_s": 0.0,
+                "update_applied": False,
+                **({"skipped": True} if skip else {}),
+                "sample_ids": [step * w.spec.world_size + rank],
+                "save": w.writer.report() if w.writer is not None else None,
+            }
         if self._take("die", rank, step):
             raise FakeDied
         if self._take("oom", rank, step):
@@ -310,7 +328,7 @@ class FakeGroup(WorkerViews):
             "memory": dict(self.memory_report),
             "step": step,
             "rank": rank,
-            "loss": 10.0 / (step + 1),
+            "loss": self.loss_at.get(step, 10.0 / (step + 1)),
             "lr": 1e-3,
             "samples": 1,
             "tokens": 1,

@@ -30,13 +30,14 @@ class FaultyTrainWorker(TrainWorker):
     def inject_fault(self, kind: str, at_step: int, phase: str = "start") -> None:
         """At `at_step`, "crash" (process exits), "raise" (step raises), "hang" (stops) or "nan" (the first
         micro-batch's logits on this rank come out NaN, as from a bad batch: its loss and gradients are
-        not finite; phase "start" only), at one of
+        not finite; phase "start" only) or "corrupt" (a weight of this rank becomes NaN and stays so, as
+        from a device's silent error; phase "start" only), at one of
         PHASES of that step: its start (before any forward), inside its first micro-batch's backward
         pass, right before its optimizer update, or right before the replica of the snapshot taken beside
         it is sent to the buddy (the buddy then never gets that replica); "reference": at the start of the
         reference pass's chunk that starts at item `at_step`."""
-        if kind not in ("crash", "raise", "hang", "nan"):
-            raise ValueError(f"fault kind: got {kind!r}; expected crash, raise, hang or nan")
+        if kind not in ("crash", "raise", "hang", "nan", "corrupt"):
+            raise ValueError(f"fault kind: got {kind!r}; expected crash, raise, hang, nan or corrupt")
         if phase not in PHASES:
             raise ValueError(f"fault phase: got {phase!r}; expected one of {', '.join(PHASES)}")
         self._faults[(at_step, phase)] = kind
@@ -65,6 +66,8 @@ class FaultyTrainWorker(TrainWorker):
         kind = self._faults.pop((step, phase), None)
         if kind == "nan":
             self._arm_nan_logits()
+        if kind == "corrupt":
+            self._corrupt_a_weight()
         if kind == "crash":
             os._exit(17)
         if kind == "raise":
@@ -107,6 +110,15 @@ class FaultyTrainWorker(TrainWorker):
             return output * float("nan")
 
         handles.append(head.register_forward_hook(poison))
+
+    def _corrupt_a_weight(self) -> None:
+        """The model's first weight becomes NaN in place, once the copy of the last state is finished (that
+        snapshot stays clean, as one taken before a device went bad)."""
+        import torch
+
+        self.memory.copy_finished()
+        with torch.no_grad():
+            next(self.engine.module.parameters()).fill_(float("nan"))
 
     def _delay_forwards(self) -> None:
         """This attempt's model sleeps before each forward (once per engine: a new attempt builds anew)."""

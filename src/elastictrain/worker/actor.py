@@ -296,18 +296,24 @@ class TrainWorker(SnapshotPeer, ShardSaves, ReferenceShare):
 
         self.collate = run_collate(self.dataset, user_callable(cfg, "data.collate"))  # pad id: the dataset's
 
-    def train_step(self, step: int, snapshot: bool | None = None, probe: bool = False) -> dict[str, Any]:
+    def train_step(
+        self, step: int, snapshot: bool | None = None, probe: bool = False, skip: bool = False
+    ) -> dict[str, Any]:
         """One optimizer step: `grad_accum_steps` micro-batches of this rank's share of the global batch;
         then, if `snapshot` (the controller's mark), the in-memory snapshot of the state after it (with
-        `probe`, copied only at the next step's update: `WorkerMemory.after_step`)."""
+        `probe`, copied only at the next step's update: `WorkerMemory.after_step`). `skip`: the batch is
+        skipped on purpose (a rollback's): nothing runs, the state stays."""
         assert self.spec is not None and self.engine is not None, "train_step before setup"
         waited = time.time() - self._idle_since
         try:
-            result = self._train_step(step)
+            result = self._skipped_step(step) if skip else self._train_step(step)
             result["waited_s"] = waited  # idle before this step: after a save, part of its pause
             result["update_wait_s"] = self.memory.pop_update_wait()  # for a copy: after a save, too
             result["memory"] = self.memory.report()
-            self.memory.after_step(self.engine, step + 1, snapshot, probe=probe)
+            # A state a step did not change is not copied again: the snapshot before a run of bad steps
+            # stays held (a worker keeps two), for a rollback to it.
+            due = snapshot if result["update_applied"] else False
+            self.memory.after_step(self.engine, step + 1, due, probe=probe)
             self._idle_since = time.time()
             return result
         except Exception as e:  # noqa: BLE001 - re-raised below, after the attempt is released
@@ -334,6 +340,37 @@ class TrainWorker(SnapshotPeer, ShardSaves, ReferenceShare):
         gc.collect()
         release_freed_memory()
         destroy_process_group(self.use_gpu, self.sockets)
+
+    def _sample_ids(self, step: int) -> list[int]:
+        """The ids of this rank's samples of step `step`, in the order its micro-batches read them."""
+        from elastictrain.data.eval_data import source_ids
+
+        assert self.spec is not None
+        n, seed = len(self.dataset), self.spec.config.training.seed
+        ids: list[int] = []
+        for micro in range(self.spec.plan.grad_accum_steps):
+            positions = micro_batch_positions(step, self.spec.plan, self.spec.rank, micro)
+            ids.extend(source_ids(self.dataset, [sample_at(p, n, seed) for p in positions]))
+        return ids
+
+    def _skipped_step(self, step: int) -> dict[str, Any]:
+        """A step whose batch is skipped on purpose: its samples named, no forward, no update."""
+        assert self.spec is not None
+        return {
+            "step": step,
+            "rank": self.spec.rank,
+            "tensor_parallel": self.spec.plan.tensor_parallel,
+            "loss": float("nan"),
+            "lr": step_learning_rate(step, self.spec.config.training),
+            "samples": 0,
+            "tokens": 0,
+            "step_time_s": 0.0,
+            "engine_s": 0.0,
+            "update_applied": False,
+            "skipped": True,
+            "sample_ids": self._sample_ids(step),
+            "save": self._writer.report() if self._writer is not None else None,
+        }
 
     def _train_step(self, step: int) -> dict[str, Any]:
         from elastictrain.data.eval_data import source_ids
