@@ -85,6 +85,8 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
                 extra = [
                     f"run.dir={tmp / f'{name}-{rep}'}",
                     f"failure.replace_stragglers={str(replace).lower()}",
+                    # One machine is one node: avoiding the straggler's would leave no room to replace it.
+                    "failure.straggler_avoid_s=0",
                 ]
                 steps, events = _train(load([*base, *extra]), delay)
             named = next((e for e in events if e["event"] == "straggler"), None)

@@ -1,6 +1,8 @@
 """A rank slowed by an injected forward delay in a 3-worker run is named, with its worker and node, within
-failure.straggler_steps steps, and with failure.replace_stragglers replaced: the others go on from memory
-and the losses are the plain PyTorch loop's at every step. Real Ray workers, real DeepSpeed (gloo)."""
+failure.straggler_steps steps, and with failure.replace_stragglers dropped (no warm spare; two ranks are
+faster than three with it): the others go on from memory, its node (this machine's only one) is avoided,
+so the run stays at two, and the losses are the plain PyTorch loop's at every step. Real Ray workers, real
+DeepSpeed (gloo)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from elastictrain.testing.chaos import at_step
 pytestmark = pytest.mark.integration
 
 
-def test_a_slowed_rank_is_named_within_the_configured_steps_and_replaced_losing_nothing(
+def test_a_slowed_rank_is_named_within_the_configured_steps_and_dropped_losing_nothing(
     ray_local: None, tmp_path: Path
 ) -> None:
     cfg = tiny_config(
@@ -48,6 +50,10 @@ def test_a_slowed_rank_is_named_within_the_configured_steps_and_replaced_losing_
     assert run_dir.read_info().extra["stragglers"][0]["rank"] == 1
     failure = next(e for e in events if e["event"] == "failure")
     assert failure["kind"] == "straggler" and failure["workers"] == [workers[1]]
+    assert "dropped (2 ranks take about" in failure["message"], failure["message"]
+    assert f"node {named['node'][:12]} avoided for new workers for 1800s" in failure["message"]
+    # No new worker on the avoided node, and this cluster has no other: the run ends at two.
+    assert summary.world_sizes[-1] == 2, summary.world_sizes
     assert next(e for e in events if e["event"] == "recovered")["recovered_from"] == "memory"
     # Slow, not wrong: every step's loss is the plain PyTorch loop's, across the swap and the sizes.
     dataset = dataset_from_config(cfg)

@@ -107,6 +107,9 @@ class LocalGroup(WorkerViews):
                 self.remove(w)
         return became_warm
 
+    def avoid_node(self, node_id: str, seconds: float) -> None:
+        """One process, one node: nothing to place elsewhere."""
+
     def remove(self, handle: LocalHandle, *, kill: bool = True) -> None:
         if handle in self.workers:
             self.workers.remove(handle)

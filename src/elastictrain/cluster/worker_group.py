@@ -42,6 +42,7 @@ from elastictrain.worker.actor import TrainWorker
 # How long a run's end waits for its workers to leave the run before parking them (scaling.keep_warm_s);
 # one that has not left by then (a hung step) ends instead.
 LEAVE_RUN_TIMEOUT_S = 30.0
+NODE_ID_LABEL = "ray.io/node-id"  # the label Ray gives every node: its id
 
 log = logging.getLogger("elastictrain.workers")
 
@@ -138,6 +139,8 @@ class WorkerGroup(WorkerViews):
         self._actor_cls = ray.remote(concurrency_groups={"control": 2, "replica": 2, "watch": 2})(hosted)
         self.warmup_errors: list[tuple[str, str]] = []  # warm-ups that raised (the loop may end the run)
         self._allocator_warned = False
+        self._avoid: dict[str, float] = {}  # node id -> until when new reservations stay off it
+        self._avoiding: dict[str, float] = {}  # reservations made off avoided nodes -> when that ends
 
     # -- reservations --
     def request(self, n: int) -> None:
@@ -155,12 +158,44 @@ class WorkerGroup(WorkerViews):
                 self._parked.update({(parked.pg.id.hex(), b): a for b, a in parked.actors.items()})
                 wanted -= parked.ranks // size
         for _ in range(wanted):
-            pg = placement_group([self.resources.bundle()] * size, strategy="STRICT_PACK")
-            self.pending.extend(Slot(pg, i) for i in range(size))
-            self._ready_refs[pg.id.hex()] = pg.ready()
+            self._reserve(size)
+
+    def _reserve(self, size: int) -> None:
+        """One reservation of `size` slots, off the nodes avoided now."""
+        now = time.monotonic()
+        avoided = sorted(n for n, until in self._avoid.items() if until > now)
+        selector = [{NODE_ID_LABEL: f"!in({','.join(avoided)})"}] * size if avoided else None
+        pg = placement_group(
+            [self.resources.bundle()] * size, strategy="STRICT_PACK", bundle_label_selector=selector
+        )
+        self.pending.extend(Slot(pg, i) for i in range(size))
+        self._ready_refs[pg.id.hex()] = pg.ready()
+        if avoided:
+            self._avoiding[pg.id.hex()] = max(self._avoid[n] for n in avoided)
+
+    def avoid_node(self, node_id: str, seconds: float) -> None:
+        """New reservations stay off `node_id` for `seconds` (a straggler's node); one still waiting when
+        that ends is asked for again without the restriction."""
+        self._avoid[node_id] = time.monotonic() + seconds
+
+    def _renew_expired_avoidance(self) -> None:
+        now = time.monotonic()
+        for key, until in list(self._avoiding.items()):
+            if until > now:
+                continue
+            del self._avoiding[key]
+            slots = [s for s in self.pending if s.pg.id.hex() == key]
+            ready, _ = ray.wait([self._ready_refs[key]], timeout=0) if slots else ([], [])
+            if slots and not ready:  # still waiting: the avoided node may be the only room
+                for slot in slots:
+                    self.pending.remove(slot)
+                self._drop_if_unused(slots[0].pg)
+                self._reserve(len(slots))
 
     def _ready(self, timeout_s: float, n: int | None = None) -> list[Slot]:
         """Pending slots whose reservation is placed, after waiting up to timeout_s for n slots."""
+        if self._avoiding:
+            self._renew_expired_avoidance()
         if not self.pending:
             return []
         groups = list({slot.pg.id.hex(): slot.pg for slot in self.pending}.values())

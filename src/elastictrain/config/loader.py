@@ -309,6 +309,7 @@ def validate(config: Config) -> Config:
     if f.straggler_factor != 0 and f.straggler_factor <= 1:
         p.append(f"failure.straggler_factor: got {f.straggler_factor}; expected 0 (off) or a number > 1")
     _at_least(p, "failure.straggler_steps", f.straggler_steps, 1)
+    _at_least(p, "failure.straggler_avoid_s", f.straggler_avoid_s, 0)
     _at_least(p, "failure.max_bad_steps", f.max_bad_steps, 0)
     _at_least(p, "failure.bad_steps_window", f.bad_steps_window, 0)
     if f.loss_spike != 0 and f.loss_spike <= 1:

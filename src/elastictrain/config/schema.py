@@ -331,6 +331,9 @@ class FailureConfig:
     # new worker joins by a grow once warm; it counts against max_failures. Off by default: a slow rank may
     # be slow for a while only, and a swap costs a restart and a worker's start
     replace_stragglers: bool = False
+    # A straggler's node gets no new workers for this long once it is replaced or dropped: a throttled
+    # device or a noisy neighbour tends to stay so for a while. 0: no avoiding
+    straggler_avoid_s: float = 1800.0
     # Steps not applied in a row (a non-finite loss or gradient) before the run returns to the in-memory
     # snapshot before the first of them (disk if none) and skips their batches; 0: never. 3: one bad batch,
     # or two, is data; three in a row is a state gone bad (a corrupted weight, a device's silent error).

@@ -102,7 +102,7 @@ class Controller:
         )
         self.memory = MemoryRecovery(config, group, self.snapshots)  # buddies, and loading from them
         self.reference = ReferencePass(config, group, self.recorder)  # a full fine-tune's DPO/KTO reference
-        self.stragglers = Stragglers(config, self.recorder)  # a rank slower than the others, named
+        self.stragglers = Stragglers(config, self.recorder, group)  # a rank slower than the others, named
         self.setup = AttemptSetUp(
             config, group, self.recorder, self.resume, self.memory, self.reference, clock
         )
@@ -305,7 +305,7 @@ class Controller:
             **done.metrics,
             **self.snapshots.note(done.index, done.results, done.wall_s, self.recorder),
             **self.bad_steps.note(done.index, done.results, done.metrics["loss"]),
-            **self.stragglers.note(done.index, done.results),
+            **self.stragglers.note(done.index, done.results, done.wall_s),
         }
         if self.recovery is not None:  # the first step after a failure or a resize
             compute = max((float(r.get("step_time_s") or 0.0) for r in done.results), default=0.0)
@@ -325,7 +325,8 @@ class Controller:
                 self.ledger(done.index, r["rank"], r["sample_ids"], not r.get("update_applied", True))
         self.capacity.tend_workers(self.step)  # a replacement placed mid-segment starts warming now
         self.recorder.step_metrics(self.step, metrics, log_every=self.cfg.training.log_every_steps)
-        self.stragglers.replace_named()  # with failure.replace_stragglers: ends the attempt to swap it
+        # With failure.replace_stragglers: ends the attempt to swap or drop one.
+        self.stragglers.replace_named(spare_ready=lambda: self.capacity.slots() > self.world_size)
         self.bad_steps.roll_back_if_due()  # bad steps in a row, or a spike: ends the attempt to go back
         self.saves.keep_before = self.bad_steps.first_bad()  # the last good checkpoint is not pruned
         self.evals.collect(self.group, done.index)

@@ -45,3 +45,33 @@ class StragglerWatch:
         """A new attempt: ranks are renumbered, what was counted no longer applies."""
         self.slow_for.clear()
         self.named.clear()
+
+
+@dataclass(frozen=True)
+class Remedy:
+    action: str  # "replace" (a warm spare takes its place), "drop" (the run goes on without it), "keep"
+    why: str
+
+
+def straggler_remedy(
+    *, world: int, min_workers: int, spare_ready: bool, now_s: float, even_s: float | None, ratio: float
+) -> Remedy:
+    """What to do with a named straggler (failure.replace_stragglers).
+
+    A warm spare replaces it at once. Without one, the world goes on without it only above min_workers and
+    when the smaller world is faster: each of the others then takes world/(world-1) of the samples, at the
+    pace the steps had before it slowed (`even_s`, measured; else `now_s / ratio`, the others' pace)
+    against `now_s`, the steps' time with it. Either way a replacement is asked for off its node.
+    """
+    if spare_ready:
+        return Remedy("replace", "a warm spare is ready")
+    base = even_s if even_s is not None else now_s / max(ratio, 1.0)
+    smaller = base * world / (world - 1) if world > 1 else float("inf")
+    if world <= min_workers:
+        return Remedy("keep", f"no warm spare, and {world} is scaling.min_workers")
+    if smaller >= now_s:
+        slower = f"{world - 1} ranks would take about {smaller:.3g}s a step against {now_s:.3g}s now"
+        return Remedy("keep", f"no warm spare, and {slower}")
+    return Remedy(
+        "drop", f"{world - 1} ranks take about {smaller:.3g}s a step against {now_s:.3g}s now with it"
+    )

@@ -83,6 +83,7 @@ class FakeGroup(WorkerViews):
         self._warmup_error = ""  # every warm-up raises this (e.g. a data config error)
         self.eval_loss_at: dict[int, float] = {}  # steps trained -> validation loss (default 1/steps)
         self.loss_at: dict[int, float] = {}  # step index -> its training loss (default 10/(step + 1))
+        self.avoided: list[tuple[str, float]] = []  # (node, seconds) asked of avoid_node
         self.nan_steps: set[int] = set()  # step indices whose loss is NaN and update not applied
         self._broken_attempts: set[int] = set()  # attempts one of whose workers died
         self.memory_report: dict[str, Any] = {}  # every step's `memory` report ({"off": why}: no copies)
@@ -182,6 +183,9 @@ class FakeGroup(WorkerViews):
                 w.warm = True
                 became.append(w)
         return became
+
+    def avoid_node(self, node_id: str, seconds: float) -> None:
+        self.avoided.append((node_id, seconds))
 
     def remove(self, handle: Any, *, kill: bool = True) -> None:
         if handle in self.workers:
