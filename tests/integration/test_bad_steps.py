@@ -168,3 +168,38 @@ def test_a_weight_gone_bad_rolls_back_to_the_snapshot_before_it_and_gone_bad_aga
         assert torch.allclose(weights.full(name).view_as(trained[name]), trained[name].detach(), atol=1e-5), (
             name
         )
+
+
+def test_a_non_finite_step_in_a_tensor_parallel_replica_is_skipped_by_both_of_its_ranks(
+    ray_local: None, tmp_path: Path
+) -> None:
+    """TP 2 x DP 1 (ZeRO-1): rank 0's logits turn NaN at step 6; the replica's two ranks skip the update
+    alike (their gradient norm is one all-reduce), the event names the replica's samples once per rank,
+    and every other step's loss is the plain PyTorch loop's leaving that batch out."""
+    cfg = tiny_config(
+        tmp_path / "run",
+        "deepspeed.zero_stage=1",
+        "scaling.tensor_parallel=2",
+        "training.max_steps=8",
+        "checkpoint.every_steps=8",
+    )
+
+    def poison(controller) -> None:  # noqa: ANN001
+        ray.get(controller.active[0].actor.inject_fault.remote("nan", POISONED))
+
+    summary, run_dir, output = run(cfg, hook=at_step(2, poison))
+    assert summary.status.value == "FINISHED", output
+    assert "1 replica(s) of 2 tensor-parallel ranks" in output
+    bads = [e for e in run_dir.read_events() if e["event"] == "bad_step"]
+    assert len(bads) == 1, output
+    (bad,) = bads
+    assert bad["step"] == POISONED + 1 and bad["skipped_ranks"] == [0, 1]
+    assert bad["samples"]["0"] == bad["samples"]["1"] and len(bad["samples"]["0"]) == 12  # one replica's
+    dataset = dataset_from_config(cfg)
+    want, _ = train_reference(cfg, dataset, 8, skipped=frozenset({POISONED}))
+    split, _ = train_reference(cfg, dataset, 8, micro_batches=6, skipped=frozenset({POISONED}))
+    kept = [s for s in range(8) if s != POISONED]
+    tol = 10 * max(max(abs(want[s] - split[s]) for s in kept), 1.2e-7 * max(want[s] for s in kept))
+    losses = _losses(run_dir)
+    worst = max(abs(losses[s + 1] - want[s]) for s in kept)
+    assert worst <= tol, (worst, tol, losses, want)

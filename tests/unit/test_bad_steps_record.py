@@ -111,3 +111,19 @@ def test_a_failure_restart_replays_a_skipped_step_as_skipped_and_counts_it_once(
     (recovered,) = r.events("recovered")
     assert recovered["recovered_from"] == "memory" and recovered["steps_lost"] == 1
     assert ledger.count((5, True)) == 2  # bad, then skipped on purpose by the replay
+
+
+def test_fp16_overflows_with_a_finite_loss_are_counted_but_neither_roll_back_nor_are_skipped_on_replay(
+    tmp_path: Path,
+):
+    """fp16's loss scaler skips steps whose scaled gradients overflow while it calibrates its scale: each is
+    a bad_step (counted as any skipped step), but five in a row are no bad state, and a replay runs them
+    again (the scaler's state after them is what the checkpoint holds); a NaN loss is as in any precision."""
+    r = make_run(tmp_path, "training.precision=fp16")
+    bad = r.controller.bad_steps
+    for index in range(5):
+        bad.note(index, _results(False), 1.0)
+        bad.roll_back_if_due()  # never raises: no rollback is due
+    assert bad.skipped == 5 and bad.skip == set() and bad.first_bad() is None
+    bad.note(5, _results(False, loss0=float("nan")), float("nan"))
+    assert bad.skip == {6} and bad.first_bad() == 6

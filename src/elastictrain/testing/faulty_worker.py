@@ -98,10 +98,14 @@ class FaultyTrainWorker(TrainWorker):
         handles.append(trainable[-1].register_full_backward_hook(fire))
 
     def _arm_nan_logits(self) -> None:
-        """The next forward's output layer (the model's last linear layer) returns NaN, once."""
+        """The next forward's output layer (its head, or its last linear layer) returns NaN, once."""
         import torch
 
-        head = [m for m in self.engine.module.modules() if isinstance(m, torch.nn.Linear)][-1]
+        module = self.engine.module
+        # A transformers model's head, whatever tensor parallelism replaced it with; else the last Linear.
+        head = getattr(module, "get_output_embeddings", lambda: None)()
+        if head is None:
+            head = [m for m in module.modules() if isinstance(m, torch.nn.Linear)][-1]
         handles: list[Any] = []
 
         def poison(_module: Any, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
