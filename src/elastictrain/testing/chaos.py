@@ -60,11 +60,21 @@ def chain(*hooks: Hook) -> Hook:
 
 
 def wait_until_replacements_are_warm(controller: Any) -> None:
-    """Block the driver until started replacement actors finished warming up (so a grow can happen)."""
-    deadline = time.monotonic() + 180
+    """Block the driver until started replacement actors finished warming up (so a grow can happen).
+
+    The controller's own rule tends them meanwhile: a start past failure.warmup_timeout_s (and 3x the
+    slowest finished one) is stopped and another started in its place, so a hung import or op build
+    costs one timeout, not the test; this waits for at most three such rounds."""
+    bound = 3 * 3 * float(controller.cfg.failure.warmup_timeout_s)
+    deadline = time.monotonic() + bound
     while time.monotonic() < deadline:
-        controller.capacity.start_new_workers(controller.step)
+        controller.capacity.tend_workers(controller.step)
         controller.group.poll_warm(timeout_s=1.0)
         if not controller.group.pending and not controller.group.warming:
             return
-    raise TimeoutError("replacement workers did not warm up in 180s")
+    group = controller.group
+    raise TimeoutError(
+        f"replacement workers did not warm up in {bound:.0f}s: {len(group.pending)} slot(s) pending "
+        f"({group.ready_reservations()} placed), warming: {[w.worker_id for w in group.warming]}, "
+        f"progress: {group.progress(timeout_s=5.0)}"
+    )
