@@ -203,3 +203,46 @@ def test_a_non_finite_step_in_a_tensor_parallel_replica_is_skipped_by_both_of_it
     losses = _losses(run_dir)
     worst = max(abs(losses[s + 1] - want[s]) for s in kept)
     assert worst <= tol, (worst, tol, losses, want)
+
+
+SPIKED = 6  # the step index (0-based) whose logits on rank 0 come out 30x: step 7's loss spikes
+
+
+def test_a_loss_spike_rolls_back_to_the_snapshot_before_it_and_trains_as_if_its_batch_were_left_out(
+    ray_local: None, tmp_path: Path
+) -> None:
+    """failure.loss_spike=3 over the last 3 steps' median: step 7's loss is several times the median,
+    its update was applied; the run returns to the in-memory snapshot of step 6 (snapshots 2 steps apart
+    with spikes watched, none queued past a checkpoint, so one from before the spike is still held),
+    skips its batch, and every later step's loss is the plain loop's leaving that batch out."""
+    cfg = tiny_config(
+        tmp_path / "run",
+        "deepspeed.zero_stage=0",
+        "training.max_steps=10",
+        "checkpoint.every_steps=5",
+        "checkpoint.memory_max_step_share=0",
+        "failure.loss_spike=3",
+        "failure.loss_spike_window=3",
+    )
+
+    def spike(controller) -> None:  # noqa: ANN001
+        ray.get(controller.active[0].actor.inject_fault.remote("spike", SPIKED))
+
+    summary, run_dir, output = run(cfg, hook=at_step(2, spike))
+    assert summary.status.value == "FINISHED", output
+    rollbacks = [e for e in run_dir.read_events() if e["event"] == "rollback"]
+    assert len(rollbacks) == 1, output
+    (rollback,) = rollbacks
+    assert rollback["steps"] == [SPIKED + 1] and rollback["cause"] == "loss_spike", rollback
+    assert rollback["recovered_from"] == "memory" and "x the median" in rollback["message"], rollback
+    assert "rolling back to the in-memory snapshot at step 6" in output
+    info = run_dir.read_info()
+    assert info.skipped_steps == 1 and info.extra["skip_steps"] == [SPIKED + 1]
+    dataset = dataset_from_config(cfg)
+    want, _ = train_reference(cfg, dataset, 10, skipped=frozenset({SPIKED}))
+    split, _ = train_reference(cfg, dataset, 10, micro_batches=6, skipped=frozenset({SPIKED}))
+    kept = [s for s in range(10) if s != SPIKED]
+    tol = 10 * max(max(abs(want[s] - split[s]) for s in kept), 1.2e-7 * max(want[s] for s in kept))
+    losses = _losses(run_dir)
+    worst = max(abs(losses[s + 1] - want[s]) for s in kept if s > SPIKED)  # after the rollback
+    assert worst <= tol, (worst, tol, losses, want)

@@ -31,13 +31,14 @@ class FaultyTrainWorker(TrainWorker):
         """At `at_step`, "crash" (process exits), "raise" (step raises), "hang" (stops) or "nan" (the first
         micro-batch's logits on this rank come out NaN, as from a bad batch: its loss and gradients are
         not finite; phase "start" only) or "corrupt" (a weight of this rank becomes NaN and stays so, as
-        from a device's silent error; phase "start" only), at one of
+        from a device's silent error; phase "start" only) or "spike" (that step's logits on this rank come out
+        1000 times as large: a finite loss spike; phase "start" only), at one of
         PHASES of that step: its start (before any forward), inside its first micro-batch's backward
         pass, right before its optimizer update, or right before the replica of the snapshot taken beside
         it is sent to the buddy (the buddy then never gets that replica); "reference": at the start of the
         reference pass's chunk that starts at item `at_step`."""
-        if kind not in ("crash", "raise", "hang", "nan", "corrupt"):
-            raise ValueError(f"fault kind: got {kind!r}; expected crash, raise, hang, nan or corrupt")
+        if kind not in ("crash", "raise", "hang", "nan", "corrupt", "spike"):
+            raise ValueError(f"fault kind: got {kind!r}; expected crash, raise, hang, nan, corrupt or spike")
         if phase not in PHASES:
             raise ValueError(f"fault phase: got {phase!r}; expected one of {', '.join(PHASES)}")
         self._faults[(at_step, phase)] = kind
@@ -64,8 +65,12 @@ class FaultyTrainWorker(TrainWorker):
         if phase == "start" and getattr(self, "_forward_delay_s", 0.0) > 0:
             self._delay_forwards()
         kind = self._faults.pop((step, phase), None)
-        if kind == "nan":
-            self._arm_nan_logits()
+        if kind in ("nan", "spike"):
+            spike = kind == "spike"
+            assert self.spec is not None
+            self._arm_logits(
+                1000.0 if spike else float("nan"), self.spec.plan.grad_accum_steps if spike else 1
+            )
         if kind == "corrupt":
             self._corrupt_a_weight()
         if kind == "crash":
@@ -97,8 +102,9 @@ class FaultyTrainWorker(TrainWorker):
 
         handles.append(trainable[-1].register_full_backward_hook(fire))
 
-    def _arm_nan_logits(self) -> None:
-        """The next forward's output layer (its head, or its last linear layer) returns NaN, once."""
+    def _arm_logits(self, factor: float, forwards: int) -> None:
+        """The next `forwards` forwards' output layer (its head, or its last linear layer) returns its
+        output times `factor` (NaN: a non-finite loss)."""
         import torch
 
         module = self.engine.module
@@ -107,11 +113,14 @@ class FaultyTrainWorker(TrainWorker):
         if head is None:
             head = [m for m in module.modules() if isinstance(m, torch.nn.Linear)][-1]
         handles: list[Any] = []
+        left = [forwards]
 
         def poison(_module: Any, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
-            for h in handles:
-                h.remove()
-            return output * float("nan")
+            left[0] -= 1
+            if left[0] <= 0:
+                for h in handles:
+                    h.remove()
+            return output * factor
 
         handles.append(head.register_forward_hook(poison))
 
