@@ -132,6 +132,8 @@ def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:
         "Three runs per repetition at 3 workers (min_workers 2), ZeRO-1, fp32 on CPU with gloo: fault-free, "
         "rank 1 slowed and kept, rank 1 slowed and replaced (failure.replace_stragglers). The slowing sleeps "
         "before each of rank 1's forward passes for the fault-free median step over its micro-batches.",
+        "Replaced: with no warm spare and 2 ranks faster than 3 with it, the straggler is dropped and a new "
+        "worker joins by a grow once warm; failure.straggler_avoid_s=0, since one machine is one node.",
         f"failure.straggler_factor 1.3 and straggler_steps 5 (the defaults); tail: the last {TAIL} steps, "
         "after the straggler is named (and, when replaced, the restart from memory and the grow back).",
         "named_after_steps counts from the slowing; steps queued before it ran at the old pace.",
