@@ -142,7 +142,7 @@ def estimate(shape: ModelShape, d: Degrees, hw: Hardware, batch: Batch) -> Estim
 def candidates(shape: ModelShape, world: int, hw: Hardware, heads: int, kv_heads: int) -> list[Degrees]:
     """Every (P, T, D, ZeRO stage) with P x T x D = world: T divides a node's ranks and the heads, P at most
     the layers; ZeRO-1 and 3 without pipelines, ZeRO-1 (0 with one replica) with them."""
-    out = []
+    out: list[Degrees] = []
     for t in range(1, min(world, hw.ranks_per_node) + 1):
         if hw.ranks_per_node % t or heads % t or kv_heads % t:
             continue
