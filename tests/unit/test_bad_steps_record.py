@@ -127,3 +127,21 @@ def test_fp16_overflows_with_a_finite_loss_are_counted_but_neither_roll_back_nor
     assert bad.skipped == 5 and bad.skip == set() and bad.first_bad() is None
     bad.note(5, _results(False, loss0=float("nan")), float("nan"))
     assert bad.skip == {6} and bad.first_bad() == 6
+
+
+def test_status_shows_skipped_steps_rollbacks_and_stragglers(tmp_path: Path):
+    from typer.testing import CliRunner
+
+    from elastictrain.cli import app
+
+    r = make_run(tmp_path)
+    r.run_dir.update(skipped_steps=3)
+    r.run_dir.set_extra("rollbacks", [[6, 7, 8]])
+    r.run_dir.set_extra(
+        "stragglers", [{"step": 9, "rank": 1, "worker": "w1", "node": "node-1", "ratio": 3.9}]
+    )
+    result = CliRunner().invoke(app, ["status", str(r.run_dir.path)])
+    assert result.exit_code == 0, result.output
+    assert "skipped   3 step(s) not applied (non-finite loss or gradients)" in result.output
+    assert "rollbacks 1, the last over step(s) 6, 7, 8" in result.output
+    assert "straggler rank 1 (worker w1, node node-1) at step 9: 3.9x the others" in result.output
