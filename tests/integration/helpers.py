@@ -71,9 +71,11 @@ def quiet_reporter(total: int):  # noqa: ANN201
     return Reporter(total, stream=io.StringIO(), live=False)
 
 
-def run(config, *, tracking: bool = True, hook=None):  # noqa: ANN001, ANN201
-    """Train a config in this process (the driver), on the Ray cluster already connected, with workers
-    that take injected faults."""
+def run(config, *, tracking: bool = True, hook=None, faults: bool = False):  # noqa: ANN001, ANN201
+    """Train a config in this process (the driver), on the Ray cluster already connected. `faults`: the
+    workers take injected faults (FaultyTrainWorker); otherwise they are the product's TrainWorker, as
+    CLI and `elastictrain.fit` runs host, so the warm workers a run parks serve the next run whichever
+    way it starts (a pool serves only its own class: a switch costs every worker a cold start)."""
     from elastictrain.driver.launch import prepare_run_dir, run_training
     from elastictrain.testing.faulty_worker import FaultyTrainWorker
 
@@ -85,7 +87,7 @@ def run(config, *, tracking: bool = True, hook=None):  # noqa: ANN001, ANN201
         tracking=tracking,
         reporter=reporter,
         controller_hook=hook,
-        worker_class=FaultyTrainWorker,  # a hook may inject faults into the workers
+        worker_class=FaultyTrainWorker if faults else None,
     )
     return summary, run_dir, reporter.stream.getvalue()
 

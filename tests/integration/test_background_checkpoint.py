@@ -79,7 +79,7 @@ def synchronous_run(ray_local, tmp_path_factory) -> Callable[[str], SyncRun]:
             losses: list[float] = []
             overrides = [STEPS, "checkpoint.background_write=false"]
             cfg = tiny_config(folder / "run", *overrides, *offload_settings(offload, folder))
-            summary, rd, out = run(cfg, hook=record_losses(losses), tracking=False)
+            summary, rd, out = run(cfg, hook=record_losses(losses), tracking=False, faults=True)
             assert summary.status.value == "FINISHED", out
             events = [e for e in rd.read_events() if e["event"] == "checkpoint"]
             assert all(e["committed_at_step"] == e["step"] for e in events), "synchronous: committed at once"
@@ -110,7 +110,7 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_it_holds_exactly_its
     background_losses: list[float] = []
     cfg = tiny_config(tmp_path / "bg", STEPS, "checkpoint.background_write=true")
     summary, rd, out = run(
-        cfg, hook=chain(record_losses(background_losses), at_step(1, slow_disk)), tracking=False
+        cfg, hook=chain(record_losses(background_losses), at_step(1, slow_disk)), tracking=False, faults=True
     )
     assert summary.status.value == "FINISHED", out
     checkpoints = {e["tag"]: e for e in rd.read_events() if e["event"] == "checkpoint"}
@@ -135,7 +135,9 @@ def test_without_in_memory_snapshots_the_checkpoint_copy_runs_beside_the_next_st
     made slower than them still holds exactly the checkpoint's step, and its wait counts as pause."""
     cfg = tiny_config(tmp_path / "bg", STEPS, "checkpoint.memory_every_steps=0")
     losses: list[float] = []
-    summary, rd, out = run(cfg, hook=chain(record_losses(losses), at_step(1, slow_copy)), tracking=False)
+    summary, rd, out = run(
+        cfg, hook=chain(record_losses(losses), at_step(1, slow_copy)), tracking=False, faults=True
+    )
     assert summary.status.value == "FINISHED", out
     pauses = {e["tag"]: e["pause_s"] for e in rd.read_events() if e["event"] == "checkpoint_pause"}
     assert set(pauses) == {"step-000004"}, out
@@ -159,7 +161,9 @@ def test_a_checkpoint_too_large_to_copy_is_streamed_beside_the_next_step_and_hol
         *offload_settings(offload, tmp_path),
     )
     losses: list[float] = []
-    summary, rd, out = run(cfg, hook=chain(record_losses(losses), at_step(1, slow_disk)), tracking=False)
+    summary, rd, out = run(
+        cfg, hook=chain(record_losses(losses), at_step(1, slow_disk)), tracking=False, faults=True
+    )
     assert summary.status.value == "FINISHED", out
     events = rd.read_events()
     checkpoints = [e for e in events if e["event"] == "checkpoint"]
@@ -189,7 +193,7 @@ def test_a_worker_lost_while_the_checkpoint_is_written_drops_it_and_restarts_fro
     # The replacement warms up in the background and joins by a grow once warm (after step 7 of the
     # second attempt), so no cold start sits on the recovery path.
     hook = chain(at_step(1, slow_disk), at_step(5, kill_last), at_step(7, wait_until_replacements_are_warm))
-    summary, rd, out = run(cfg, hook=hook, tracking=False)
+    summary, rd, out = run(cfg, hook=hook, tracking=False, faults=True)
     assert summary.status.value == "FINISHED", out
     events = rd.read_events()
     first, second, third = [e for e in events if e["event"] == "attempt_started"]
@@ -235,7 +239,7 @@ def test_a_checkpoint_whose_writes_end_in_a_hung_step_is_committed_and_a_warm_sp
     def hang_rank_1_in_step_4(controller: Any) -> None:
         ray.get(controller.active[1].actor.inject_fault.remote("hang", 4))
 
-    summary, rd, out = run(cfg, hook=at_step(1, hang_rank_1_in_step_4), tracking=False)
+    summary, rd, out = run(cfg, hook=at_step(1, hang_rank_1_in_step_4), tracking=False, faults=True)
     assert summary.status.value == "FINISHED", out
     events = rd.read_events()
     failure = next(e for e in events if e["event"] == "failure")

@@ -25,6 +25,30 @@ pytestmark = pytest.mark.integration
 POISONED = 5  # the step index (0-based) whose first micro-batch on rank 0 comes out NaN: step 6
 
 
+def _assert_losses_leave_out(
+    cfg, run_dir, steps: int, left_out: frozenset[int], from_step: int = 0
+) -> torch.nn.Module:  # noqa: ANN001
+    """Each logged loss of steps `from_step`..`steps - 1` (0-based) not in `left_out` is the plain PyTorch
+    loop's that leaves those batches out, within 10x its summation noise; that loop's model."""
+    dataset = dataset_from_config(cfg)
+    want, model = train_reference(cfg, dataset, steps, skipped=left_out)
+    split, _ = train_reference(cfg, dataset, steps, micro_batches=6, skipped=left_out)
+    kept = [s for s in range(steps) if s not in left_out]
+    tol = 10 * max(max(abs(want[s] - split[s]) for s in kept), 1.2e-7 * max(want[s] for s in kept))
+    losses = _losses(run_dir)
+    worst = max(abs(losses[s + 1] - want[s]) for s in kept if s >= from_step)
+    assert worst <= tol, (worst, tol, losses, want)
+    return model
+
+
+def _assert_weights(weights: FragmentReader, model: torch.nn.Module) -> None:
+    trained = dict(model.named_parameters())
+    for name in weights.params:
+        assert torch.allclose(weights.full(name).view_as(trained[name]), trained[name].detach(), atol=1e-5), (
+            name
+        )
+
+
 @pytest.mark.parametrize(
     "stage, precision, offload, lora",
     [
@@ -60,7 +84,7 @@ def test_a_non_finite_step_is_skipped_by_every_rank_and_recorded(
     def poison(controller) -> None:  # noqa: ANN001
         ray.get(controller.active[0].actor.inject_fault.remote("nan", POISONED))
 
-    summary, run_dir, output = run(cfg, hook=at_step(2, poison))
+    summary, run_dir, output = run(cfg, hook=at_step(2, poison), faults=True)
     assert summary.status.value == "FINISHED", output
     (bad,) = [e for e in run_dir.read_events() if e["event"] == "bad_step"]
     assert bad["step"] == POISONED + 1
@@ -83,19 +107,7 @@ def test_a_non_finite_step_is_skipped_by_every_rank_and_recorded(
     assert all(torch.isfinite(weights.full(name)).all() for name in weights.params)
     if precision == "fp32" and not lora:  # the reference loop trains every weight
         # Exactly the plain PyTorch loop that leaves that batch out (its step not taken), at every step.
-        dataset = dataset_from_config(cfg)
-        want, model = train_reference(cfg, dataset, 8, skipped=frozenset({POISONED}))
-        split, _ = train_reference(cfg, dataset, 8, micro_batches=6, skipped=frozenset({POISONED}))
-        finite = [s for s in range(8) if s != POISONED]
-        noise = max(abs(want[s] - split[s]) for s in finite)
-        tol = 10 * max(noise, 1.2e-7 * max(want[s] for s in finite))
-        worst = max(abs(losses[s + 1] - want[s]) for s in finite)
-        assert worst <= tol, (worst, tol, losses, want)
-        trained = dict(model.named_parameters())
-        for name in weights.params:
-            assert torch.allclose(
-                weights.full(name).view_as(trained[name]), trained[name].detach(), atol=1e-5
-            ), name
+        _assert_weights(weights, _assert_losses_leave_out(cfg, run_dir, 8, frozenset({POISONED})))
 
 
 # (step done, step index): once `step done` steps are done, a weight of rank 0 turns NaN at the start of the
@@ -128,7 +140,7 @@ def test_a_weight_gone_bad_rolls_back_to_the_snapshot_before_it_and_gone_bad_aga
                 asked.add(index)
                 ray.get(controller.active[0].actor.inject_fault.remote("corrupt", index))
 
-    summary, run_dir, output = run(cfg, hook=lambda c: c.callbacks.after_step.append(corrupt))
+    summary, run_dir, output = run(cfg, hook=lambda c: c.callbacks.after_step.append(corrupt), faults=True)
     assert summary.status.value == "FAILED", output
     events = run_dir.read_events()
     assert [e["step"] for e in events if e["event"] == "bad_step"] == [6, 7, 8, 11, 12, 13]
@@ -151,23 +163,12 @@ def test_a_weight_gone_bad_rolls_back_to_the_snapshot_before_it_and_gone_bad_aga
     applied = [i for s in range(9) if s not in (5, 6, 7) for x in last[s].values() for i in x["ids"]]
     assert len(applied) == len(set(applied)) == 6 * 12
 
-    # Steps 1-9 as the plain PyTorch loop that leaves the batches of steps 6-8 out.
-    dataset = dataset_from_config(cfg)
+    # Step 9, the first after the rollback, as the plain PyTorch loop that leaves steps 6-8 out; and the
+    # checkpoint of step 8, saved after the rollback, holds that loop's weights.
     left_out = frozenset({5, 6, 7})
-    want, model = train_reference(cfg, dataset, 9, skipped=left_out)
-    split, _ = train_reference(cfg, dataset, 9, micro_batches=6, skipped=left_out)
-    losses = _losses(run_dir)
-    kept = [s for s in range(9) if s not in left_out]
-    noise = max(abs(want[s] - split[s]) for s in kept)
-    tol = 10 * max(noise, 1.2e-7 * max(want[s] for s in kept))
-    assert abs(losses[9] - want[8]) <= tol, (losses, want)  # the first step after the rollback
-    _, at_8 = train_reference(cfg, dataset, 8, skipped=left_out)
-    weights = FragmentReader(sorted(good.glob("*.safetensors")))
-    trained = dict(at_8.named_parameters())
-    for name in weights.params:
-        assert torch.allclose(weights.full(name).view_as(trained[name]), trained[name].detach(), atol=1e-5), (
-            name
-        )
+    _assert_losses_leave_out(cfg, run_dir, 9, left_out, from_step=8)
+    _, at_8 = train_reference(cfg, dataset_from_config(cfg), 8, skipped=left_out)
+    _assert_weights(FragmentReader(sorted(good.glob("*.safetensors"))), at_8)
 
 
 def test_a_non_finite_step_in_a_tensor_parallel_replica_is_skipped_by_both_of_its_ranks(
@@ -187,7 +188,7 @@ def test_a_non_finite_step_in_a_tensor_parallel_replica_is_skipped_by_both_of_it
     def poison(controller) -> None:  # noqa: ANN001
         ray.get(controller.active[0].actor.inject_fault.remote("nan", POISONED))
 
-    summary, run_dir, output = run(cfg, hook=at_step(2, poison))
+    summary, run_dir, output = run(cfg, hook=at_step(2, poison), faults=True)
     assert summary.status.value == "FINISHED", output
     assert "1 replica(s) of 2 tensor-parallel ranks" in output
     bads = [e for e in run_dir.read_events() if e["event"] == "bad_step"]
@@ -195,14 +196,7 @@ def test_a_non_finite_step_in_a_tensor_parallel_replica_is_skipped_by_both_of_it
     (bad,) = bads
     assert bad["step"] == POISONED + 1 and bad["skipped_ranks"] == [0, 1]
     assert bad["samples"]["0"] == bad["samples"]["1"] and len(bad["samples"]["0"]) == 12  # one replica's
-    dataset = dataset_from_config(cfg)
-    want, _ = train_reference(cfg, dataset, 8, skipped=frozenset({POISONED}))
-    split, _ = train_reference(cfg, dataset, 8, micro_batches=6, skipped=frozenset({POISONED}))
-    kept = [s for s in range(8) if s != POISONED]
-    tol = 10 * max(max(abs(want[s] - split[s]) for s in kept), 1.2e-7 * max(want[s] for s in kept))
-    losses = _losses(run_dir)
-    worst = max(abs(losses[s + 1] - want[s]) for s in kept)
-    assert worst <= tol, (worst, tol, losses, want)
+    _assert_losses_leave_out(cfg, run_dir, 8, frozenset({POISONED}))
 
 
 SPIKED = 6  # the step index (0-based) whose logits on rank 0 come out 30x: step 7's loss spikes
@@ -228,7 +222,7 @@ def test_a_loss_spike_rolls_back_to_the_snapshot_before_it_and_trains_as_if_its_
     def spike(controller) -> None:  # noqa: ANN001
         ray.get(controller.active[0].actor.inject_fault.remote("spike", SPIKED))
 
-    summary, run_dir, output = run(cfg, hook=at_step(2, spike))
+    summary, run_dir, output = run(cfg, hook=at_step(2, spike), faults=True)
     assert summary.status.value == "FINISHED", output
     rollbacks = [e for e in run_dir.read_events() if e["event"] == "rollback"]
     assert len(rollbacks) == 1, output
@@ -238,11 +232,6 @@ def test_a_loss_spike_rolls_back_to_the_snapshot_before_it_and_trains_as_if_its_
     assert "rolling back to the in-memory snapshot at step 6" in output
     info = run_dir.read_info()
     assert info.skipped_steps == 1 and info.extra["skip_steps"] == [SPIKED + 1]
-    dataset = dataset_from_config(cfg)
-    want, _ = train_reference(cfg, dataset, 10, skipped=frozenset({SPIKED}))
-    split, _ = train_reference(cfg, dataset, 10, micro_batches=6, skipped=frozenset({SPIKED}))
-    kept = [s for s in range(10) if s != SPIKED]
-    tol = 10 * max(max(abs(want[s] - split[s]) for s in kept), 1.2e-7 * max(want[s] for s in kept))
-    losses = _losses(run_dir)
-    worst = max(abs(losses[s + 1] - want[s]) for s in kept if s > SPIKED)  # after the rollback
-    assert worst <= tol, (worst, tol, losses, want)
+    _assert_losses_leave_out(
+        cfg, run_dir, 10, frozenset({SPIKED}), from_step=SPIKED + 1
+    )  # after the rollback

@@ -99,7 +99,7 @@ def reference(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Any
         "scaling.max_workers=2",
         "checkpoint.memory_every_steps=0",
     )
-    summary, run_dir, out = run(cfg, tracking=False)
+    summary, run_dir, out = run(cfg, tracking=False, faults=True)
     assert summary.status.value == "FINISHED", out
     return run_dir
 
@@ -155,6 +155,7 @@ def test_a_crash_at_any_moment_of_a_step_costs_at_most_one_step_and_one_with_its
         # the default budget.
         config(tmp_path / "run", "failure.max_failures=4"),
         hook=chain(ledger(records), after_attempt_start(arm_or_wait)),
+        faults=True,
     )
     assert summary.status.value == "FINISHED", out
     assert [p for p, _ in armed] == ["backward", "update", "replica"], armed
@@ -257,6 +258,7 @@ def test_a_node_removed_at_any_moment_of_a_step_costs_at_most_one_step_with_a_sn
             # past the default budget.
             config(tmp_path / "run", "failure.max_failures=4"),
             hook=chain(ledger(records), after_attempt_start(arm_or_grow), between_steps),
+            faults=True,
         )
     finally:
         while len(ray_cluster.worker_nodes) < 3:  # leave the module's cluster as it was
@@ -322,6 +324,7 @@ def test_a_worker_crashing_in_a_probe_steps_backward_costs_at_most_one_step_at_d
     summary, run_dir, out = run(
         config(tmp_path / "run", "checkpoint.memory_max_step_share=0.03"),
         hook=chain(ledger(records), crash_in_the_first_probes_step),
+        faults=True,
     )
     assert summary.status.value == "FINISHED", out
     # Checkpoint steps (4, 8) are not probes: the 5th other marked step of the attempt is.

@@ -83,7 +83,9 @@ def test_a_dpo_run_that_loses_a_worker_in_its_reference_pass_and_a_node_in_train
 ):
     fault_free: dict[int, float] = {}
     cfg = dpo_config(tmp_path / "fault-free", data, "scaling.min_workers=2", "scaling.max_workers=2")
-    summary, _, out = run(cfg, hook=chain(small_chunks, losses_by_step(fault_free)), tracking=False)
+    summary, _, out = run(
+        cfg, hook=chain(small_chunks, losses_by_step(fault_free)), tracking=False, faults=True
+    )
     assert summary.status.value == "FINISHED", out
     assert fault_free[1] == pytest.approx(math.log(2), abs=1e-6), "DPO starts at ln 2"
 
@@ -113,7 +115,7 @@ def test_a_dpo_run_that_loses_a_worker_in_its_reference_pass_and_a_node_in_train
     )
     cfg = dpo_config(tmp_path / "elastic", data, "scaling.min_workers=1", "scaling.max_workers=2")
     try:
-        summary, rd, out = run(cfg, hook=hook, tracking=False)
+        summary, rd, out = run(cfg, hook=hook, tracking=False, faults=True)
     finally:
         while len(ray_cluster.worker_nodes) < 3:  # leave the module's cluster as it was
             ray_cluster.add_node(num_cpus=1)

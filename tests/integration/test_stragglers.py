@@ -37,7 +37,7 @@ def test_a_slowed_rank_is_named_within_the_configured_steps_and_dropped_losing_n
     def slow_rank_1(controller) -> None:  # noqa: ANN001
         ray.get(controller.active[1].actor.inject_forward_delay.remote(0.05))
 
-    summary, run_dir, output = run(cfg, hook=at_step(1, slow_rank_1))
+    summary, run_dir, output = run(cfg, hook=at_step(1, slow_rank_1), faults=True)
     assert summary.status.value == "FINISHED", output
     events = run_dir.read_events()
     named = next(e for e in events if e["event"] == "straggler")

@@ -30,7 +30,7 @@ def test_a_second_run_takes_the_first_runs_warm_workers_and_trains_as_new_worker
     # The first run stops at step 2, leaving a crash planted for step 4 that it never reaches.
     first = tiny_config(tmp_path / "first", keep, "training.max_steps=2", "checkpoint.every_steps=2")
     summary, _, _ = run(
-        first, tracking=False, hook=chain(_remember_pids(pids, "first"), _plant_crash_at_step(4))
+        first, tracking=False, hook=chain(_remember_pids(pids, "first"), _plant_crash_at_step(4)), faults=True
     )
     assert summary.status.value == "FINISHED"
     assert warm_pool.count() == 2, "both workers parked for the next run"
@@ -40,7 +40,10 @@ def test_a_second_run_takes_the_first_runs_warm_workers_and_trains_as_new_worker
     second_losses: list[float] = []
     second = tiny_config(tmp_path / "second", keep, "training.max_steps=6")
     summary, _, _ = run(
-        second, tracking=False, hook=chain(_remember_pids(pids, "second"), record_losses(second_losses))
+        second,
+        tracking=False,
+        hook=chain(_remember_pids(pids, "second"), record_losses(second_losses)),
+        faults=True,
     )
     assert pids["second"] == pids["first"], "the second run's workers are the first run's processes"
     assert summary.status.value == "FINISHED" and summary.failures == 0, "the planted crash did not follow"
@@ -50,7 +53,7 @@ def test_a_second_run_takes_the_first_runs_warm_workers_and_trains_as_new_worker
     new_losses: list[float] = []
     new = tiny_config(tmp_path / "new", "scaling.keep_warm_s=1", "training.max_steps=6")
     summary, _, _ = run(
-        new, tracking=False, hook=chain(_remember_pids(pids, "new"), record_losses(new_losses))
+        new, tracking=False, hook=chain(_remember_pids(pids, "new"), record_losses(new_losses)), faults=True
     )
     assert pids["new"].isdisjoint(pids["first"]), "released workers ended; the run started new ones"
     assert summary.status.value == "FINISHED"
