@@ -341,17 +341,21 @@ class TrainWorker(SnapshotPeer, ShardSaves, ReferenceShare):
         release_freed_memory()
         destroy_process_group(self.use_gpu, self.sockets)
 
+    def _micro_reads(self, step: int) -> list[tuple[range, list[int]]]:
+        """Each micro-batch of this rank at step `step`: its global positions and the dataset indices read."""
+        assert self.spec is not None
+        n, seed = len(self.dataset), self.spec.config.training.seed
+        reads = []
+        for micro in range(self.spec.plan.grad_accum_steps):
+            positions = micro_batch_positions(step, self.spec.plan, self.spec.rank, micro)
+            reads.append((positions, [sample_at(p, n, seed) for p in positions]))
+        return reads
+
     def _sample_ids(self, step: int) -> list[int]:
         """The ids of this rank's samples of step `step`, in the order its micro-batches read them."""
         from elastictrain.data.eval_data import source_ids
 
-        assert self.spec is not None
-        n, seed = len(self.dataset), self.spec.config.training.seed
-        ids: list[int] = []
-        for micro in range(self.spec.plan.grad_accum_steps):
-            positions = micro_batch_positions(step, self.spec.plan, self.spec.rank, micro)
-            ids.extend(source_ids(self.dataset, [sample_at(p, n, seed) for p in positions]))
-        return ids
+        return [i for _, indices in self._micro_reads(step) for i in source_ids(self.dataset, indices)]
 
     def _skipped_step(self, step: int) -> dict[str, Any]:
         """A step whose batch is skipped on purpose: its samples named, no forward, no update."""
@@ -385,12 +389,9 @@ class TrainWorker(SnapshotPeer, ShardSaves, ReferenceShare):
         lr = step_learning_rate(step, cfg.training)
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
-        n = len(self.dataset)
         samples: list[int] = []
         batches: list[tuple[Any, int]] = []
-        for micro in range(spec.plan.grad_accum_steps):
-            positions = micro_batch_positions(step, spec.plan, spec.rank, micro)
-            indices = [sample_at(p, n, cfg.training.seed) for p in positions]
+        for positions, indices in self._micro_reads(step):
             samples.extend(source_ids(self.dataset, indices))
             batch = to_device(collate_items([self.dataset[i] for i in indices], self.collate), engine.device)
             # Dropout and any other randomness depend on the data position, not on rank or world size.
