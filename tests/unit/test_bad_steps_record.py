@@ -32,7 +32,7 @@ def test_a_skipped_step_is_an_event_a_counter_and_a_metric_naming_its_samples_an
     assert "step 6 was not applied: rank(s) [0] computed a non-finite loss" in event["message"]
     assert r.run_dir.read_info().skipped_steps == 1
     # The next driver of the same run (a resume) goes on counting from run.json.
-    again = BadSteps(r.controller.cfg, r.controller.recorder)
+    again = BadSteps(r.controller.cfg, r.controller.recorder, r.controller.store)
     assert again.note(7, _results(True)) == {"skipped_steps": 1.0}
     assert again.note(8, _results(False))["skipped_steps"] == 2.0
     assert "its gradients were not finite" in r.events("bad_step")[-1]["message"]

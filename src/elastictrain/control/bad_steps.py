@@ -23,9 +23,10 @@ SAMPLES_NAMED = 8  # sample ids per step in an error message (events.jsonl has t
 
 
 class BadSteps:
-    def __init__(self, config: Any, recorder: RunRecorder) -> None:
+    def __init__(self, config: Any, recorder: RunRecorder, store: CheckpointStore) -> None:
         f = config.failure
         self.recorder = recorder
+        self.store = store  # the run's checkpoints: the error that stops a run names the last good one
         info = recorder.run_dir.read_info()
         self.skipped = info.skipped_steps
         self.counted: set[int] = set(info.extra.get("bad_steps", []))  # steps already counted as skipped
@@ -35,7 +36,8 @@ class BadSteps:
             int(f.max_bad_steps), int(f.bad_steps_window), float(f.loss_spike), int(f.loss_spike_window)
         )
         self.watch.rollbacks = [tuple(r) for r in info.extra.get("rollbacks", [])]
-        self.samples: dict[int, dict[int, list[int]]] = {}  # recent steps' sample ids, for the messages
+        # Sample ids of the steps a rollback may name (not applied, or a spike), for its messages.
+        self.samples: dict[int, dict[int, list[int]]] = {}
         self.pending: RollBack | GiveUp | None = None
 
     def note(self, index: int, results: list[dict[str, Any]], loss: float = math.nan) -> dict[str, float]:
@@ -43,17 +45,20 @@ class BadSteps:
         metric; an event if this step was not applied; a rollback to make once the step is recorded
         (`roll_back_if_due`)."""
         step = index + 1
-        by_rank = sorted(results, key=lambda r: r["rank"])
-        samples = {r["rank"]: list(r.get("sample_ids", [])) for r in by_rank}
-        self.samples = {s: v for s, v in self.samples.items() if step - 64 < s < step}
-        self.samples[step] = samples
         applied = all(bool(r.get("update_applied", True)) for r in results)
+        if applied:  # the common case: only the spike watch looks at it
+            self.pending = self.watch.observe(step, applied=True, loss=loss)
+            if self.pending is not None:
+                self._remember(step, results)
+            return {"skipped_steps": float(self.skipped)} if self.skipped else {}
+        by_rank = sorted(results, key=lambda r: r["rank"])
         on_purpose = any(r.get("skipped") for r in results)
         non_finite = [r["rank"] for r in by_rank if not math.isfinite(float(r.get("loss", 0.0)))]
         # fp16's scaler skips steps whose scaled gradients overflow while it calibrates: not a bad state.
         counts = not on_purpose and not (self.fp16 and not non_finite)
-        self.pending = self.watch.observe(step, applied=applied, loss=loss, counts=counts)
-        if applied or on_purpose or step in self.counted:
+        self.pending = self.watch.observe(step, applied=False, loss=loss, counts=counts)
+        samples = self._remember(step, results)
+        if on_purpose or step in self.counted:
             return {"skipped_steps": float(self.skipped)} if self.skipped else {}
         skipped_ranks = [r["rank"] for r in by_rank if not r.get("update_applied", True)]
         self.skipped += 1
@@ -78,6 +83,13 @@ class BadSteps:
         )
         self._save()
         return {"skipped_steps": float(self.skipped)}
+
+    def _remember(self, step: int, results: list[dict[str, Any]]) -> dict[int, list[int]]:
+        """Keep step `step`'s sample ids by rank (the last 64 steps' at most) and return them."""
+        samples = {r["rank"]: list(r.get("sample_ids", [])) for r in sorted(results, key=lambda r: r["rank"])}
+        self.samples = {s: v for s, v in self.samples.items() if step - 64 < s < step}
+        self.samples[step] = samples
+        return samples
 
     def first_bad(self) -> int | None:
         """The first step of the bad steps in a row now (the newest checkpoint before it is kept), or None."""
@@ -109,8 +121,7 @@ class BadSteps:
         raise RollBackDue(decision.steps, decision.cause, f"{decision.detail}; samples (rank: ids): {named}")
 
     def _good_before(self, step: int) -> str:
-        store = CheckpointStore(self.recorder.run_dir.checkpoints_dir)
-        return newest_at_or_before(store.listing().committed, step - 1) or "none"
+        return newest_at_or_before(self.store.listing().committed, step - 1) or "none"
 
     def _save(self) -> None:
         with contextlib.suppress(OSError):  # disk full: the events have it; training goes on

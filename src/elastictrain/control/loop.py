@@ -90,7 +90,8 @@ class Controller:
         self.saves = SaveCoordinator(config, group, self.store, self.recorder, self.resume, clock=clock)
         self.snapshots = SnapshotSchedule(config)  # which steps the ranks copy to host memory
         self.evals = Evaluations(config, self.recorder)
-        self.bad_steps = BadSteps(config, self.recorder)  # steps not applied, rollbacks, batches skipped
+        # Steps not applied, rollbacks and the batches skipped on purpose.
+        self.bad_steps = BadSteps(config, self.recorder, self.store)
         self.pipeline = StepPipeline(
             config,
             group,
@@ -376,7 +377,7 @@ class Controller:
         self._teardown()
         self.store.clean_partials()
         # Checkpoints saved since the bad steps began are not loaded (a replay saves them again).
-        self.resume.reject_after(due.before, f"saved after step {due.before}, once bad steps began")
+        self.resume.pass_over_after(due.before, f"saved after step {due.before}, once bad steps began")
         memory = self.memory.choose(max_step=due.before, disk_step=self._committed_step())
         source = (
             f"the in-memory snapshot at step {memory.plan.step}"

@@ -58,7 +58,7 @@ class ResumePoints:
             problems=problems,
         )
 
-    def reject_after(self, step: int, why: str) -> list[str]:
+    def pass_over_after(self, step: int, why: str) -> None:
         """Pass over committed checkpoints of steps after `step` from now on (a rollback's: they were saved
         once bad steps began); a restart finding none left starts from the beginning."""
         later = [t for t in self.store.listing().committed if (step_of_tag(t) or 0) > step]
@@ -71,7 +71,6 @@ class ResumePoints:
                 step=self._step,
                 tags=later,
             )
-        return later
 
     def saved_anew(self, tag: str) -> None:
         """A checkpoint of this tag was committed again: the damaged copy is gone."""
