@@ -25,6 +25,15 @@ pytestmark = pytest.mark.integration
 POISONED = 5  # the step index (0-based) whose first micro-batch on rank 0 comes out NaN: step 6
 
 
+def _run_with_fault(cfg, kind: str, index: int):  # noqa: ANN001, ANN202
+    """Train `cfg`; once 2 steps are done, rank 0 gets fault `kind` at step index `index`."""
+
+    def inject(controller) -> None:  # noqa: ANN001
+        ray.get(controller.active[0].actor.inject_fault.remote(kind, index))
+
+    return run(cfg, hook=at_step(2, inject), faults=True)
+
+
 def _assert_losses_leave_out(
     cfg, run_dir, steps: int, left_out: frozenset[int], from_step: int = 0
 ) -> torch.nn.Module:  # noqa: ANN001
@@ -81,10 +90,7 @@ def test_a_non_finite_step_is_skipped_by_every_rank_and_recorded(
         *(["model.lora.enabled=true", "model.lora.target_modules=all-linear"] if lora else []),
     )
 
-    def poison(controller) -> None:  # noqa: ANN001
-        ray.get(controller.active[0].actor.inject_fault.remote("nan", POISONED))
-
-    summary, run_dir, output = run(cfg, hook=at_step(2, poison), faults=True)
+    summary, run_dir, output = _run_with_fault(cfg, "nan", POISONED)
     assert summary.status.value == "FINISHED", output
     (bad,) = [e for e in run_dir.read_events() if e["event"] == "bad_step"]
     assert bad["step"] == POISONED + 1
@@ -185,10 +191,7 @@ def test_a_non_finite_step_in_a_tensor_parallel_replica_is_skipped_by_both_of_it
         "checkpoint.every_steps=8",
     )
 
-    def poison(controller) -> None:  # noqa: ANN001
-        ray.get(controller.active[0].actor.inject_fault.remote("nan", POISONED))
-
-    summary, run_dir, output = run(cfg, hook=at_step(2, poison), faults=True)
+    summary, run_dir, output = _run_with_fault(cfg, "nan", POISONED)
     assert summary.status.value == "FINISHED", output
     assert "1 replica(s) of 2 tensor-parallel ranks" in output
     bads = [e for e in run_dir.read_events() if e["event"] == "bad_step"]
@@ -219,10 +222,7 @@ def test_a_loss_spike_rolls_back_to_the_snapshot_before_it_and_trains_as_if_its_
         "failure.loss_spike_window=3",
     )
 
-    def spike(controller) -> None:  # noqa: ANN001
-        ray.get(controller.active[0].actor.inject_fault.remote("spike", SPIKED))
-
-    summary, run_dir, output = run(cfg, hook=at_step(2, spike), faults=True)
+    summary, run_dir, output = _run_with_fault(cfg, "spike", SPIKED)
     assert summary.status.value == "FINISHED", output
     rollbacks = [e for e in run_dir.read_events() if e["event"] == "rollback"]
     assert len(rollbacks) == 1, output
