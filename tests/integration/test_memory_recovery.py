@@ -214,21 +214,30 @@ def test_a_node_removed_at_any_moment_of_a_step_costs_at_most_one_step_with_a_sn
     between: list[int] = []  # the step after which the last node goes
     lost: list[str] = []  # that node's worker
 
-    def remove_its_node_once_stopped(actor: Any, node_id: str) -> None:
+    def remove_its_node_once_stopped(actor: Any, node_id: str, phase: str) -> None:
         try:
             deadline = time.monotonic() + 60
             progress = actor.progress.options(concurrency_group="control")  # answered while a step hangs
             while ray.get(progress.remote(), timeout=10)["phase"] != "hung":
                 assert time.monotonic() < deadline, "the armed worker never stopped"
                 time.sleep(0.05)
+            if phase == "replica":
+                # Long enough for the others to finish the next step and copy it, pushing out the snapshot
+                # a recovery needs, were the stopped worker still taking part in that step's collectives
+                # (a worker lost there takes part in nothing: FaultyTrainWorker stops it whole).
+                time.sleep(3)
             node = next(n for n in ray_cluster.worker_nodes if n.node_id == node_id)
             ray_cluster.remove_node(node)
             removed.append(node_id)
         except BaseException as e:  # noqa: BLE001 - reported by the test's thread
             problems.append(e)
 
+    removals: list[threading.Thread] = []
+
     def arm_or_grow(controller: Any) -> None:
         if phases and controller.world_size < 3:
+            for t in removals:  # the run may go on before remove_node returns: count nodes after it
+                t.join(timeout=60)
             if len(ray_cluster.worker_nodes) < 3:
                 ray_cluster.add_node(num_cpus=1)
             wait_until_replacements_are_warm(controller)  # so that the run grows back before the next
@@ -237,9 +246,14 @@ def test_a_node_removed_at_any_moment_of_a_step_costs_at_most_one_step_with_a_sn
             victim = controller.active[2]
             ray.get(victim.actor.inject_fault.remote("hang", at, phases[0]))
             armed.append((phases.pop(0), at))
-            threading.Thread(
-                target=remove_its_node_once_stopped, args=(victim.actor, victim.node_id), daemon=True
-            ).start()
+            removals.append(
+                threading.Thread(
+                    target=remove_its_node_once_stopped,
+                    args=(victim.actor, victim.node_id, armed[-1][0]),
+                    daemon=True,
+                )
+            )
+            removals[-1].start()
         elif not between:  # two steps in: the attempt's first snapshot is then complete everywhere
             between.append(controller.step + 2)
 

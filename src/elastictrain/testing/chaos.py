@@ -65,14 +65,22 @@ def wait_until_replacements_are_warm(controller: Any) -> None:
     The controller's own rule tends them meanwhile: a start past failure.warmup_timeout_s (and 3x the
     slowest finished one) is stopped and another started in its place, so a hung import or op build
     costs one timeout, not the test; this waits for at most three such rounds."""
-    bound = 3 * 3 * float(controller.cfg.failure.warmup_timeout_s)
-    deadline = time.monotonic() + bound
+    group = controller.group
+    timeout = float(controller.cfg.failure.warmup_timeout_s)
+    bound = 3 * 3 * timeout
+    start = time.monotonic()
+    deadline = start + bound
     while time.monotonic() < deadline:
         controller.capacity.tend_workers(controller.step)
-        controller.group.poll_warm(timeout_s=1.0)
-        if not controller.group.pending and not controller.group.warming:
+        group.poll_warm(timeout_s=1.0)
+        if not group.pending and not group.warming:
             return
-    group = controller.group
+        if not group.warming and not group.ready_reservations() and time.monotonic() - start > timeout:
+            # Nothing to wait for: no worker starts and no reservation is placed (the cluster has no room).
+            raise TimeoutError(
+                f"no replacement can start: {len(group.pending)} slot(s) pending, none placed in "
+                f"{timeout:.0f}s; the cluster has no free slot for them"
+            )
     raise TimeoutError(
         f"replacement workers did not warm up in {bound:.0f}s: {len(group.pending)} slot(s) pending "
         f"({group.ready_reservations()} placed), warming: {[w.worker_id for w in group.warming]}, "

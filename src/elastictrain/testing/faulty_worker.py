@@ -35,8 +35,10 @@ class FaultyTrainWorker(TrainWorker):
         1000 times as large: a finite loss spike; phase "start" only), at one of
         PHASES of that step: its start (before any forward), inside its first micro-batch's backward
         pass, right before its optimizer update, or right before the replica of the snapshot taken beside
-        it is sent to the buddy (the buddy then never gets that replica); "reference": at the start of the
-        reference pass's chunk that starts at item `at_step`."""
+        it is sent to the buddy (the buddy then never gets that replica; the training thread waits at the
+        next step's start until the fault fires, so the worker stops as a node lost at that moment does,
+        joining none of the next step's collectives); "reference": at the start of the reference pass's
+        chunk that starts at item `at_step`."""
         if kind not in ("crash", "raise", "hang", "nan", "corrupt", "spike"):
             raise ValueError(f"fault kind: got {kind!r}; expected crash, raise, hang, nan, corrupt or spike")
         if phase not in PHASES:
@@ -64,6 +66,9 @@ class FaultyTrainWorker(TrainWorker):
     def _maybe_fault(self, step: int, phase: str = "start") -> None:
         if phase == "start" and getattr(self, "_forward_delay_s", 0.0) > 0:
             self._delay_forwards()
+        # The snapshot of the state after `step` steps is copied, and its replica sent, beside this step.
+        if phase == "start" and (self._hung or self._faults.get((step, "replica")) in ("crash", "hang")):
+            self._stop_with_the_replica_fault(step)
         kind = self._faults.pop((step, phase), None)
         if kind in ("nan", "spike"):
             spike = kind == "spike"
@@ -81,6 +86,18 @@ class FaultyTrainWorker(TrainWorker):
             self._hung = (step, time.time())
             self._set_mark("hung", step)
             while True:  # stops stepping without dying, holding no lock the control thread needs
+                time.sleep(3600)
+
+    def _stop_with_the_replica_fault(self, step: int) -> None:
+        """The snapshot thread's fault before the replica of the state after `step` steps fires beside
+        this step (or has fired): without this wait the training thread would take part in this step's
+        collectives, and the other ranks, finishing it, would copy past the snapshot a recovery needs.
+        Bounded: a copy that never comes (snapshots turned off) lets training go on."""
+        deadline = time.monotonic() + 120
+        while (step, "replica") in self._faults and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self._hung is not None:
+            while True:  # the hang that fired holds this thread too
                 time.sleep(3600)
 
     def _arm_backward_fault(self, step: int) -> None:
