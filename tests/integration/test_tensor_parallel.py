@@ -226,45 +226,9 @@ def test_under_auto_each_restart_takes_the_degree_that_fits_its_world_size_from_
 def test_a_replica_losing_a_rank_or_its_node_leaves_the_run_to_the_others_from_memory_and_a_replica_rejoins(
     ray_cluster_two_cpu_nodes, tmp_path
 ):
-    from collections.abc import Callable
-    from typing import Any
+    from replica_loss import GLOBAL_BATCH, STEPS, ReplicaLoss
 
-    import ray
-    from helpers import at_step, chain, wait_until_replacements_are_warm
-
-    from elastictrain.core.batch import plan_batch
-    from elastictrain.core.data_order import micro_batch_samples
-
-    steps, gbs = 14, 12
-    records: list[tuple[int, int, list[int]]] = []
-
-    def ledger(controller: Any) -> None:
-        controller.ledger = lambda step, rank, ids, _skipped=False: records.append((step, rank, list(ids)))
-
-    nodes_before: list[list[str]] = []
-
-    def kill_the_second_replicas_first_rank(controller: Any) -> None:
-        nodes_before.append([w.node_id for w in controller.active])
-        ray.kill(controller.active[2].actor)
-
-    def nodes_now(controller: Any) -> None:
-        nodes_before.append([w.node_id for w in controller.active])
-
-    def remove_the_first_replicas_node(controller: Any) -> None:
-        nodes_before.append([w.node_id for w in controller.active])
-        node_id = controller.active[0].node_id
-        ray_cluster_two_cpu_nodes.remove_node(
-            next(n for n in ray_cluster_two_cpu_nodes.worker_nodes if n.node_id == node_id)
-        )
-
-    hook: Callable[[Any], None] = chain(
-        ledger,
-        at_step(5, kill_the_second_replicas_first_rank),  # checkpoints at 4, 8, 12: 5 is not one
-        at_step(6, wait_until_replacements_are_warm),
-        at_step(9, remove_the_first_replicas_node),
-        at_step(10, wait_until_replacements_are_warm),  # a new replica placed on the idle node
-        at_step(13, nodes_now),
-    )
+    scenario = ReplicaLoss(ray_cluster_two_cpu_nodes, killed=2)  # the second replica's first rank
     cfg = config(
         tmp_path / "run",
         False,
@@ -272,51 +236,19 @@ def test_a_replica_losing_a_rank_or_its_node_leaves_the_run_to_the_others_from_m
         "scaling.tensor_parallel=2",
         "scaling.min_workers=2",
         "scaling.max_workers=4",
-        f"training.max_steps={steps}",
+        f"training.max_steps={STEPS}",
+        f"training.global_batch_size={GLOBAL_BATCH}",
         "checkpoint.every_steps=4",
         "checkpoint.memory_max_step_share=0",  # a snapshot every step, whatever it costs here
     )
     try:
-        summary, run_dir, output = run(cfg, hook=hook)
+        summary, run_dir, output = run(cfg, hook=scenario.hook())
     finally:
         ray_cluster_two_cpu_nodes.add_node(num_cpus=2)  # leave the module's cluster as it was
     assert summary.status.value == "FINISHED", output
-    starts = [e for e in run_dir.read_events() if e["event"] == "attempt_started"]
-    sizes = [(s["world_size"], s["source"]) for s in starts]
-    print(
-        "attempts (world size, source, step):",
-        [(*size, s["step"]) for size, s in zip(sizes, starts, strict=True)],
-    )
-    # The node's loss takes its whole replica out: the other goes on alone, then a replica placed on the
-    # idle node joins. From memory, unless both survivors stayed blocked in gloo past the teardown
-    # timeout and were replaced (the gloo limit, docs/concepts/recovery.md): then from disk.
-    assert sizes[:3] == [(4, "none"), (2, "memory"), (4, "memory")], output
-    assert [size for size, _ in sizes[3:]] == [2, 4] or sizes[3][1] == "disk", output
-    # Killed right after step 5 was reported: its copy of step 5 may still have been on its way to the
-    # buddy, and then step 4 (complete everywhere) is loaded; at most the step in flight is lost.
-    assert starts[1]["step"] in (4, 5)
-    recovered = [e for e in run_dir.read_events() if e["event"] == "recovered"]
-    assert recovered[0]["steps_lost"] <= 1 and recovered[1]["steps_lost"] == 0, recovered
-    if sizes[3][1] == "memory":
-        assert recovered[2]["steps_lost"] <= 1, recovered
-    # Every replica's two ranks on one node, before and after the replacement joined in its bundle.
-    for active in nodes_before:
-        assert active[0] == active[1] and active[2] == active[3], active
-
-    # The sample ledger: each step's last recorded samples are exactly its global batch, once each.
-    final: dict[int, dict[int, list[int]]] = {}
-    for step, rank, ids in records:
-        if rank == 0:
-            final[step] = {}
-        final[step][rank] = ids
-    whole = plan_batch(gbs, gbs, 1)
-    assert whole is not None
-    for step in range(steps):
-        got = sorted(i for ids in final[step].values() for i in ids)
-        want = sorted(micro_batch_samples(step, whole, 0, 0, num_samples=120000 // 64, seed=42))
-        assert got == want, step
+    scenario.check(run_dir, output)
     # Through the shrinks and the grows, every step's loss is the plain PyTorch loop's (the schedule of
     # this run's 14 steps: the reference's first 14).
     reference = reference_for(cfg)
     what = "TP 2: DP 2, 1 after a rank's loss, 2 again, 1 after a node's loss, 2 again"
-    assert_same_losses(logged_losses(run_dir), reference.losses[:steps], reference.loss_tol, what)
+    assert_same_losses(logged_losses(run_dir), reference.losses[:STEPS], reference.loss_tol, what)

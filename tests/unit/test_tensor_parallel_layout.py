@@ -69,7 +69,7 @@ def test_a_replica_counts_once_in_the_loss_and_the_ledger():
     results = [
         {
             "rank": r,
-            "tensor_parallel": 2,
+            "replica_ranks": 2,
             "loss": 1.0 + r // 2,
             "loss_sum": 10.0 * (1 + r // 2),
             "target_tokens": 10,

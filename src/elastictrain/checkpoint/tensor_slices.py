@@ -59,7 +59,9 @@ def saved_names(engine: Any) -> dict[Any, str]:
     from elastictrain.compat.deepspeed.autotp import engine_tensor_slices
 
     slices = {param: TensorSlice(*s) for param, s in engine_tensor_slices(engine).items()}
+    # Pipeline stages (model/pipeline.py) know each parameter's transformers name.
+    renamed = getattr(engine.module, "transformers_names", {})
     return {
-        param: slices[param].qualify(name) if param in slices else name
+        param: slices[param].qualify(name) if param in slices else renamed.get(name, name)
         for name, param in engine.module.named_parameters()
     }

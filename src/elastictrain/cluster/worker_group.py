@@ -80,7 +80,8 @@ class WorkerResources:
     cpus_per_worker: float
     gpus_per_worker: float
     allocator: str = "system"  # scaling.worker_allocator
-    ranks_per_reservation: int = 1  # scaling.tensor_parallel: a replica's ranks share one node
+    # scaling.tensor_parallel x scaling.pipeline_parallel: a replica's ranks share one node
+    ranks_per_reservation: int = 1
 
     def bundle(self) -> dict[str, float]:
         b = {"CPU": self.cpus_per_worker}

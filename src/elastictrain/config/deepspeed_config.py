@@ -304,8 +304,10 @@ def build_deepspeed_config(
     replicas: int,
     *,
     tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
 ) -> dict:
-    """The DeepSpeed config of one attempt: `replicas` data-parallel replicas of `tensor_parallel` ranks."""
+    """The DeepSpeed config of one attempt: `replicas` data-parallel replicas of `tensor_parallel` ranks
+    (or of `pipeline_parallel` stages)."""
     t = config.training
     assert micro_batch_size * grad_accum_steps * replicas == t.global_batch_size, "batch split must be exact"
     if config.deepspeed.config_file:
@@ -324,6 +326,10 @@ def build_deepspeed_config(
     # DeepSpeed checks train_batch_size against every rank of the world: with AutoTP the config is read
     # before its tensor-parallel groups exist, so each rank of a replica counts as one more replica.
     cfg["train_batch_size"] = t.global_batch_size * tensor_parallel
+    if pipeline_parallel > 1:
+        # Read once without the stages' groups (the model's build) and once with them (the pipeline
+        # engine): DeepSpeed derives it from the micro-batch and accumulation at either world.
+        del cfg["train_batch_size"]
     if tensor_parallel > 1 or isinstance(cfg.get("tensor_parallel"), dict):
         block = dict(cfg.get("tensor_parallel") or {})
         block.pop("tp_size", None)

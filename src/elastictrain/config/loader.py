@@ -27,6 +27,7 @@ from elastictrain.config.length import layer_length, length_pending, length_prob
 from elastictrain.config.llamafactory import is_llamafactory, translate
 from elastictrain.config.lora_check import lora_problems
 from elastictrain.config.objective_check import objective_problems
+from elastictrain.config.pipeline_check import pipeline_problems
 from elastictrain.config.schema import Config, DataConfig
 from elastictrain.config.tensor_parallel_check import (
     adopt_user_json_tensor_parallel,
@@ -279,6 +280,7 @@ def validate(config: Config) -> Config:
         )
     adopt_user_json_tensor_parallel(config)
     p.extend(tensor_parallel_problems(config))
+    p.extend(pipeline_problems(config))
     _at_least(p, "scaling.min_workers", s.min_workers, 1)
     _at_least(p, "scaling.max_workers", s.max_workers, 1)
     _at_least(p, "scaling.spare_workers", s.spare_workers, 0)
@@ -446,19 +448,25 @@ def _writable(folder: str) -> bool:
 def valid_world_sizes(config: Config) -> list[int]:
     s, t = config.scaling, config.training
     n = checked_degree(config)
-    return workable_world_sizes(t.global_batch_size, micro_batch_cap(config), s.min_workers, s.max_workers, n)
+    cap = micro_batch_cap(config)
+    return workable_world_sizes(t.global_batch_size, cap, s.min_workers, s.max_workers, n, _stages(config))
+
+
+def _stages(config: Config) -> int:
+    p = config.scaling.pipeline_parallel
+    return p if isinstance(p, int) and not isinstance(p, bool) and p >= 1 else 1
 
 
 def _no_world_size_message(config: Config) -> str:
     s, t = config.scaling, config.training
-    n = checked_degree(config)
+    n = checked_degree(config) * _stages(config)
     sizes = [w // n for w in range(s.min_workers, s.max_workers + 1) if w % n == 0]  # replicas
     candidates = [g for g in range(1, 2 * t.global_batch_size + 64) if all(g % w == 0 for w in sizes)]
     nearby = sorted(sorted(candidates, key=lambda g: abs(g - t.global_batch_size))[:4])
     return (
         f"training.global_batch_size: got {t.global_batch_size}; no world size in "
         f"[scaling.min_workers={s.min_workers}, scaling.max_workers={s.max_workers}]"
-        + (f" (as {min(sizes)}-{max(sizes)} replicas of scaling.tensor_parallel={n} ranks)" if n > 1 else "")
+        + (f" (as {min(sizes)}-{max(sizes)} replicas of {n} ranks)" if n > 1 and sizes else "")
         + " divides it, so it "
         f"cannot be split exactly; global batch sizes that work at every size in range: "
         f"{', '.join(map(str, nearby)) or 'none nearby'}"

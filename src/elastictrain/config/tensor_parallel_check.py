@@ -72,6 +72,20 @@ def _with_degree(config: Any, n: int) -> Any:
     return trial
 
 
+def whole_replica_problems(scaling: Any, field: str, n: int, of: str) -> list[str]:
+    """min, max and spare workers that are not whole replicas of `n` (scaling.`field`: N `of` each)."""
+    p = []
+    for key in ("min_workers", "max_workers", "spare_workers"):
+        value = getattr(scaling, key)
+        if value % n:
+            fits = sorted({value // n * n, (value // n + 1) * n} - {0})
+            p.append(
+                f"scaling.{key}: got {value} with scaling.{field} {n}; it counts ranks and must be a "
+                f"multiple of {n} (whole replicas of {n} {of}): {' or '.join(map(str, fits))}"
+            )
+    return p
+
+
 def tensor_parallel_problems(config: Any) -> list[str]:
     s = config.scaling
     n = s.tensor_parallel
@@ -88,15 +102,7 @@ def tensor_parallel_problems(config: Any) -> list[str]:
         ]
     if n == 1:
         return []
-    p = []
-    for key in ("min_workers", "max_workers", "spare_workers"):
-        value = getattr(s, key)
-        if value % n:
-            fits = sorted({value // n * n, (value // n + 1) * n} - {0})
-            p.append(
-                f"scaling.{key}: got {value} with scaling.tensor_parallel {n}; it counts ranks and must be a "
-                f"multiple of {n} (whole replicas of {n} ranks): {' or '.join(map(str, fits))}"
-            )
+    p = whole_replica_problems(s, "tensor_parallel", n, "ranks")
     if config.model.lora.enabled:
         p.append(
             f"model.lora.enabled: LoRA with scaling.tensor_parallel {n} is not supported: peft's adapters "

@@ -71,7 +71,7 @@ class AttemptSetUp:
     def choose_workers(self, plan: BatchPlan, previous: list[Any], step: int) -> list[Any]:
         size = plan.world_size
         workers = attempt_workers(
-            previous, self.group.warm_workers, size, plan.tensor_parallel, lambda w: w.node_id
+            previous, self.group.warm_workers, size, plan.replica_ranks, lambda w: w.node_id
         )
         if len(workers) < size:
             raise AttemptFailed(

@@ -39,6 +39,7 @@ def scaling_rules(config: Any) -> ScalingRules:
         max_failures=config.failure.max_failures,
         wait_for_capacity_s=config.failure.wait_for_capacity_s,
         tensor_parallel=s.tensor_parallel,
+        pipeline_parallel=s.pipeline_parallel,
     )
 
 
@@ -106,7 +107,7 @@ class Capacity:
     def usable_warm(self) -> int:
         """Warm workers that can take part: with tensor parallelism, whole replicas on each node."""
         nodes = [w.node_id for w in self.group.warm_workers]
-        return usable_workers(nodes, self.rules.tensor_parallel)
+        return usable_workers(nodes, self.rules.replica_ranks)
 
     def slots(self) -> int:
         """Workers that exist plus reservations placed: what a restart could run on."""

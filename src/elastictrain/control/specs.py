@@ -36,6 +36,7 @@ def attempt_specs(
         plan.grad_accum_steps,
         plan.data_parallel,
         tensor_parallel=plan.tensor_parallel,
+        pipeline_parallel=plan.pipeline_parallel,
     )
     source = None
     if memory is not None:
@@ -84,10 +85,13 @@ def single_rank_spec(cfg: Any, *, checkpoint_dir: str | None, start_step: int) -
 
 
 def replicas_text(plan: BatchPlan) -> str:
-    """ "2 ranks", or with tensor parallelism "2 replicas of 2 ranks": what reads distinct data."""
-    if plan.tensor_parallel == 1:
+    """ "2 ranks", or with tensor or pipeline parallelism "2 replica(s) of 2 ranks": what reads distinct
+    data."""
+    if plan.replica_ranks == 1:
         return f"{plan.world_size} ranks"
-    return f"{plan.data_parallel} replica(s) of {plan.tensor_parallel} tensor-parallel ranks"
+    if plan.pipeline_parallel == 1:
+        return f"{plan.data_parallel} replica(s) of {plan.tensor_parallel} tensor-parallel ranks"
+    return f"{plan.data_parallel} replica(s) of {plan.pipeline_parallel} pipeline stages"
 
 
 def loopback_port() -> int:

@@ -13,10 +13,10 @@ from typing import Any
 
 
 def replica_results(results: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """One result per data-parallel replica (its first rank's): the ranks of a tensor-parallel replica
-    read the same samples and report the same loss, which must count once. Each result says its
-    attempt's degree (`tensor_parallel`, 1 where absent)."""
-    return [r for r in results if int(r["rank"]) % int(r.get("tensor_parallel") or 1) == 0]
+    """One result per data-parallel replica (its first rank's): the ranks of a tensor-parallel or
+    pipeline replica read the same samples and report the same loss, which must count once. Each result
+    says its attempt's ranks per replica (`replica_ranks`, 1 where absent)."""
+    return [r for r in results if int(r["rank"]) % int(r.get("replica_ranks") or 1) == 0]
 
 
 def step_loss(results: Sequence[Mapping[str, Any]]) -> float:

@@ -60,10 +60,21 @@ class ScalingRules:
     micro_batch_size: int
     max_failures: int
     wait_for_capacity_s: float
-    tensor_parallel: int = 1  # world sizes are whole replicas of this many ranks
+    tensor_parallel: int = 1  # world sizes are whole replicas of tensor_parallel x pipeline_parallel ranks
+    pipeline_parallel: int = 1
+
+    @property
+    def replica_ranks(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
 
     def plan(self, world_size: int) -> BatchPlan | None:
-        return plan_batch(self.global_batch_size, self.micro_batch_size, world_size, self.tensor_parallel)
+        return plan_batch(
+            self.global_batch_size,
+            self.micro_batch_size,
+            world_size,
+            self.tensor_parallel,
+            self.pipeline_parallel,
+        )
 
     def best_size(self, capacity: int) -> int | None:
         """The largest world size within [min, max] and capacity that splits the global batch exactly."""

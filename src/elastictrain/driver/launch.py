@@ -266,7 +266,11 @@ def _ray_group(
         reporter.event("scaling.keep_warm_s: this run imports modules of yours, so its workers start new")
     group = WorkerGroup(
         WorkerResources(
-            s.use_gpu, s.cpus_per_worker, s.gpus_per_worker, s.worker_allocator, s.tensor_parallel
+            s.use_gpu,
+            s.cpus_per_worker,
+            s.gpus_per_worker,
+            s.worker_allocator,
+            s.tensor_parallel * s.pipeline_parallel,  # a replica's ranks share one node
         ),
         name_prefix=run_dir.read_info().run_id[:6],
         keep_warm_s=0.0 if fresh else s.keep_warm_s,
@@ -295,6 +299,7 @@ def local_config(config: Config) -> Config:
     local.scaling.min_workers = local.scaling.max_workers = 1
     local.scaling.spare_workers = 0
     local.scaling.tensor_parallel = 1  # one rank holds every layer whole
+    local.scaling.pipeline_parallel = 1
     local.checkpoint.memory_every_steps = 0
     return local
 

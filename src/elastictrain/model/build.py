@@ -195,6 +195,10 @@ def new_engine(spec: Any, *, zero3: bool) -> Any:
         freed_partitions_returned(),
         fp32_masters_left_for_the_load() if restoring else contextlib.nullcontext(),
     ):
+        if spec.plan.pipeline_parallel > 1:
+            from elastictrain.model.pipeline import new_pipeline_engine
+
+            return new_pipeline_engine(spec, model)
         engine, *_ = deepspeed.initialize(
             model=model,
             model_parameters=[p for p in model.parameters() if p.requires_grad],

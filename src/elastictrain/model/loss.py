@@ -59,6 +59,11 @@ def causal_lm_token_loss_sum(model: Any, batch: Any) -> torch.Tensor:
             "training.loss: not set, and the model's output has no `logits`; give training.loss as "
             "'module:attr', a function loss(model, batch) -> scalar tensor"
         )
+    return token_loss_sum(logits, labels)
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The summed next-token cross entropy of `logits` against `labels` (shifted by one, -100 ignored)."""
     shifted = labels[..., 1:].reshape(-1).to(logits.device)
     flat = logits[..., :-1, :].reshape(-1, logits.shape[-1]).float()
     return torch.nn.functional.cross_entropy(flat, shifted, ignore_index=IGNORE_INDEX, reduction="sum")

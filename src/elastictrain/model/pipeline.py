@@ -106,26 +106,109 @@ def topology(stages: int, replicas: int) -> Any:
     return ProcessTopology(axes=["data", "pipe"], dims=[replicas, stages])
 
 
+class TokenLoss:
+    """The last stage's loss of a micro-batch: its summed token losses times the step's scale (sent with
+    the labels: 1 / the global batch's target tokens, times what DeepSpeed divides by), as the
+    unpipelined step computes it (model/loss.py); the sums are kept for the step's report."""
+
+    def __init__(self) -> None:
+        self.sums: list[torch.Tensor] = []
+
+    def __call__(self, logits: torch.Tensor, labels: Any) -> torch.Tensor:
+        from elastictrain.model.loss import token_loss_sum
+
+        targets, scale = labels
+        summed = token_loss_sum(logits, targets)
+        self.sums.append(summed.detach().double())
+        return summed * scale.to(summed.device)
+
+
 def pipeline_module(
     model: nn.Module,
     stages: int,
     replicas: int,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = next_token_loss,
+    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] = next_token_loss,
 ) -> Any:
     """The model as a DeepSpeed PipelineModule of `stages` stages balanced by parameters (torch.distributed
-    initialised, `stages` x `replicas` ranks)."""
+    initialised, `stages` x `replicas` ranks). Micro-batches may differ in length (padded records): each
+    carries its shape to the next stage."""
     from deepspeed.pipe import PipelineModule
 
+    layers = stage_layers(model)
     module = PipelineModule(
-        layers=stage_layers(model),
+        layers=layers,
         num_stages=stages,
         topology=topology(stages, replicas),
         loss_fn=loss_fn,
         partition_method="parameters",
+        dynamic_shape=True,
     )
+    # Checkpoints, snapshots and exports name parameters as transformers does (checkpoint/tensor_slices.py).
+    module.transformers_names = {
+        name: hf_name(int(name.split(".", 1)[0]), len(layers), name.split(".", 1)[1])
+        for name, _ in module.named_parameters()
+    }
     # DeepSpeed's gradient norm (clipping, ZeRO's overflow check) counts a parameter on the model group's
     # first rank only, unless it is marked model-parallel (Megatron's convention for sliced weights): a
     # stage's weights are its own, so every stage counts its own and the norm is the whole model's.
     for param in module.parameters():
         param.model_parallel = True
     return module
+
+
+def new_pipeline_engine(spec: Any, model: nn.Module) -> Any:
+    """The attempt's DeepSpeed pipeline engine around `model` (built whole, the same on every rank): this
+    rank keeps its stage's layers; the loss is TokenLoss; a non-finite step is skipped by every stage."""
+    import deepspeed
+
+    from elastictrain.checkpoint.model_record import built_model
+    from elastictrain.compat.deepspeed.skip_update import skip_non_finite_updates
+
+    record = built_model(model)
+    module = pipeline_module(model, spec.plan.pipeline_parallel, spec.plan.data_parallel, TokenLoss())
+    module.hf_record = record  # the export's config: the stages alone are no transformers model
+    engine, *_ = deepspeed.initialize(
+        model=module,
+        model_parameters=[p for p in module.parameters() if p.requires_grad],
+        config=spec.ds_config,
+    )
+    skip_non_finite_updates(engine, across_ranks=True)
+    return engine
+
+
+def train_pipeline_batch(engine: Any, batches: list[tuple[Any, int]], scale: torch.Tensor) -> torch.Tensor:
+    """One step of `batches` (this replica's micro-batches) through the stages; the replica's summed token
+    losses (fp64), on every stage: the last stage computes them and sends them to the others."""
+    import torch.distributed as dist
+
+    from elastictrain.model.loss import lm_labels
+
+    loss: TokenLoss = engine.module.loss_fn
+    loss.sums = []
+    items = [(_input_ids(batch), (lm_labels(batch), scale)) for batch, _ in batches]
+    if batches:
+        torch.manual_seed(batches[0][1])  # what randomness there is follows the step's first position
+    engine.train_batch(data_iter=iter(items))
+    summed = torch.stack(loss.sums).sum() if loss.sums else torch.zeros((), dtype=torch.float64)
+    summed = summed.reshape(1).to(engine.device)
+    grid = engine.grid
+    dist.broadcast(summed, src=grid.pp_group[-1], group=grid.get_pipe_parallel_group())
+    return summed[0]
+
+
+def _input_ids(batch: Any) -> torch.Tensor:
+    """A micro-batch's token ids, refusing what the stages cannot pass on (packed records' positions, a
+    mask that is not right padding: stages attend causally over every position before a token)."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if "position_ids" in batch:
+        raise PipelineRefused(
+            "scaling.pipeline_parallel: packed records (position_ids) cannot pass through pipeline stages; "
+            "set data.packing: false"
+        )
+    mask = batch.get("attention_mask")
+    if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
+        raise PipelineRefused(
+            "scaling.pipeline_parallel: a micro-batch is padded on the left; stages need padding on the right"
+        )
+    return batch["input_ids"]

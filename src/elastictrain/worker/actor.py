@@ -239,7 +239,9 @@ class TrainWorker(SnapshotPeer, ShardSaves, ReferenceShare):
         from elastictrain.checkpoint.model_record import built_model
 
         checkpointing = cfg.deepspeed.activation_checkpointing
-        self.built_model = built_model(self.engine.module, activation_checkpointing=checkpointing)
+        self.built_model = getattr(self.engine.module, "hf_record", None) or built_model(
+            self.engine.module, activation_checkpointing=checkpointing
+        )
         self.sockets.stop()
         if spec.backend == "gloo":  # pieces a connection's send buffer takes whole, the same on every rank
             use_gather_in_pieces(
@@ -363,7 +365,7 @@ class TrainWorker(SnapshotPeer, ShardSaves, ReferenceShare):
         return {
             "step": step,
             "rank": self.spec.rank,
-            "tensor_parallel": self.spec.plan.tensor_parallel,
+            "replica_ranks": self.spec.plan.replica_ranks,
             "loss": float("nan"),
             "lr": step_learning_rate(step, self.spec.config.training),
             "samples": 0,
@@ -419,7 +421,7 @@ class TrainWorker(SnapshotPeer, ShardSaves, ReferenceShare):
         return {
             "step": step,
             "rank": spec.rank,
-            "tensor_parallel": spec.plan.tensor_parallel,  # its replica's ranks report the same samples
+            "replica_ranks": spec.plan.replica_ranks,  # its replica's ranks report the same samples
             **loss.fields(),
             "lr": lr,
             "samples": len(samples),

@@ -52,7 +52,7 @@ def evaluate_share(
         module.train(was_training)
     return {
         "rank": spec.rank,
-        "tensor_parallel": spec.plan.tensor_parallel,
+        "replica_ranks": spec.plan.replica_ranks,
         **share,
         "samples": len(read),
         "sample_ids": source_ids(dataset, read),

@@ -125,6 +125,15 @@ def run_micro_batches(
     # DeepSpeed divides each backward by the accumulation steps and averages over ranks: undo both.
     # In fp64 as Python would divide, then fp32: the same scale, bit for bit, as a Python float's.
     scale = ((world_size * len(batches)) / total.clamp(min=1).double()).float()
+    if hasattr(engine.module, "transformers_names"):  # pipeline stages: DeepSpeed runs the micro-batches
+        from elastictrain.model.pipeline import train_pipeline_batch
+
+        # Its schedule makes the update inside train_batch: a copy of the last state must end before.
+        before_update()
+        summed = train_pipeline_batch(engine, list(batches), scale)
+        on_micro()
+        summed_total, counted = torch.stack([summed, local.to(summed.device).double()]).tolist()
+        return StepLoss(summed_total / max(counted, 1), summed_total, int(counted))
     loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
     for i, (batch, seed) in enumerate(batches):
         torch.manual_seed(seed)

@@ -64,7 +64,10 @@ def engine_tensor_slices(engine: Any) -> dict[Any, Slicing]:
 
 def data_parallel_rank(engine: Any) -> int:
     """This rank's place among the ranks that hold the same slices (DeepSpeed's (data, tensor) mesh puts
-    each replica's ranks next to each other)."""
+    each replica's ranks next to each other; a pipeline engine's grid says it for its stage)."""
+    grid = getattr(engine, "grid", None)
+    if grid is not None and hasattr(grid, "get_data_parallel_rank"):
+        return int(grid.get_data_parallel_rank())
     rank = int(getattr(engine, "global_rank", 0))
     size = _engine_degree(engine)
     return rank // size if size > 1 else rank

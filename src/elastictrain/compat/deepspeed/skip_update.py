@@ -7,7 +7,8 @@ optimizer is torch's own, which applies whatever it is given: one NaN gradient a
 loss is NaN, and the run still finishes. There the optimizer's step is guarded here: it first takes the
 gradients' global norm and, where that is not finite, does not update and says `overflow`, which the
 engine reads after every step as it reads its own optimizers' (it then counts a skipped step). Gradients
-are averaged over the ranks before the update, so every rank makes the same decision.
+are averaged over the ranks before the update, so every rank makes the same decision; pipeline stages
+hold different gradients, so there (`across_ranks`) the ranks agree on it with one all-reduce.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _check_engine_reads_overflow() -> str | None:
         "ZeRO optimizers skip it, instead of turning every later weight and loss into NaN"
     ),
 )
-def skip_non_finite_updates(engine: Any) -> None:
+def skip_non_finite_updates(engine: Any, *, across_ranks: bool = False) -> None:
     """Guard the step of a plain torch optimizer (no ZeRO, fp32) against non-finite gradients.
 
     What: the optimizer instance's `step` first takes the gradients' global norm; where it is not finite
@@ -63,6 +64,13 @@ def skip_non_finite_updates(engine: Any) -> None:
         # One norm over every gradient (NaN or inf anywhere makes it so); torch >= 2.4 has no get_total_norm.
         norms = torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]) if grads else None
         finite = norms is None or bool(torch.isfinite(torch.linalg.vector_norm(norms)))
+        if across_ranks:
+            import torch.distributed as dist
+
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            flag = torch.tensor([1.0 if finite else 0.0], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            finite = bool(flag.item() > 0)
         optimizer.overflow = not finite
         return update(*args, **kwargs) if finite else None
 

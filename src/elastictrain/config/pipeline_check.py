@@ -1,0 +1,120 @@
+"""What `scaling.pipeline_parallel: P` needs of the config, said when it loads.
+
+The world is world_size / P data-parallel replicas of P pipeline stages (model/pipeline.py splits a
+transformers decoder into them). DeepSpeed's pipeline engine trains with ZeRO stage 0 or 1 and its own
+schedule of micro-batches; what it cannot run, or what elastictrain does not run through it yet, is
+refused here by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from elastictrain.config.tensor_parallel_check import whole_replica_problems
+
+# transformers model types model/pipeline.py splits (a standard decoder stack: embedding, decoder layers
+# computing their own rotary embeddings, final norm, head).
+PIPELINE_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+def pipeline_problems(config: Any) -> list[str]:
+    s, ds, m = config.scaling, config.deepspeed, config.model
+    n = s.pipeline_parallel
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return [f"scaling.pipeline_parallel: got {n!r}; expected a whole number >= 1 (1: no pipeline)"]
+    if n == 1:
+        return []
+    p = whole_replica_problems(s, "pipeline_parallel", n, "stages")
+    tp = s.tensor_parallel
+    if tp != 1:
+        p.append(
+            f"scaling.tensor_parallel: got {tp!r} with scaling.pipeline_parallel {n}; tensor parallelism "
+            "inside pipeline stages is not supported yet: set one of them to 1"
+        )
+    if ds.zero_stage not in (0, 1):
+        p.append(
+            f"deepspeed.zero_stage: got {ds.zero_stage!r} with scaling.pipeline_parallel {n}; DeepSpeed's "
+            "pipeline engine trains with stage 0 or 1 only"
+        )
+    if ds.config_file:
+        p.append(
+            "deepspeed.config_file: a DeepSpeed JSON of your own with scaling.pipeline_parallel is not "
+            "supported yet; give the ZeRO stage and precision in the deepspeed section"
+        )
+    for key in ("offload_optimizer", "offload_param"):
+        if getattr(ds, key) != "none":
+            p.append(
+                f"deepspeed.{key}: got {getattr(ds, key)!r} with scaling.pipeline_parallel {n}; offload "
+                "with pipeline stages is not supported yet: expected none"
+            )
+    if ds.activation_checkpointing not in (False,):
+        p.append(
+            f"deepspeed.activation_checkpointing: got {ds.activation_checkpointing!r} with "
+            f"scaling.pipeline_parallel {n}; not supported with pipeline stages yet: expected false"
+        )
+    if m.factory:
+        p.append(
+            f"model.factory: got {m.factory!r} with scaling.pipeline_parallel {n}; pipeline stages are "
+            f"cut from transformers decoders ({', '.join(PIPELINE_MODEL_TYPES)}), not from a model of "
+            "your own"
+        )
+    else:
+        if m.pretrained:
+            hf, where = _pretrained_config(m.pretrained), "model.pretrained's config.json: "
+        else:
+            hf, where = dict(m.hf_config), "model.hf_config."
+        kind = hf.get("model_type")
+        if hf and kind not in PIPELINE_MODEL_TYPES:
+            p.append(
+                f"{where}model_type: got {kind!r} with scaling.pipeline_parallel {n}; expected one "
+                f"of {', '.join(PIPELINE_MODEL_TYPES)} (a standard decoder stack)"
+            )
+        layers = hf.get("num_hidden_layers")
+        if isinstance(layers, int) and layers + 2 < n:
+            p.append(
+                f"scaling.pipeline_parallel: got {n}; the model has {layers} decoder layers, so at most "
+                f"{layers + 2} stages (embedding, each layer, head)"
+            )
+        if hf.get("tie_word_embeddings"):
+            p.append(
+                f"{where}tie_word_embeddings: true with scaling.pipeline_parallel; tied input and "
+                "output embeddings are not split across stages yet: expected false"
+            )
+    if m.lora.enabled:
+        p.append(f"model.lora.enabled: LoRA with scaling.pipeline_parallel {n} is not supported yet")
+    if m.compile:
+        p.append(f"model.compile: true with scaling.pipeline_parallel {n} is not supported yet")
+    t = config.training
+    if t.objective != "lm":
+        p.append(
+            f"training.objective: got {t.objective!r} with scaling.pipeline_parallel {n}; pipeline stages "
+            "train the causal LM loss (lm) only"
+        )
+    if t.loss:
+        p.append(
+            f"training.loss: got {t.loss!r} with scaling.pipeline_parallel {n}; pipeline stages train the "
+            "built-in causal LM loss only"
+        )
+    if config.data.source == "sft" and config.data.packing:
+        p.append(
+            "data.packing: true with data.source sft and scaling.pipeline_parallel; packed records keep "
+            "apart by position ids the stages do not pass: expected false (records padded)"
+        )
+    if config.eval.steps > 0 or config.eval.prompts:
+        p.append(
+            f"eval.steps / eval.prompts: validation with scaling.pipeline_parallel {n} is not supported "
+            "yet: expected eval.steps 0 and no eval.prompts"
+        )
+    return p
+
+
+def _pretrained_config(folder: str) -> dict[str, Any]:
+    """The pretrained folder's config.json ({} where it cannot be read: the model's own check says why)."""
+    import json
+    from pathlib import Path
+
+    try:
+        found = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}

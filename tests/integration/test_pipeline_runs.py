@@ -1,0 +1,120 @@
+"""Runs whose replicas are pipelines (`scaling.pipeline_parallel`): the plain PyTorch loop's losses, a
+checkpoint by transformers names that loads at another layout, and an export that is the reference model.
+
+Real Ray workers hosting DeepSpeed's pipeline engine over gloo; the reference is
+test_plain_pytorch_equivalence.py's single-process loop with its derived tolerances.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import at_step, run
+from reference import global_batch
+from test_plain_pytorch_equivalence import STEPS, assert_same_losses, config, logged_losses, reference_for
+
+from elastictrain.data.sources import dataset_from_config
+
+pytestmark = pytest.mark.integration
+
+
+def test_pipeline_replicas_train_the_plain_loss_resume_at_other_layouts_and_export_the_reference(
+    ray_local, tmp_path
+):
+    """P 2 x D 2 (ZeRO-1) stopped after step 6 (checkpoint at 4) continues without pipelines at D 3,
+    stopped after step 14 (checkpoint at 12) continues at P 2 x D 1 (ZeRO-0): every step's loss is the
+    plain loop's; the checkpoints hold transformers names; the export is the reference model."""
+
+    def stop(controller: object) -> None:
+        raise KeyboardInterrupt
+
+    steps = STEPS
+    common = [f"training.max_steps={steps}", "checkpoint.every_steps=4"]
+
+    def layout(stages: int, workers: int, zero: int = 1) -> object:
+        return config(
+            tmp_path / "run",
+            False,
+            *common,
+            f"deepspeed.zero_stage={zero}",
+            f"scaling.pipeline_parallel={stages}",
+            f"scaling.min_workers={workers}",
+            f"scaling.max_workers={workers}",
+        )
+
+    from elastictrain.driver.launch import apply_resume_changes
+    from elastictrain.rundir.run_dir import RunDir
+
+    def resumed_as(cfg: object) -> object:  # what `elastictrain resume RUN_DIR scaling...` does first
+        apply_resume_changes(RunDir.open(tmp_path / "run"), cfg)
+        return cfg
+
+    with pytest.raises(KeyboardInterrupt):
+        run(layout(2, 4), hook=at_step(6, stop))
+    first = tmp_path / "run" / "checkpoints" / "step-000004"
+    from elastictrain.checkpoint.zero_state import FragmentReader
+
+    names = set(FragmentReader(sorted(first.glob("*.safetensors"))).params)
+    assert "model.layers.1.self_attn.q_proj.weight" in names and "lm_head.weight" in names, sorted(names)
+    assert not any(n[0].isdigit() for n in names), sorted(names)  # no pipeline layer indices
+
+    with pytest.raises(KeyboardInterrupt):
+        run(resumed_as(layout(1, 3)), hook=at_step(14, stop))
+    cfg = resumed_as(layout(2, 2, zero=0))
+    summary, run_dir, output = run(cfg)
+    assert summary.status.value == "FINISHED", output
+    assert "1 replica(s) of 2 pipeline stages" in output, output
+    starts = [(e["world_size"], e["step"]) for e in run_dir.read_events() if e["event"] == "attempt_started"]
+    assert starts == [(4, 0), (3, 4), (2, 12)], starts
+    reference = reference_for(cfg)
+    what = "P 2 x D 2, then P 1 x D 3 from its checkpoint, then P 2 x D 1 from that one's"
+    assert_same_losses(logged_losses(run_dir), reference.losses, reference.loss_tol, what)
+
+    from typer.testing import CliRunner
+
+    from elastictrain.cli import app
+
+    result = CliRunner().invoke(app, ["export", str(run_dir.path), "--out", str(tmp_path / "export")])
+    assert result.exit_code == 0, result.output
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export", local_files_only=True).eval()
+    ids = global_batch(cfg, dataset_from_config(cfg), steps)[:4]
+    want, logits_tol = reference.logits_and_tolerance(ids)
+    with torch.no_grad():
+        diff = (exported(input_ids=ids).logits - want).abs().max().item()
+    assert diff <= logits_tol, f"export vs reference after {steps} steps: {diff:.2e} > {logits_tol:.2e}"
+
+
+# Last in the module: its cluster of three nodes replaces the local one until the module ends.
+def test_a_pipeline_replica_losing_a_stage_or_its_node_leaves_the_run_to_the_other_and_one_rejoins(
+    ray_cluster_two_cpu_nodes, tmp_path
+):
+    """P 2 x D 2 on nodes of two slots (a replica's stages on one node): a killed stage takes its replica
+    out and the other trains on from memory; a replacement rejoins; then a node goes, with the same
+    outcome. The sample ledger and every step's loss are the plain loop's."""
+    from replica_loss import GLOBAL_BATCH, STEPS, ReplicaLoss
+
+    scenario = ReplicaLoss(ray_cluster_two_cpu_nodes, killed=3)  # the second replica's last stage
+    cfg = config(
+        tmp_path / "run",
+        False,
+        "deepspeed.zero_stage=1",
+        "scaling.pipeline_parallel=2",
+        "scaling.min_workers=2",
+        "scaling.max_workers=4",
+        f"training.max_steps={STEPS}",
+        f"training.global_batch_size={GLOBAL_BATCH}",
+        "checkpoint.every_steps=4",
+        "checkpoint.memory_max_step_share=0",  # a snapshot every step, whatever it costs here
+    )
+    try:
+        summary, run_dir, output = run(cfg, hook=scenario.hook())
+    finally:
+        ray_cluster_two_cpu_nodes.add_node(num_cpus=2)  # leave the module's cluster as it was
+    assert summary.status.value == "FINISHED", output
+    assert "replica(s) of 2 pipeline stages" in output
+    scenario.check(run_dir, output)
+    reference = reference_for(cfg)
+    what = "P 2: D 2, 1 after a stage's loss, 2 again, 1 after a node's loss, 2 again"
+    assert_same_losses(logged_losses(run_dir), reference.losses[:STEPS], reference.loss_tol, what)

@@ -1,0 +1,108 @@
+"""Pipeline layouts: whole replicas of P stages read one micro-batch each, the config says what a layout
+needs and refuses by name what the stages cannot run, and checkpoints name a stage's parameters as
+transformers does."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastictrain.config import ConfigError, load_config, valid_world_sizes
+from elastictrain.config.deepspeed_config import build_deepspeed_config
+from elastictrain.core.batch import plan_batch
+from elastictrain.core.data_order import micro_batch_positions
+from elastictrain.core.losses import replica_results, step_loss
+from elastictrain.core.policy import ScalingRules
+from elastictrain.model.pipeline import hf_name
+
+PIPELINE = ["deepspeed.zero_stage=1", "scaling.pipeline_parallel=2"]
+
+
+def problems(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*PIPELINE, *overrides])
+    return str(e.value)
+
+
+def test_a_replica_is_its_stages_and_they_read_the_same_micro_batches():
+    plan = plan_batch(24, 4, 4, pipeline_parallel=2)
+    assert plan is not None
+    assert (plan.replica_ranks, plan.data_parallel, plan.micro_batch_size, plan.grad_accum_steps) == (
+        2,
+        2,
+        4,
+        3,
+    )
+    assert [plan.data_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    for micro in range(plan.grad_accum_steps):
+        assert list(micro_batch_positions(5, plan, 1, micro)) == list(
+            micro_batch_positions(5, plan, 0, micro)
+        )
+    assert plan_batch(24, 4, 3, pipeline_parallel=2) is None  # 3 ranks: no whole replicas of 2
+
+
+def test_world_sizes_are_whole_replicas_of_stages():
+    rules = ScalingRules(2, 6, 12, 2, 3, 10.0, pipeline_parallel=2)
+    assert rules.best_size(5) == 4 and rules.best_size(6) == 6 and rules.best_size(1) is None
+    cfg = load_config(None, [*PIPELINE, "scaling.min_workers=2", "scaling.max_workers=6"])
+    assert valid_world_sizes(cfg) == [2, 4, 6]
+
+
+def test_a_stage_reports_its_replicas_loss_once():
+    results = [
+        {"rank": r, "replica_ranks": 2, "loss": 2.0, "loss_sum": 20.0 * (1 + r // 2), "target_tokens": 10}
+        for r in range(4)
+    ]
+    assert [r["rank"] for r in replica_results(results)] == [0, 2]
+    assert step_loss(replica_results(results)) == pytest.approx(1.5 * 20.0 / 10)
+
+
+def test_the_deepspeed_config_leaves_the_batch_size_to_deepspeed_at_both_readings():
+    cfg = load_config(None, [*PIPELINE, "scaling.min_workers=4", "scaling.max_workers=4"])
+    ds = build_deepspeed_config(cfg, 4, 3, 2, pipeline_parallel=2)
+    assert "train_batch_size" not in ds
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (4, 3)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["deepspeed.zero_stage=3"], "deepspeed.zero_stage: got 3 with scaling.pipeline_parallel 2"),
+        (["scaling.min_workers=3", "scaling.max_workers=3"], "scaling.min_workers: got 3"),
+        (
+            ["scaling.tensor_parallel=2", "scaling.min_workers=4", "scaling.max_workers=4"],
+            "scaling.tensor_parallel",
+        ),
+        (["model.hf_config.model_type=gpt2"], "model.hf_config.model_type: got 'gpt2'"),
+        (["model.hf_config.tie_word_embeddings=true"], "model.hf_config.tie_word_embeddings"),
+        (
+            [
+                "model.hf_config.num_hidden_layers=1",
+                "scaling.pipeline_parallel=4",
+                "scaling.max_workers=4",
+                "scaling.min_workers=4",
+            ],
+            "at most 3 stages",
+        ),
+        (["model.lora.enabled=true"], "model.lora.enabled"),
+        (["training.objective=dpo"], "training.objective: got 'dpo'"),
+        (["deepspeed.offload_optimizer=cpu"], "deepspeed.offload_optimizer: got 'cpu'"),
+        (["deepspeed.activation_checkpointing=true"], "deepspeed.activation_checkpointing"),
+        (["eval.steps=2", "eval.split=0.1"], "eval.steps / eval.prompts"),
+        (["scaling.pipeline_parallel=0"], "scaling.pipeline_parallel: got 0"),
+    ],
+)
+def test_what_pipeline_stages_cannot_run_is_refused_naming_the_field(overrides, expected):
+    assert expected in problems(*overrides)
+
+
+def test_one_stage_is_no_pipeline_and_refuses_nothing():
+    cfg = load_config(None, ["scaling.pipeline_parallel=1", "deepspeed.zero_stage=3"])
+    assert cfg.scaling.pipeline_parallel == 1
+
+
+def test_a_stage_names_parameters_as_transformers_does():
+    layers = 4  # embedding, two decoder layers, norm and head
+    assert hf_name(0, layers, "embed_tokens.weight") == "model.embed_tokens.weight"
+    assert hf_name(2, layers, "layer.self_attn.q_proj.weight") == "model.layers.1.self_attn.q_proj.weight"
+    assert hf_name(3, layers, "norm.weight") == "model.norm.weight"
+    assert hf_name(3, layers, "lm_head.weight") == "lm_head.weight"
