@@ -8,7 +8,8 @@ Benchmarks: throughput, checkpoint_stall, memory, reshard, recovery, memory_reco
 zero_stages, warm_rerun; and, only when named with --only: straggler (one rank of 3 slowed, kept or
 replaced), goodput (a long run with failures injected), memory_presets (in-memory snapshots at the 30M
 and 125M presets, default settings), sft (one epoch of instruction records against Hugging Face's
-Trainer), dpo (one epoch of preference pairs against TRL's DPOTrainer, LoRA and full fine-tune) and scale
+Trainer), dpo (one epoch of preference pairs against TRL's DPOTrainer, LoRA and full fine-tune), pipeline
+(stages against ZeRO-3 and tensor parallelism at 2 ranks, 30M and 125M; a P 2 x D 2 recovery) and scale
 (30M to 1B parameters: hours on 2 cores; `--sizes` picks sizes, and sizes already in results/scale.json
 are skipped unless `--redo`). Runs that several benchmarks read (the plain training runs of each system)
 happen once per repetition.
@@ -33,6 +34,7 @@ from benchmarks import (
     memory,
     memory_presets,
     memory_recovery,
+    pipeline,
     recovery,
     report,
     reshard,
@@ -61,9 +63,10 @@ MODULES = {
     "sft": sft,
     "dpo": dpo,
     "straggler": straggler,
+    "pipeline": pipeline,
 }
 # Long: run with --only (GOODPUT_MINUTES sets goodput's length).
-OPT_IN = {"goodput", "memory_presets", "scale", "sft", "dpo", "straggler"}
+OPT_IN = {"goodput", "memory_presets", "scale", "sft", "dpo", "straggler", "pipeline"}
 DEFAULT_REPS = 1  # the full run stays under 25 minutes on 2 cores; more with --reps
 
 

@@ -94,6 +94,9 @@ def test_dry_gpu_check_runs_every_part_and_writes_its_results(tmp_path: Path) ->
     tp = parts["tensor_parallel"]["figures"]
     assert tp["tp2_vs_zero3_step_time"] > 0
     assert tp["tp2_zero1"]["losses"] == pytest.approx(tp["zero3_dp2"]["losses"], rel=1e-4)  # one model
+    pp = parts["pipeline"]["figures"]
+    assert pp["pp2_vs_zero3_step_time"] > 0
+    assert pp["pp2_zero1"]["losses"] == pytest.approx(pp["zero3_dp2"]["losses"], rel=1e-4)  # one model
     with tarfile.open(out / "gpu-checkpoint.tar.gz") as archive:
         assert any(name.endswith("gpu-checkpoint.json") for name in archive.getnames())
     log = (out / "gpu-check.log").read_text()

@@ -86,6 +86,29 @@ def test_pipeline_replicas_train_the_plain_loss_resume_at_other_layouts_and_expo
     assert diff <= logits_tol, f"export vs reference after {steps} steps: {diff:.2e} > {logits_tol:.2e}"
 
 
+def test_auto_chooses_the_stages_on_the_cluster_and_says_what_it_weighed(ray_local, tmp_path):
+    """`pipeline_parallel: auto` on the local cluster: the start prints the choice and the runner-up with
+    their estimates, the attempt trains at the chosen stages, and the choice is an event."""
+    cfg = config(
+        tmp_path / "run",
+        False,
+        "training.max_steps=3",
+        "deepspeed.zero_stage=1",
+        "scaling.pipeline_parallel=auto",
+        "scaling.min_workers=2",
+        "scaling.max_workers=2",
+    )
+    summary, run_dir, output = run(cfg, tracking=False)
+    assert summary.status.value == "FINISHED", output
+    chosen = [e for e in run_dir.read_events() if e["event"] == "pipeline_parallel"]
+    assert len(chosen) == 1 and chosen[0]["world_size"] == 2, chosen
+    stages = chosen[0]["pipeline_parallel"]
+    assert f"scaling.pipeline_parallel=auto chose {stages} at 2 ranks: P {stages} x T 1" in output, output
+    assert "runner-up P " in output and "s a step (compute" in output, output
+    layout = "1 replica(s) of 2 pipeline stages" if stages == 2 else "x 2 ranks"
+    assert layout in output, output
+
+
 # Last in the module: its cluster of three nodes replaces the local one until the module ends.
 def test_a_pipeline_replica_losing_a_stage_or_its_node_leaves_the_run_to_the_other_and_one_rejoins(
     ray_cluster_two_cpu_nodes, tmp_path

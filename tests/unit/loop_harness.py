@@ -58,6 +58,7 @@ def make_run(
     capacity: int = 2,
     run_dir: RunDir | None = None,
     layouts: Callable[[Any], Any] | None = None,
+    stages: Any = None,
 ) -> Run:
     """12 steps, a checkpoint every 4, 2 workers (unless overridden), on `capacity` fake worker slots.
     `layouts(config)`: with auto layout fields, resolves them as the driver's start does and returns the
@@ -83,7 +84,9 @@ def make_run(
     terminal = io.StringIO()
     reporter = Reporter(cfg.training.max_steps, stream=terminal, live=False)
     chooser = layouts(cfg) if layouts else None
-    controller = Controller(cfg, run_dir, NullTracker(), reporter, group, clock=Clock(), layouts=chooser)
+    controller = Controller(
+        cfg, run_dir, NullTracker(), reporter, group, clock=Clock(), layouts=chooser, stages=stages
+    )
     return Run(controller, group, run_dir, terminal)
 
 

@@ -20,8 +20,12 @@ PIPELINE_MODEL_TYPES = ("llama", "qwen2", "mistral")
 def pipeline_problems(config: Any) -> list[str]:
     s, ds, m = config.scaling, config.deepspeed, config.model
     n = s.pipeline_parallel
+    if n == "auto":
+        return []  # the chooser offers stages only where this check passes (driver/pipeline_auto.py)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        return [f"scaling.pipeline_parallel: got {n!r}; expected a whole number >= 1 (1: no pipeline)"]
+        return [
+            f"scaling.pipeline_parallel: got {n!r}; expected a whole number >= 1 (1: no pipeline) or auto"
+        ]
     if n == 1:
         return []
     p = whole_replica_problems(s, "pipeline_parallel", n, "stages")

@@ -251,7 +251,9 @@ class ScalingConfig:
     # contiguous runs of layers, trained through DeepSpeed's pipeline engine (ZeRO stage 0 or 1): world
     # size / P replicas of P ranks, each replica on one node. min_workers and max_workers count ranks and
     # must be multiples of P. Checkpoints keep transformers' parameter names: they load at any layout.
-    pipeline_parallel: int = 1
+    # auto: P chosen by a cost model (compute, the pipeline bubble, traffic, memory per rank) when the
+    # driver starts and again at each restart at a new world size, the choice and runner-up printed.
+    pipeline_parallel: Any = 1
     # Warm actors kept beside the attempt's workers, each holding its slot (a GPU) idle: one replaces a
     # worker or node lost at once, instead of after a new actor's start and imports (seconds to tens of
     # seconds), where the run cannot go on smaller (at min_workers). They join a grow like any warm worker.

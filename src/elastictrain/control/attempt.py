@@ -70,9 +70,10 @@ class AttemptSetUp:
 
     def choose_workers(self, plan: BatchPlan, previous: list[Any], step: int) -> list[Any]:
         size = plan.world_size
-        workers = attempt_workers(
-            previous, self.group.warm_workers, size, plan.replica_ranks, lambda w: w.node_id
-        )
+        # Under pipeline_parallel: auto a replica's stages may span nodes (reserved one by one).
+        auto = self.cfg.scaling.pipeline_parallel == "auto"
+        together = plan.tensor_parallel if auto else plan.replica_ranks
+        workers = attempt_workers(previous, self.group.warm_workers, size, together, lambda w: w.node_id)
         if len(workers) < size:
             raise AttemptFailed(
                 Failure("setup_error", (), step, f"only {len(workers)} of {size} workers ready")

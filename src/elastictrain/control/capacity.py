@@ -39,7 +39,8 @@ def scaling_rules(config: Any) -> ScalingRules:
         max_failures=config.failure.max_failures,
         wait_for_capacity_s=config.failure.wait_for_capacity_s,
         tensor_parallel=s.tensor_parallel,
-        pipeline_parallel=s.pipeline_parallel,
+        # auto: world sizes as without stages; each attempt's plan takes the stages chosen for its size.
+        pipeline_parallel=s.pipeline_parallel if isinstance(s.pipeline_parallel, int) else 1,
     )
 
 
@@ -53,6 +54,7 @@ class Capacity:
         clock: Callable[[], float] = time.monotonic,
         degrees: Any = None,
         layouts: Any = None,
+        stages: Any = None,
     ) -> None:
         self.cfg = config
         self.group = group
@@ -61,6 +63,8 @@ class Capacity:
         self.clock = clock
         self.degrees = degrees  # tensor_parallel: auto's chooser (tensor_parallel_auto.py), or None
         self.layouts = layouts  # auto layout fields' chooser (driver/layout_auto.py), or None
+        self.stages = stages  # pipeline_parallel: auto's chooser (driver/pipeline_auto.py), or None
+        self._stages_now = 0  # the stages of the last attempt under pipeline_parallel: auto
         self._warming_since: dict[str, float] = {}  # worker id -> when it was started
         self._warm_up_s: list[float] = []  # how long the finished warm-ups took (as noticed)
 
@@ -100,7 +104,16 @@ class Capacity:
                 self.recorder.event(
                     "layout", f"{head}; {estimate}", step=step, world_size=size, **asdict(choice.layout)
                 )
-        plan = self.rules.plan(size)
+        rules = self.rules
+        if self.stages is not None:
+            stages, why = self.stages.choose(size)
+            if stages != self._stages_now:
+                self._stages_now = stages
+                self.recorder.event(
+                    "pipeline_parallel", why, step=step, world_size=size, pipeline_parallel=stages
+                )
+            rules = replace(rules, pipeline_parallel=stages)
+        plan = rules.plan(size)
         assert plan is not None
         return plan
 

@@ -74,10 +74,12 @@ class Controller:
         callbacks: Callbacks | None = None,
         degrees: Any = None,
         layouts: Any = None,
+        stages: Any = None,
     ) -> None:
         """`degrees`: with `tensor_parallel: auto`, what chose the degree (driver/tensor_parallel_auto.py); a
         restart at a new world size asks it again; `layouts` likewise for auto layout fields
-        (driver/layout_auto.py), asked before every attempt."""
+        (driver/layout_auto.py) and `stages` for `pipeline_parallel: auto` (driver/pipeline_auto.py),
+        asked before every attempt."""
         self.cfg = config
         self.group = group
         self.clock = clock
@@ -86,7 +88,9 @@ class Controller:
         self.store = CheckpointStore(run_dir.checkpoints_dir)
         self.recorder = RunRecorder(run_dir, tracker, reporter)
         self.resume = ResumePoints(self.store, configured_model(config), self.recorder)
-        self.capacity = Capacity(config, group, self.recorder, clock=clock, degrees=degrees, layouts=layouts)
+        self.capacity = Capacity(
+            config, group, self.recorder, clock=clock, degrees=degrees, layouts=layouts, stages=stages
+        )
         self.saves = SaveCoordinator(config, group, self.store, self.recorder, self.resume, clock=clock)
         self.snapshots = SnapshotSchedule(config)  # which steps the ranks copy to host memory
         self.evals = Evaluations(config, self.recorder)

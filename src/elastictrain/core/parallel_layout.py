@@ -163,6 +163,13 @@ def choose_parallel_layout(
     estimates = [estimate(shape, d, hw, batch) for d in candidates(shape, world, hw, heads, kv_heads)]
     if not estimates:
         raise ValueError(f"no layout of {world} ranks: {heads} heads and {hw.ranks_per_node} ranks a node")
+    return pick(estimates)
+
+
+def pick(estimates: list[Estimate]) -> tuple[Estimate, Estimate | None]:
+    """Of `estimates` (at least one), the one that fits with the least step time, a simpler one within
+    CLOSE of it preferred, and the runner-up (None when alone). Nothing fitting: the one needing the
+    least memory, marked as not fitting."""
     fitting = sorted((e for e in estimates if e.fits), key=lambda e: e.step_s)
     if not fitting:
         return min(estimates, key=lambda e: e.memory_bytes), None
@@ -174,6 +181,32 @@ def choose_parallel_layout(
 
     fitting.sort(key=simpler)
     return fitting[0], fitting[1] if len(fitting) > 1 else None
+
+
+# What `scaling.pipeline_parallel: auto` assumes of the hardware it cannot measure before the run: the
+# sustained FLOP/s of one rank (on a GPU 40% of an H100's dense bf16 peak; a CPU worker's core at fp32,
+# 20 GFLOP/s) and the bytes per second between two ranks of a node and between nodes (NVLink-class and
+# 100 Gb/s on GPUs; loopback and 10 Gb/s on CPUs). Ratios between candidates, not absolute times, decide.
+ASSUMED_GPU = (0.4 * 989e12, 150e9, 12.5e9)
+ASSUMED_CPU = (2e10, 5e9, 1.25e9)
+
+
+def assumed_hardware(memory_bytes: int, ranks_per_node: int, *, on_gpu: bool) -> Hardware:
+    flops, intra, inter = ASSUMED_GPU if on_gpu else ASSUMED_CPU
+    return Hardware(memory_bytes, flops, intra, inter, ranks_per_node, on_gpu=on_gpu)
+
+
+def stage_candidates(
+    shape: ModelShape, world: int, global_batch: int, zero_stage: int, *, pipelines: bool
+) -> list[Degrees]:
+    """`pipeline_parallel: auto`'s candidates at `world` ranks, without tensor parallelism: P stages of
+    D = world / P replicas splitting the global batch, P at most the decoder layers plus the embedding
+    and the head, and only P 1 where pipelines are not allowed; ZeRO as set (0 or 1 with pipelines)."""
+    out = [Degrees(1, 1, world, zero_stage)]
+    for p in range(2, min(world, shape.layers + 2) + 1) if pipelines else ():
+        if world % p == 0 and global_batch % (world // p) == 0:
+            out.append(Degrees(p, 1, world // p, zero_stage if zero_stage in (0, 1) else 1))
+    return out
 
 
 def split_stages(costs: list[int], stages: int) -> list[int]:

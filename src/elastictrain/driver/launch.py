@@ -186,13 +186,13 @@ def run_training(
     from elastictrain.control.loop import Controller
 
     reporter = reporter or Reporter(config.training.max_steps)
-    degrees = layouts = None
+    degrees = layouts = stages = None
     if local:
         group: Any = _local_group(config, worker_class)
         config = local_config(config)
         layouts = _auto_layout(config, reporter, local=True)
     else:
-        group, degrees, layouts = _ray_group(config, run_dir, address, reporter, worker_class)
+        group, degrees, layouts, stages = _ray_group(config, run_dir, address, reporter, worker_class)
     tracker = make_tracker(config, run_dir, tracking)
     take_over(run_dir, reporter)
     system = SystemMetrics(config, run_dir) if tracking else None
@@ -203,7 +203,9 @@ def run_training(
         mlflow_run = "created when the tracker connects"
     where = "; one local worker in this process (no Ray)" if local else ""
     reporter.event(f"run folder {run_dir.path}; MLflow run: {mlflow_run}{where}")
-    controller = Controller(config, run_dir, tracker, reporter, group, degrees=degrees, layouts=layouts)
+    controller = Controller(
+        config, run_dir, tracker, reporter, group, degrees=degrees, layouts=layouts, stages=stages
+    )
     if controller_hook is not None:
         controller_hook(controller)
     summary = None
@@ -236,10 +238,10 @@ def _auto_layout(config: Config, reporter: Reporter, *, local: bool) -> Any:
 
 def _ray_group(
     config: Config, run_dir: RunDir, address: str | None, reporter: Reporter, worker_class: type | None
-) -> tuple[Any, Any, Any]:
+) -> tuple[Any, Any, Any, Any]:
     """Connect to Ray, check every node can run the config (PreflightError if not): the worker group,
-    with `tensor_parallel: auto` what chose the degree, and with auto layout fields what chose them (the
-    control loop asks both again)."""
+    with `tensor_parallel: auto` what chose the degree, with auto layout fields what chose them, and with
+    `pipeline_parallel: auto` what chooses the stages (the control loop asks each again)."""
     from elastictrain.cluster.connect import connect_ray
     from elastictrain.cluster.worker_group import WorkerGroup, WorkerResources
     from elastictrain.driver.preflight import check_memory_on_nodes, check_nvme_on_nodes
@@ -253,6 +255,12 @@ def _ray_group(
         said, degrees = choose_tensor_parallel(config)
         reporter.event(said)
     layouts = _auto_layout(config, reporter, local=False)  # before the memory check reads the stage
+    stages = None
+    if config.scaling.pipeline_parallel == "auto":
+        from elastictrain.driver.pipeline_auto import choose_at_start
+
+        said, stages = choose_at_start(config)
+        reporter.event(said)
     # Both raise PreflightError before any worker or tracker exists.
     if check_nvme_on_nodes(config):
         reporter.event(f"deepspeed.nvme_path {config.deepspeed.nvme_path} is writable on every worker node")
@@ -270,14 +278,15 @@ def _ray_group(
             s.cpus_per_worker,
             s.gpus_per_worker,
             s.worker_allocator,
-            s.tensor_parallel * s.pipeline_parallel,  # a replica's ranks share one node
+            # A replica's ranks share one node; under pipeline_parallel: auto its stages may not.
+            s.tensor_parallel * (s.pipeline_parallel if isinstance(s.pipeline_parallel, int) else 1),
         ),
         name_prefix=run_dir.read_info().run_id[:6],
         keep_warm_s=0.0 if fresh else s.keep_warm_s,
         reuse_warm=not fresh,
         worker_class=worker_class,
     )
-    return group, degrees, layouts
+    return group, degrees, layouts, stages
 
 
 def _local_group(config: Config, worker_class: type | None) -> Any:
