@@ -109,6 +109,47 @@ def test_auto_chooses_the_stages_on_the_cluster_and_says_what_it_weighed(ray_loc
     assert layout in output, output
 
 
+def test_stages_of_a_pretrained_model_read_only_their_weights_and_train_as_one_rank_would(
+    ray_local, tmp_path
+):
+    """A pretrained folder (a Llama saved with save_pretrained here): each stage builds the model on the
+    meta device and reads only its own layers' tensors; P 2 x D 1 reports the losses of D 2 without
+    pipelines within the summation noise (8.7e-6 is this model's derived tolerance)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    folder = tmp_path / "pretrained"
+    hf = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    AutoModelForCausalLM.from_config(hf).save_pretrained(folder)
+
+    def losses(stages: int) -> list[float]:
+        cfg = config(
+            tmp_path / f"run-p{stages}",
+            False,
+            "training.max_steps=6",
+            "deepspeed.zero_stage=1",
+            f"model.pretrained={folder}",
+            f"scaling.pipeline_parallel={stages}",
+        )
+        summary, run_dir, output = run(cfg)
+        assert summary.status.value == "FINISHED", output
+        return logged_losses(run_dir)
+
+    staged, whole = losses(2), losses(1)
+    assert len(staged) == len(whole) == 6
+    worst = max(abs(a - b) for a, b in zip(staged, whole, strict=True))
+    assert worst <= 1e-5, (staged, whole)
+
+
 # Last in the module: its cluster of three nodes replaces the local one until the module ends.
 def test_a_pipeline_replica_losing_a_stage_or_its_node_leaves_the_run_to_the_other_and_one_rejoins(
     ray_cluster_two_cpu_nodes, tmp_path

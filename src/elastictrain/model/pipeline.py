@@ -157,16 +157,23 @@ def pipeline_module(
 
 
 def new_pipeline_engine(spec: Any, model: nn.Module) -> Any:
-    """The attempt's DeepSpeed pipeline engine around `model` (built whole, the same on every rank): this
-    rank keeps its stage's layers; the loss is TokenLoss; a non-finite step is skipped by every stage."""
+    """The attempt's DeepSpeed pipeline engine around `model`: built whole (the same on every rank), or on
+    the meta device (a pretrained folder's first start), where only this rank's stage is made real. The
+    loss is TokenLoss; a non-finite step is skipped by every stage."""
     import deepspeed
 
     from elastictrain.checkpoint.model_record import built_model
     from elastictrain.compat.deepspeed.skip_update import skip_non_finite_updates
 
     record = built_model(model)
-    module = pipeline_module(model, spec.plan.pipeline_parallel, spec.plan.data_parallel, TokenLoss())
+    stages, replicas = spec.plan.pipeline_parallel, spec.plan.data_parallel
+    if next(model.parameters()).is_meta:
+        make_this_stage_real(model, stages, replicas, spec.config.model.pretrained)
+    module = pipeline_module(model, stages, replicas, TokenLoss())
     module.hf_record = record  # the export's config: the stages alone are no transformers model
+    expected = getattr(model, "_stage_parts", None)
+    if expected is not None and list(module.parts) != list(expected):
+        raise RuntimeError(f"pipeline stages: DeepSpeed split the layers at {module.parts}, not {expected}")
     engine, *_ = deepspeed.initialize(
         model=module,
         model_parameters=[p for p in module.parameters() if p.requires_grad],
@@ -174,6 +181,60 @@ def new_pipeline_engine(spec: Any, model: nn.Module) -> Any:
     )
     skip_non_finite_updates(engine, across_ranks=True)
     return engine
+
+
+def make_this_stage_real(model: nn.Module, stages: int, replicas: int, pretrained: str | None) -> None:
+    """`model` built on the meta device (no memory): this rank's stage's layers get memory, their rotary
+    tables computed, and (`pretrained`) their weights read from the folder, nothing else; the other
+    layers stay meta and are dropped when the PipelineModule keeps this stage. The stage is found as
+    DeepSpeed's "parameters" partition finds it (checked after the module is built)."""
+    import torch.distributed as dist
+    from deepspeed.runtime.utils import partition_balanced
+
+    layers = stage_layers(model)
+    counts = [sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in layers]
+    parts = partition_balanced(weights=counts, num_parts=stages)
+    stage = topology(stages, replicas).get_coord(dist.get_rank()).pipe
+    mine = range(parts[stage], parts[stage + 1])
+    rotary = type(model.model.rotary_emb)(config=model.config)  # type: ignore[operator, union-attr]
+    for i in mine:
+        layers[i].to_empty(device="cpu")
+        if isinstance(layers[i], Decoder):
+            layers[i].rotary = rotary
+    model._stage_parts = parts  # type: ignore[assignment]  # checked against DeepSpeed's
+    if pretrained:
+        names = {
+            hf_name(i, len(layers), name): param for i in mine for name, param in layers[i].named_parameters()
+        }
+        _read_pretrained(pretrained, names)
+
+
+def _read_pretrained(folder: str, params: dict[str, torch.Tensor]) -> None:
+    """Fill `params` (by transformers name) from the folder's safetensors files, reading those alone."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    root = Path(folder)
+    index = root / "model.safetensors.index.json"
+    if not index.is_file() and not (root / "model.safetensors").is_file():
+        raise PipelineRefused(
+            f"model.pretrained: {folder} has no model.safetensors or model.safetensors.index.json (pipeline "
+            "stages read safetensors weights)"
+        )
+    files = (
+        json.loads(index.read_text())["weight_map"]
+        if index.is_file()
+        else dict.fromkeys(params, "model.safetensors")
+    )
+    missing = sorted(n for n in params if n not in files)
+    if missing:
+        raise PipelineRefused(f"model.pretrained: {folder} has no weights for {missing[:3]}")
+    for file in sorted({files[n] for n in params}):
+        with safe_open(str(root / file), "pt") as handle, torch.no_grad():
+            for name in (n for n in params if files[n] == file):
+                params[name].copy_(handle.get_tensor(name))
 
 
 def train_pipeline_batch(engine: Any, batches: list[tuple[Any, int]], scale: torch.Tensor) -> torch.Tensor:
