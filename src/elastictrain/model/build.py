@@ -185,11 +185,8 @@ def new_engine(spec: Any, *, zero3: bool) -> Any:
     for folder in nvme_paths(spec.ds_config):
         os.makedirs(folder, exist_ok=True)
     restoring = spec.memory is not None or spec.checkpoint_dir is not None
-    if spec.plan.pipeline_parallel > 1 and cfg.model.pretrained and not restoring:
-        # Each stage makes only its own layers real and reads their weights (model/pipeline.py). A
-        # restart builds whole still: built on meta, a grow's load from in-memory snapshots drifted by
-        # 2e-6 in its first step and 2.6e-4 six steps on (loads from disk did not); cause not found.
-        model = _on_meta(cfg)
+    if spec.plan.pipeline_parallel > 1 and (restoring or cfg.model.pretrained):
+        model = _on_meta(cfg)  # each stage makes only its own layers real (model/pipeline.py)
     else:
         model = build_model(cfg, spec.ds_config, zero3=zero3, restoring=restoring)
     # The model's build frees pieces (whole parameters before partitioning, their init) that the

@@ -157,9 +157,10 @@ def pipeline_module(
 
 
 def new_pipeline_engine(spec: Any, model: nn.Module) -> Any:
-    """The attempt's DeepSpeed pipeline engine around `model`: built whole (the same on every rank), or on
-    the meta device (a pretrained folder's first start), where only this rank's stage is made real. The
-    loss is TokenLoss; a non-finite step is skipped by every stage."""
+    """The attempt's DeepSpeed pipeline engine around `model`: built whole (a fresh random init, the same
+    on every rank), or on the meta device (weights from a pretrained folder, a checkpoint or snapshots),
+    where only this rank's stage is made real. The loss is TokenLoss; a non-finite step is skipped by
+    every stage."""
     import deepspeed
 
     from elastictrain.checkpoint.model_record import built_model
@@ -196,11 +197,13 @@ def make_this_stage_real(model: nn.Module, stages: int, replicas: int, pretraine
     parts = partition_balanced(weights=counts, num_parts=stages)
     stage = topology(stages, replicas).get_coord(dist.get_rank()).pipe
     mine = range(parts[stage], parts[stage + 1])
-    rotary = type(model.model.rotary_emb)(config=model.config)  # type: ignore[operator, union-attr]
+    # Rotary tables are computed, not stored: a real one replaces the meta one for every Decoder built
+    # from `model` after this (pipeline_module's); the stage's other modules get memory, uninitialised.
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)  # type: ignore[operator, union-attr]
     for i in mine:
-        layers[i].to_empty(device="cpu")
-        if isinstance(layers[i], Decoder):
-            layers[i].rotary = rotary
+        for name, child in layers[i].named_children():
+            if name != "rotary":
+                child.to_empty(device="cpu")
     model._stage_parts = parts  # type: ignore[assignment]  # checked against DeepSpeed's
     if pretrained:
         names = {
