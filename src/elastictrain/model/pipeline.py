@@ -172,7 +172,7 @@ def new_pipeline_engine(spec: Any, model: nn.Module) -> Any:
         make_this_stage_real(model, stages, replicas, spec.config.model.pretrained)
     module = pipeline_module(model, stages, replicas, TokenLoss())
     module.hf_record = record  # the export's config: the stages alone are no transformers model
-    expected = getattr(model, "_stage_parts", None)
+    expected = getattr(model, "elastictrain_stage_parts", None)
     if expected is not None and list(module.parts) != list(expected):
         raise RuntimeError(f"pipeline stages: DeepSpeed split the layers at {module.parts}, not {expected}")
     engine, *_ = deepspeed.initialize(
@@ -204,7 +204,7 @@ def make_this_stage_real(model: nn.Module, stages: int, replicas: int, pretraine
         for name, child in layers[i].named_children():
             if name != "rotary":
                 child.to_empty(device="cpu")
-    model._stage_parts = parts  # type: ignore[assignment]  # checked against DeepSpeed's
+    model.elastictrain_stage_parts = parts  # checked against DeepSpeed's
     if pretrained:
         names = {
             hf_name(i, len(layers), name): param for i in mine for name, param in layers[i].named_parameters()
