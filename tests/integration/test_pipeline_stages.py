@@ -44,13 +44,13 @@ def _rank(rank: int, world: int, stages: int, port: int, run_dir: str, out: str)
     import deepspeed
 
     from elastictrain.core.schedule import step_learning_rate
-    from elastictrain.model.pipeline import pipeline_module
+    from elastictrain.model.pipeline import pipeline_module, stage_layers
 
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = _config(Path(run_dir))
     t = cfg.training
     replicas = world // stages
-    module = pipeline_module(reference_model(cfg), stages, replicas)
+    module = pipeline_module(stage_layers(reference_model(cfg)), stages, replicas)
     optimizer = torch.optim.AdamW(
         module.parameters(),
         lr=t.lr,

@@ -124,17 +124,16 @@ class TokenLoss:
 
 
 def pipeline_module(
-    model: nn.Module,
+    layers: list[nn.Module],
     stages: int,
     replicas: int,
     loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] = next_token_loss,
 ) -> Any:
-    """The model as a DeepSpeed PipelineModule of `stages` stages balanced by parameters (torch.distributed
-    initialised, `stages` x `replicas` ranks). Micro-batches may differ in length (padded records): each
-    carries its shape to the next stage."""
+    """A model's `stage_layers` as a DeepSpeed PipelineModule of `stages` stages balanced by parameters
+    (torch.distributed initialised, `stages` x `replicas` ranks): this rank keeps its stage's. Micro-batches
+    may differ in length (padded records): each carries its shape to the next stage."""
     from deepspeed.pipe import PipelineModule
 
-    layers = stage_layers(model)
     module = PipelineModule(
         layers=layers,
         num_stages=stages,
@@ -166,15 +165,15 @@ def new_pipeline_engine(spec: Any, model: nn.Module) -> Any:
     from elastictrain.checkpoint.model_record import built_model
     from elastictrain.compat.deepspeed.skip_update import skip_non_finite_updates
 
-    record = built_model(model)
     stages, replicas = spec.plan.pipeline_parallel, spec.plan.data_parallel
+    layers = stage_layers(model)
+    parts = None
     if next(model.parameters()).is_meta:
-        make_this_stage_real(model, stages, replicas, spec.config.model.pretrained)
-    module = pipeline_module(model, stages, replicas, TokenLoss())
-    module.hf_record = record  # the export's config: the stages alone are no transformers model
-    expected = getattr(model, "elastictrain_stage_parts", None)
-    if expected is not None and list(module.parts) != list(expected):
-        raise RuntimeError(f"pipeline stages: DeepSpeed split the layers at {module.parts}, not {expected}")
+        parts = make_this_stage_real(model, layers, stages, replicas, spec.config.model.pretrained)
+    module = pipeline_module(layers, stages, replicas, TokenLoss())
+    module.hf_record = built_model(model)  # the export's config: the stages alone are no transformers model
+    if parts is not None and list(module.parts) != parts:
+        raise RuntimeError(f"pipeline stages: DeepSpeed split the layers at {module.parts}, not {parts}")
     engine, *_ = deepspeed.initialize(
         model=module,
         model_parameters=[p for p in module.parameters() if p.requires_grad],
@@ -184,32 +183,36 @@ def new_pipeline_engine(spec: Any, model: nn.Module) -> Any:
     return engine
 
 
-def make_this_stage_real(model: nn.Module, stages: int, replicas: int, pretrained: str | None) -> None:
-    """`model` built on the meta device (no memory): this rank's stage's layers get memory, their rotary
-    tables computed, and (`pretrained`) their weights read from the folder, nothing else; the other
-    layers stay meta and are dropped when the PipelineModule keeps this stage. The stage is found as
-    DeepSpeed's "parameters" partition finds it (checked after the module is built)."""
+def make_this_stage_real(
+    model: nn.Module, layers: list[nn.Module], stages: int, replicas: int, pretrained: str | None
+) -> list[int]:
+    """`model` built on the meta device (no memory), `layers` its `stage_layers`: this rank's stage's
+    layers get memory, their rotary tables computed, and (`pretrained`) their weights read from the
+    folder, nothing else; the other layers stay meta and are dropped when the PipelineModule keeps this
+    stage. Returns the split, found as DeepSpeed's "parameters" partition finds it (the caller checks
+    DeepSpeed's against it)."""
     import torch.distributed as dist
     from deepspeed.runtime.utils import partition_balanced
 
-    layers = stage_layers(model)
     counts = [sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in layers]
-    parts = partition_balanced(weights=counts, num_parts=stages)
+    parts = list(partition_balanced(weights=counts, num_parts=stages))
     stage = topology(stages, replicas).get_coord(dist.get_rank()).pipe
     mine = range(parts[stage], parts[stage + 1])
-    # Rotary tables are computed, not stored: a real one replaces the meta one for every Decoder built
-    # from `model` after this (pipeline_module's); the stage's other modules get memory, uninitialised.
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)  # type: ignore[operator, union-attr]
+    # Rotary tables are computed, not stored: the stage's decoders share a real one; its other modules get
+    # memory, uninitialised (the load or the pretrained read fills them).
+    rotary = type(model.model.rotary_emb)(config=model.config)  # type: ignore[operator, union-attr]
     for i in mine:
         for name, child in layers[i].named_children():
             if name != "rotary":
                 child.to_empty(device="cpu")
-    model.elastictrain_stage_parts = parts  # checked against DeepSpeed's
+        if isinstance(layers[i], Decoder):
+            layers[i].rotary = rotary
     if pretrained:
         names = {
             hf_name(i, len(layers), name): param for i in mine for name, param in layers[i].named_parameters()
         }
         _read_pretrained(pretrained, names)
+    return parts
 
 
 def _read_pretrained(folder: str, params: dict[str, torch.Tensor]) -> None:
