@@ -27,7 +27,7 @@ from elastictrain.config.length import layer_length, length_pending, length_prob
 from elastictrain.config.llamafactory import is_llamafactory, translate
 from elastictrain.config.lora_check import lora_problems
 from elastictrain.config.objective_check import objective_problems
-from elastictrain.config.pipeline_check import pipeline_problems
+from elastictrain.config.pipeline_check import fixed_stages, pipeline_problems
 from elastictrain.config.schema import Config, DataConfig
 from elastictrain.config.tensor_parallel_check import (
     adopt_user_json_tensor_parallel,
@@ -449,17 +449,14 @@ def valid_world_sizes(config: Config) -> list[int]:
     s, t = config.scaling, config.training
     n = checked_degree(config)
     cap = micro_batch_cap(config)
-    return workable_world_sizes(t.global_batch_size, cap, s.min_workers, s.max_workers, n, _stages(config))
-
-
-def _stages(config: Config) -> int:
-    p = config.scaling.pipeline_parallel
-    return p if isinstance(p, int) and not isinstance(p, bool) and p >= 1 else 1
+    return workable_world_sizes(
+        t.global_batch_size, cap, s.min_workers, s.max_workers, n, fixed_stages(config)
+    )
 
 
 def _no_world_size_message(config: Config) -> str:
     s, t = config.scaling, config.training
-    n = checked_degree(config) * _stages(config)
+    n = checked_degree(config) * fixed_stages(config)
     sizes = [w // n for w in range(s.min_workers, s.max_workers + 1) if w % n == 0]  # replicas
     candidates = [g for g in range(1, 2 * t.global_batch_size + 64) if all(g % w == 0 for w in sizes)]
     nearby = sorted(sorted(candidates, key=lambda g: abs(g - t.global_batch_size))[:4])

@@ -17,6 +17,13 @@ from elastictrain.config.tensor_parallel_check import whole_replica_problems
 PIPELINE_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
+def fixed_stages(config: Any) -> int:
+    """The stages world sizes are whole replicas of: scaling.pipeline_parallel, or 1 under auto (each
+    attempt takes the stages chosen for its world size) and where the value is refused below."""
+    p = config.scaling.pipeline_parallel
+    return p if isinstance(p, int) and not isinstance(p, bool) and p >= 1 else 1
+
+
 def pipeline_problems(config: Any) -> list[str]:
     s, ds, m = config.scaling, config.deepspeed, config.model
     n = s.pipeline_parallel

@@ -8,6 +8,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from elastictrain.cluster.calls import Group
+from elastictrain.config.pipeline_check import fixed_stages
 from elastictrain.control.errors import RunFailed
 from elastictrain.control.record import RunRecorder
 from elastictrain.core.batch import BatchPlan
@@ -39,8 +40,7 @@ def scaling_rules(config: Any) -> ScalingRules:
         max_failures=config.failure.max_failures,
         wait_for_capacity_s=config.failure.wait_for_capacity_s,
         tensor_parallel=s.tensor_parallel,
-        # auto: world sizes as without stages; each attempt's plan takes the stages chosen for its size.
-        pipeline_parallel=s.pipeline_parallel if isinstance(s.pipeline_parallel, int) else 1,
+        pipeline_parallel=fixed_stages(config),
     )
 
 

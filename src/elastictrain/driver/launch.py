@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elastictrain.config import Config, config_digest, to_flat_dict, to_yaml, validate
+from elastictrain.config.pipeline_check import fixed_stages
 from elastictrain.control.progress import Reporter
 from elastictrain.core.run_length import epoch_length, warmup_for_ratio
 from elastictrain.rundir.run_dir import RunDir
@@ -279,7 +280,7 @@ def _ray_group(
             s.gpus_per_worker,
             s.worker_allocator,
             # A replica's ranks share one node; under pipeline_parallel: auto its stages may not.
-            s.tensor_parallel * (s.pipeline_parallel if isinstance(s.pipeline_parallel, int) else 1),
+            s.tensor_parallel * fixed_stages(config),
         ),
         name_prefix=run_dir.read_info().run_id[:6],
         keep_warm_s=0.0 if fresh else s.keep_warm_s,

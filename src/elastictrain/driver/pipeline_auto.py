@@ -69,16 +69,15 @@ class StageChooser:
 def choose_at_start(config: Any) -> tuple[str, StageChooser]:
     """The chooser, from the worker nodes' memory and ranks (this machine's where none answers), and its
     line for scaling.min_workers ranks."""
-    from elastictrain.cluster.nodes import on_each_node, worker_nodes
+    from elastictrain.cluster.nodes import worker_nodes
     from elastictrain.driver.layout_auto import model_shape, rank_memory, rank_memory_here
-    from elastictrain.driver.preflight import node_memory_probe, node_slots
+    from elastictrain.driver.preflight import node_slots
 
-    memory = rank_memory(config) or rank_memory_here(config)
+    memory = rank_memory(config) or rank_memory_here(config)  # one probe of each node
     use_gpu = bool(config.scaling.use_gpu)
     per_rank = (memory.device if use_gpu else memory.host) if memory is not None else 1 << 40
-    nodes = worker_nodes(config)
-    answers, _ = on_each_node(nodes, node_memory_probe, timeout_s=60.0) if nodes else ([], [])
-    ranks = max((node_slots(n.get("Resources", {}), config) for n, _ in answers), default=1) or 1
+    # A node's ranks are its resources' (what Ray reports), no probe needed.
+    ranks = max((node_slots(n.get("Resources", {}), config) for n in worker_nodes(config)), default=1) or 1
     hardware = assumed_hardware(int(per_rank), ranks, on_gpu=use_gpu)
     chooser = StageChooser(config, model_shape(config), hardware, pipelines_allowed(config))
     _, line = chooser.choose(int(config.scaling.min_workers))
