@@ -25,6 +25,13 @@ LAYOUTS = {
 
 
 def run(ctx: Any) -> None:
+    against_zero3(ctx, "tp2_zero1", LAYOUTS["tp2_zero1"], "tensor parallel 2")
+
+
+def against_zero3(ctx: Any, name: str, layout: tuple[str, ...], what: str) -> None:
+    """Train the small model at two ranks under ZeRO-3, then under `layout` (recorded as `name`), and
+    record both runs' step times and losses and `<name minus its _zero1>_vs_zero3_step_time`; on a
+    machine with fewer than two GPUs, `not_measured` and why (`what` needs a rank per GPU)."""
     p = ctx.profile
     if p.use_gpu:
         import torch
@@ -33,19 +40,20 @@ def run(ctx: Any) -> None:
         ctx.record("gpus", gpus)
         if gpus < 2:
             ctx.record(
-                "not_measured",
-                f"tensor parallel 2 needs two GPUs on one node (a rank per GPU); this machine has {gpus}",
+                "not_measured", f"{what} needs two GPUs on one node (a rank per GPU); this machine has {gpus}"
             )
             return
     n = p.warmup_steps + p.measured_steps
     common = (*p.small_model, f"training.max_steps={n}", f"checkpoint.every_steps={n}")
     step_s: dict[str, float | None] = {}
-    for name, extra in LAYOUTS.items():
-        cfg = runs.config(p, TINY, ctx.work / name, *common, *extra, workers=2)
+    for run_name, extra in {"zero3_dp2": LAYOUTS["zero3_dp2"], name: layout}.items():
+        cfg = runs.config(p, TINY, ctx.work / run_name, *common, *extra, workers=2)
         record = runs.train(cfg)
         intervals = runs.measured_intervals(record["steps"], p.warmup_steps + 1, n)
-        step_s[name] = runs.median(intervals)
+        step_s[run_name] = runs.median(intervals)
         losses = [s["loss"] for s in record["steps"]]
-        ctx.record(name, {"step_s": intervals, "median_step_s": step_s[name], "losses": losses})
-    zero3, tp = step_s["zero3_dp2"], step_s["tp2_zero1"]
-    ctx.record("tp2_vs_zero3_step_time", tp / zero3 if tp and zero3 else None)
+        ctx.record(run_name, {"step_s": intervals, "median_step_s": step_s[run_name], "losses": losses})
+    zero3, other = step_s["zero3_dp2"], step_s[name]
+    ctx.record(
+        f"{name.removesuffix('_zero1')}_vs_zero3_step_time", other / zero3 if other and zero3 else None
+    )

@@ -7,6 +7,8 @@ test_plain_pytorch_equivalence.py's single-process loop with its derived toleran
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import at_step, run
@@ -131,20 +133,9 @@ def test_stages_of_a_pretrained_model_read_only_their_weights_and_train_as_one_r
     )
     AutoModelForCausalLM.from_config(hf).save_pretrained(folder)
 
-    def losses(stages: int) -> list[float]:
-        cfg = config(
-            tmp_path / f"run-p{stages}",
-            False,
-            "training.max_steps=6",
-            "deepspeed.zero_stage=1",
-            f"model.pretrained={folder}",
-            f"scaling.pipeline_parallel={stages}",
-        )
-        summary, run_dir, output = run(cfg)
-        assert summary.status.value == "FINISHED", output
-        return logged_losses(run_dir)
-
-    staged, whole = losses(2), losses(1)
+    staged, whole = (
+        _losses(tmp_path, p, "training.max_steps=6", f"model.pretrained={folder}") for p in (2, 1)
+    )
     assert len(staged) == len(whole) == 6
     worst = max(abs(a - b) for a, b in zip(staged, whole, strict=True))
     assert worst <= 1e-5, (staged, whole)
@@ -154,22 +145,23 @@ def test_bf16_stages_train_the_losses_of_bf16_without_stages_within_its_rounding
     """bf16 (DeepSpeed's bf16 optimizer under ZeRO-1) at P 2 x D 1 and at D 2 without stages: the same
     losses within one bf16 rounding of the loss (2^-8 of it; measured here about 2e-5 of it)."""
 
-    def losses(stages: int) -> list[float]:
-        cfg = config(
-            tmp_path / f"run-p{stages}",
-            False,
-            "training.max_steps=4",
-            "deepspeed.zero_stage=1",
-            "training.precision=bf16",
-            f"scaling.pipeline_parallel={stages}",
-        )
-        summary, run_dir, output = run(cfg, tracking=True)
-        assert summary.status.value == "FINISHED", output
-        return logged_losses(run_dir)
-
-    staged, whole = losses(2), losses(1)
+    staged, whole = (_losses(tmp_path, p, "training.max_steps=4", "training.precision=bf16") for p in (2, 1))
     assert len(staged) == len(whole) == 4
     assert all(abs(a - b) <= 2**-8 * abs(b) for a, b in zip(staged, whole, strict=True)), (staged, whole)
+
+
+def _losses(tmp_path: Path, stages: int, *overrides: str) -> list[float]:
+    """Each step's loss of a finished ZeRO-1 run at `stages` pipeline stages (two workers)."""
+    cfg = config(
+        tmp_path / f"run-p{stages}",
+        False,
+        "deepspeed.zero_stage=1",
+        f"scaling.pipeline_parallel={stages}",
+        *overrides,
+    )
+    summary, run_dir, output = run(cfg)
+    assert summary.status.value == "FINISHED", output
+    return logged_losses(run_dir)
 
 
 # Last in the module: its cluster of three nodes replaces the local one until the module ends.
