@@ -58,11 +58,15 @@ def _train(cfg: Any, delay_s: float) -> tuple[list[dict[str, Any]], list[dict[st
 
 
 def _throughput(steps: list[dict[str, Any]], first: int, last: int, batch: int) -> float | None:
-    """Samples/s over steps first..last (1-based, each measured from the step before it)."""
+    """Samples/s over steps first..last (1-based), measured from the last step recorded before `first`.
+
+    A step the controller never reported (the one in flight when a straggler is dropped) is not a gap:
+    the span starts at the nearest earlier step recorded, and counts the steps between."""
     done = {s["step"]: s["time"] for s in steps}
-    if first - 1 not in done or last not in done or done[last] <= done[first - 1]:
+    start = max((step for step in done if step < first), default=None)
+    if start is None or last not in done or done[last] <= done[start]:
         return None
-    return (last - first + 1) * batch / (done[last] - done[first - 1])
+    return (last - start) * batch / (done[last] - done[start])
 
 
 def run(w: Workload, tmp: Path, reps: int, smoke: bool) -> Result:

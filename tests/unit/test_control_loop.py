@@ -303,15 +303,19 @@ def test_a_worker_failing_while_warming_up_ends_the_run_at_once_with_its_error(t
 
 
 def test_a_finished_run_leaves_its_last_attempt_cleanly_and_removes_its_shm_buffers(tmp_path: Path):
-    from elastictrain.rundir.liveness import _port_is_free
+    import socket
 
     r = make_run(tmp_path)
     last: list = []
     r.controller.callbacks.after_attempt_start.append(lambda c: last.__setitem__(slice(None), c.active))
-    buffer = Path(f"/dev/shm/deepspeed_allreduce_buffer_{tmp_path.name}_127.0.0.1_29500_0")
-    if not Path("/dev/shm").is_dir() or not _port_is_free("127.0.0.1", 29500):
-        pytest.skip("no /dev/shm, or the fake's rendezvous port is in use here")
-    buffer.write_bytes(b"x")  # what a rank of this run's rendezvous (127.0.0.1:29500) left
+    # A port of its own: every other fake run on this host (another xdist worker's) cleans 29500's buffers.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = r.group.rendezvous_port = s.getsockname()[1]
+    buffer = Path(f"/dev/shm/deepspeed_allreduce_buffer_{tmp_path.name}_127.0.0.1_{port}_0")
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm here")
+    buffer.write_bytes(b"x")  # what a rank of this run's rendezvous left
     try:
         assert r.run().status.value == "FINISHED"
         assert last and all(w.calls[-1] == "teardown" for w in last)  # each rank removes its own

@@ -87,6 +87,8 @@ class FakeGroup(WorkerViews):
         self.nan_steps: set[int] = set()  # step indices whose loss is NaN and update not applied
         self._broken_attempts: set[int] = set()  # attempts one of whose workers died
         self.memory_report: dict[str, Any] = {}  # every step's `memory` report ({"off": why}: no copies)
+        # Every fake run's rendezvous: a test that plants shm buffers under it picks one no other run uses.
+        self.rendezvous_port = 29500
 
     def _died(self, w: FakeWorker) -> None:
         w.dead = True
@@ -285,7 +287,7 @@ class FakeGroup(WorkerViews):
 
     # -- what a TrainWorker answers --
     def _free_port(self, w: FakeWorker) -> int:
-        return 29500
+        return self.rendezvous_port
 
     def _setup(self, w: FakeWorker, spec: Any) -> dict[str, float]:
         w.spec, w.step, w.writer = spec, spec.start_step, None
