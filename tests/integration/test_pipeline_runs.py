@@ -111,12 +111,14 @@ def test_auto_chooses_the_stages_on_the_cluster_and_says_what_it_weighed(ray_loc
     assert layout in output, output
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_stages_of_a_pretrained_model_read_only_their_weights_and_train_as_one_rank_would(
-    ray_local, tmp_path
+    ray_local, tmp_path, tied
 ):
-    """A pretrained folder (a Llama saved with save_pretrained here): each stage builds the model on the
-    meta device and reads only its own layers' tensors; P 2 x D 1 reports the losses of D 2 without
-    pipelines within the summation noise (8.7e-6 is this model's derived tolerance)."""
+    """A pretrained folder (a Llama saved with save_pretrained here; tied: no lm_head tensor, the last
+    stage's head reads the embedding): each stage builds the model on the meta device and reads only its
+    own layers' tensors; P 2 x D 1 reports the losses of D 2 without pipelines within the summation
+    noise (8.7e-6 is this model's derived tolerance)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
@@ -129,7 +131,7 @@ def test_stages_of_a_pretrained_model_read_only_their_weights_and_train_as_one_r
         num_attention_heads=4,
         num_key_value_heads=4,
         max_position_embeddings=128,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     AutoModelForCausalLM.from_config(hf).save_pretrained(folder)
 
@@ -139,6 +141,10 @@ def test_stages_of_a_pretrained_model_read_only_their_weights_and_train_as_one_r
     assert len(staged) == len(whole) == 6
     worst = max(abs(a - b) for a, b in zip(staged, whole, strict=True))
     assert worst <= 1e-5, (staged, whole)
+    from elastictrain.checkpoint.zero_state import FragmentReader
+
+    saved = FragmentReader(sorted((tmp_path / "run-p2" / "checkpoints").glob("step-*/*.safetensors"))).params
+    assert ("lm_head.weight" in saved) is not tied and "model.embed_tokens.weight" in saved, sorted(saved)
 
 
 def test_bf16_stages_train_the_losses_of_bf16_without_stages_within_its_rounding(ray_local, tmp_path):
@@ -148,6 +154,69 @@ def test_bf16_stages_train_the_losses_of_bf16_without_stages_within_its_rounding
     staged, whole = (_losses(tmp_path, p, "training.max_steps=4", "training.precision=bf16") for p in (2, 1))
     assert len(staged) == len(whole) == 4
     assert all(abs(a - b) <= 2**-8 * abs(b) for a, b in zip(staged, whole, strict=True)), (staged, whole)
+
+
+def test_tied_embeddings_span_the_first_and_last_stage_train_the_plain_loss_and_export_tied(
+    ray_local, tmp_path
+):
+    """tie_word_embeddings (Qwen2.5-0.5B and Llama 3.2 style): P 2 x D 1 holds the one embedding on its
+    first stage (the input) and its last (the head), summing their gradients; stopped after step 6, its
+    checkpoint (one tensor for the pair) continues without pipelines at D 2. Every step's loss is the
+    plain loop's, and the export ties the pair again and is the reference model."""
+
+    def stop(controller: object) -> None:
+        raise KeyboardInterrupt
+
+    steps = STEPS
+
+    def layout(stages: int) -> object:
+        return config(
+            tmp_path / "run",
+            True,
+            f"training.max_steps={steps}",
+            "checkpoint.every_steps=4",
+            "deepspeed.zero_stage=1",
+            f"scaling.pipeline_parallel={stages}",
+            "scaling.min_workers=2",
+            "scaling.max_workers=2",
+        )
+
+    from elastictrain.checkpoint.zero_state import FragmentReader
+    from elastictrain.driver.launch import apply_resume_changes
+    from elastictrain.rundir.run_dir import RunDir
+
+    with pytest.raises(KeyboardInterrupt):
+        run(layout(2), hook=at_step(6, stop))
+    first = tmp_path / "run" / "checkpoints" / "step-000004"
+    names = set(FragmentReader(sorted(first.glob("*.safetensors"))).params)
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names, sorted(names)
+    assert not any(n.startswith("tied_modules") or n[0].isdigit() for n in names), sorted(names)
+
+    cfg = layout(1)
+    apply_resume_changes(RunDir.open(tmp_path / "run"), cfg)
+    summary, run_dir, output = run(cfg)
+    assert summary.status.value == "FINISHED", output
+    starts = [(e["world_size"], e["step"]) for e in run_dir.read_events() if e["event"] == "attempt_started"]
+    assert starts == [(2, 0), (2, 4)], starts
+    reference = reference_for(cfg)
+    what = "tied, P 2 x D 1, then D 2 without pipelines from its checkpoint"
+    assert_same_losses(logged_losses(run_dir), reference.losses, reference.loss_tol, what)
+
+    from typer.testing import CliRunner
+
+    from elastictrain.cli import app
+
+    result = CliRunner().invoke(app, ["export", str(run_dir.path), "--out", str(tmp_path / "export")])
+    assert result.exit_code == 0, result.output
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export", local_files_only=True).eval()
+    assert exported.lm_head.weight is exported.model.embed_tokens.weight
+    ids = global_batch(cfg, dataset_from_config(cfg), steps)[:4]
+    want, logits_tol = reference.logits_and_tolerance(ids)
+    with torch.no_grad():
+        diff = (exported(input_ids=ids).logits - want).abs().max().item()
+    assert diff <= logits_tol, f"export vs reference after {steps} steps: {diff:.2e} > {logits_tol:.2e}"
 
 
 def _losses(tmp_path: Path, stages: int, *overrides: str) -> list[float]:

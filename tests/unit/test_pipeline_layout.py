@@ -5,6 +5,7 @@ transformers does."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from elastictrain.config import ConfigError, load_config, valid_world_sizes
 from elastictrain.config.deepspeed_config import build_deepspeed_config
@@ -12,7 +13,7 @@ from elastictrain.core.batch import plan_batch
 from elastictrain.core.data_order import micro_batch_positions
 from elastictrain.core.losses import replica_results, step_loss
 from elastictrain.core.policy import ScalingRules
-from elastictrain.model.pipeline import hf_name
+from elastictrain.model.pipeline import Norm, hf_name, layer_module, module_hf_name, stage_layers
 
 PIPELINE = ["deepspeed.zero_stage=1", "scaling.pipeline_parallel=2"]
 
@@ -73,7 +74,6 @@ def test_the_deepspeed_config_leaves_the_batch_size_to_deepspeed_at_both_reading
             "scaling.tensor_parallel",
         ),
         (["model.hf_config.model_type=gpt2"], "model.hf_config.model_type: got 'gpt2'"),
-        (["model.hf_config.tie_word_embeddings=true"], "model.hf_config.tie_word_embeddings"),
         (
             [
                 "model.hf_config.num_hidden_layers=1",
@@ -101,8 +101,28 @@ def test_one_stage_is_no_pipeline_and_refuses_nothing():
 
 
 def test_a_stage_names_parameters_as_transformers_does():
-    layers = 4  # embedding, two decoder layers, norm and head
-    assert hf_name(0, layers, "embed_tokens.weight") == "model.embed_tokens.weight"
-    assert hf_name(2, layers, "layer.self_attn.q_proj.weight") == "model.layers.1.self_attn.q_proj.weight"
-    assert hf_name(3, layers, "norm.weight") == "model.norm.weight"
-    assert hf_name(3, layers, "lm_head.weight") == "lm_head.weight"
+    # Layers: the embedding, two decoder layers, the norm and head (tied: the norm, then the embedding).
+    assert hf_name(0, "embed_tokens.weight") == "model.embed_tokens.weight"
+    assert hf_name(2, "layer.self_attn.q_proj.weight") == "model.layers.1.self_attn.q_proj.weight"
+    assert hf_name(3, "norm.weight") == "model.norm.weight"
+    assert hf_name(3, "lm_head.weight") == "lm_head.weight"
+    assert module_hf_name("3.lm_head.weight") == "lm_head.weight"
+    assert module_hf_name("tied_modules.embed.embed_tokens.weight") == "model.embed_tokens.weight"
+
+
+def test_tied_embeddings_are_one_tied_layer_at_both_ends_and_the_norm_a_layer_of_its_own():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    layers = stage_layers(model)
+    assert len(layers) == 5  # embedding, 2 decoders, norm, tied head
+    first, last = layers[0], layers[-1]
+    assert first.key == last.key and layer_module(first) is layer_module(last)
+    assert layer_module(last).embed_tokens.weight is model.lm_head.weight  # the model's own tie
+    assert isinstance(layers[3], Norm) and layers[3].norm is model.model.norm
+    hidden = torch.randn(1, 3, 16)
+    assert torch.equal(last.forward_fn(layer_module(last), hidden), model.lm_head(hidden))

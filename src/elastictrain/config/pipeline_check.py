@@ -86,11 +86,6 @@ def pipeline_problems(config: Any) -> list[str]:
                 f"scaling.pipeline_parallel: got {n}; the model has {layers} decoder layers, so at most "
                 f"{layers + 2} stages (embedding, each layer, head)"
             )
-        if hf.get("tie_word_embeddings"):
-            p.append(
-                f"{where}tie_word_embeddings: true with scaling.pipeline_parallel; tied input and "
-                "output embeddings are not split across stages yet: expected false"
-            )
     if m.lora.enabled:
         p.append(f"model.lora.enabled: LoRA with scaling.pipeline_parallel {n} is not supported yet")
     if m.compile:

@@ -2,6 +2,8 @@
 
 The embedding, each decoder layer, and the final norm with the head become the layers of a DeepSpeed
 `PipelineModule`, split into contiguous stages balanced by parameter counts (DeepSpeed's own partition).
+Tied input and output embeddings (`tie_word_embeddings`) are one DeepSpeed tied layer held by the first
+and the last stage: DeepSpeed sums its two gradients across them and counts it once in the norm.
 Stages pass the hidden states only: each decoder layer computes its rotary position embeddings itself
 (a parameter-free module of the model's config) and attends causally (no padding mask: sequences are
 packed or of one length, as elastictrain's causal LM data is). Parameters keep their transformers names
@@ -68,35 +70,79 @@ class Head(nn.Module):
         return self.lm_head(self.norm(hidden))
 
 
+class Norm(nn.Module):
+    """The final norm alone: with tied embeddings the head is the embedding's tied layer."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)
+
+
+class _Given(nn.Module):
+    """A LayerSpec type whose build is a module that exists already (DeepSpeed ties layers given as specs)."""
+
+    def __new__(cls, module: nn.Module) -> nn.Module:  # type: ignore[misc]
+        return module
+
+
+def tied_logits(embed: Embed, hidden: torch.Tensor) -> torch.Tensor:
+    """The output head of a model whose head is its input embedding (tie_word_embeddings)."""
+    return nn.functional.linear(hidden, embed.embed_tokens.weight)
+
+
+TIED = "embed"  # DeepSpeed's key of the tied embedding layer
+TIED_WEIGHT = "embed_tokens.weight"
+
+
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """transformers' causal LM loss: each position predicts the next token; -100 is not a target."""
     shifted = logits[:, :-1, :].reshape(-1, logits.shape[-1]).float()
     return nn.functional.cross_entropy(shifted, labels[:, 1:].reshape(-1), ignore_index=-100)
 
 
-def stage_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's layers in order, as pipeline layers: embedding, each decoder layer, norm and head."""
+def stage_layers(model: nn.Module) -> list[Any]:
+    """The model's layers in order, as pipeline layers: embedding, each decoder layer, norm and head. With
+    tied embeddings the first and the last are DeepSpeed tied layer specs of the one embedding, the norm
+    a layer of its own (`layer_module` gives each as a module)."""
     check_supported(model)
     inner = model.model  # type: ignore[attr-defined]
-    if model.config.tie_word_embeddings:  # type: ignore[attr-defined]
-        raise PipelineRefused(
-            "scaling.pipeline_parallel: tied input and output embeddings are not split into stages yet; "
-            "expected model.hf_config.tie_word_embeddings: false"
-        )
+    decoders = [Decoder(layer, inner.rotary_emb) for layer in inner.layers]
+    if not model.config.tie_word_embeddings:  # type: ignore[attr-defined]
+        return [Embed(inner.embed_tokens), *decoders, Head(inner.norm, model.lm_head)]  # type: ignore[attr-defined]
+    from deepspeed.pipe import TiedLayerSpec
+
+    embed = Embed(inner.embed_tokens)
     return [
-        Embed(inner.embed_tokens),
-        *(Decoder(layer, inner.rotary_emb) for layer in inner.layers),
-        Head(inner.norm, model.lm_head),  # type: ignore[attr-defined]
+        TiedLayerSpec(TIED, _Given, embed, tied_weight_attr=TIED_WEIGHT),
+        *decoders,
+        Norm(inner.norm),
+        TiedLayerSpec(TIED, _Given, embed, forward_fn=tied_logits, tied_weight_attr=TIED_WEIGHT),
     ]
 
 
-def hf_name(layer_index: int, layers: int, name: str) -> str:
-    """The transformers name of parameter `name` of pipeline layer `layer_index` of `layers`."""
-    if layer_index == 0:
-        return f"model.{name}"  # embed_tokens.weight
-    if layer_index == layers - 1:
-        return f"model.{name}" if name.startswith("norm.") else name  # lm_head.weight
-    return f"model.layers.{layer_index - 1}.{name.removeprefix('layer.')}"
+def layer_module(layer: Any) -> nn.Module:
+    """A pipeline layer as a module: itself, or the module a tied layer spec builds."""
+    return layer if isinstance(layer, nn.Module) else layer.module_args[0]
+
+
+def hf_name(layer_index: int, name: str) -> str:
+    """The transformers name of parameter `name` of pipeline layer `layer_index` (the embedding is 0)."""
+    if name.startswith("layer."):
+        return f"model.layers.{layer_index - 1}.{name.removeprefix('layer.')}"
+    if name.startswith("lm_head."):
+        return name
+    return f"model.{name}"  # embed_tokens.weight, norm.weight
+
+
+def module_hf_name(name: str) -> str:
+    """The transformers name of a PipelineModule parameter: `<layer>.<name>`, or the tied embedding's."""
+    head, rest = name.split(".", 1)
+    if head == "tied_modules":
+        return f"model.{rest.split('.', 1)[1]}"  # tied_modules.embed.embed_tokens.weight
+    return hf_name(int(head), rest)
 
 
 def topology(stages: int, replicas: int) -> Any:
@@ -124,7 +170,7 @@ class TokenLoss:
 
 
 def pipeline_module(
-    layers: list[nn.Module],
+    layers: list[Any],
     stages: int,
     replicas: int,
     loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] = next_token_loss,
@@ -143,10 +189,7 @@ def pipeline_module(
         dynamic_shape=True,
     )
     # Checkpoints, snapshots and exports name parameters as transformers does (checkpoint/tensor_slices.py).
-    module.transformers_names = {
-        name: hf_name(int(name.split(".", 1)[0]), len(layers), name.split(".", 1)[1])
-        for name, _ in module.named_parameters()
-    }
+    module.transformers_names = {name: module_hf_name(name) for name, _ in module.named_parameters()}
     # DeepSpeed's gradient norm (clipping, ZeRO's overflow check) counts a parameter on the model group's
     # first rank only, unless it is marked model-parallel (Megatron's convention for sliced weights): a
     # stage's weights are its own, so every stage counts its own and the norm is the whole model's.
@@ -184,7 +227,7 @@ def new_pipeline_engine(spec: Any, model: nn.Module) -> Any:
 
 
 def make_this_stage_real(
-    model: nn.Module, layers: list[nn.Module], stages: int, replicas: int, pretrained: str | None
+    model: nn.Module, layers: list[Any], stages: int, replicas: int, pretrained: str | None
 ) -> list[int]:
     """`model` built on the meta device (no memory), `layers` its `stage_layers`: this rank's stage's
     layers get memory, their rotary tables computed, and (`pretrained`) their weights read from the
@@ -194,7 +237,9 @@ def make_this_stage_real(
     import torch.distributed as dist
     from deepspeed.runtime.utils import partition_balanced
 
-    counts = [sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in layers]
+    modules = [layer_module(layer) for layer in layers]
+    # As DeepSpeed counts: a tied layer's parameters at each place it appears.
+    counts = [sum(p.numel() for p in m.parameters() if p.requires_grad) for m in modules]
     parts = list(partition_balanced(weights=counts, num_parts=stages))
     stage = topology(stages, replicas).get_coord(dist.get_rank()).pipe
     mine = range(parts[stage], parts[stage + 1])
@@ -202,15 +247,13 @@ def make_this_stage_real(
     # memory, uninitialised (the load or the pretrained read fills them).
     rotary = type(model.model.rotary_emb)(config=model.config)  # type: ignore[operator, union-attr]
     for i in mine:
-        for name, child in layers[i].named_children():
+        for name, child in modules[i].named_children():
             if name != "rotary":
                 child.to_empty(device="cpu")
-        if isinstance(layers[i], Decoder):
-            layers[i].rotary = rotary
+        if isinstance(modules[i], Decoder):
+            modules[i].rotary = rotary
     if pretrained:
-        names = {
-            hf_name(i, len(layers), name): param for i in mine for name, param in layers[i].named_parameters()
-        }
+        names = {hf_name(i, name): param for i in mine for name, param in modules[i].named_parameters()}
         _read_pretrained(pretrained, names)
     return parts
 
