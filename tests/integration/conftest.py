@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -111,6 +112,35 @@ def _log_cluster_start(module: str, why: str) -> None:
     if path:
         with open(path, "a") as f:
             f.write(f"{os.getpid()} {module}: {why}\n")
+
+
+class _WarmPoolLog(logging.Handler):
+    """ELASTICTRAIN_TEST_CLUSTER_LOG=FILE also gets each worker's cold start and the warm pool's takes
+    and give-backs, with the test: which modules pay workers' imports, and why."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.path = path
+
+    def emit(self, record: logging.LogRecord) -> None:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()} {test}: {record.getMessage()}\n")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _log_the_warm_pool() -> Iterator[None]:
+    path = os.environ.get("ELASTICTRAIN_TEST_CLUSTER_LOG")
+    if not path:
+        yield
+        return
+    logger, handler = logging.getLogger("elastictrain.workers"), _WarmPoolLog(path)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield
+    logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 @pytest.fixture(scope="module")

@@ -245,6 +245,7 @@ class WorkerGroup(WorkerViews):
             if actor is not None:  # a finished run's warm worker: its process and imports are ready
                 warm_ref = actor.warmup.remote(config, worker_id)
             else:
+                log.debug("%s starts cold: a new process, its imports and compiled ops", worker_id)
                 actor = self._new_actor(slot, worker_id)
                 warm_ref = actor.warmup.remote(config)
             handle = WorkerHandle(worker_id, actor, slot.pg, warm_ref=warm_ref, bundle=slot.bundle)
