@@ -233,7 +233,31 @@ def _losses(tmp_path: Path, stages: int, *overrides: str) -> list[float]:
     return logged_losses(run_dir)
 
 
-# Last in the module: its cluster of three nodes replaces the local one until the module ends.
+# The last two in the module: their cluster of three nodes replaces the local one until the module ends.
+def test_a_replica_of_more_stages_than_a_node_holds_spans_two_nodes_and_says_so(
+    ray_cluster_two_cpu_nodes, tmp_path
+):
+    """P 3 on nodes of two slots: no node holds a replica, so its stages take as few nodes as they can
+    (two) and the attempt says so; it trains the plain loop's losses."""
+    steps = 6
+    cfg = config(
+        tmp_path / "run",
+        False,
+        "deepspeed.zero_stage=0",
+        "scaling.pipeline_parallel=3",
+        "scaling.min_workers=3",
+        "scaling.max_workers=3",
+        f"training.max_steps={steps}",
+    )
+    summary, run_dir, output = run(cfg)
+    assert summary.status.value == "FINISHED", output
+    (started,) = [e for e in run_dir.read_events() if e["event"] == "attempt_started"]
+    assert started["replica_nodes"] == [2], started
+    assert "1 replica(s) of 3 pipeline stages" in output and "each replica's stages on 2 node(s)" in output
+    reference = reference_for(cfg)
+    assert_same_losses(logged_losses(run_dir), reference.losses[:steps], reference.loss_tol, "P 3 on 2 nodes")
+
+
 def test_a_pipeline_replica_losing_a_stage_or_its_node_leaves_the_run_to_the_other_and_one_rejoins(
     ray_cluster_two_cpu_nodes, tmp_path
 ):

@@ -126,3 +126,32 @@ def test_tied_embeddings_are_one_tied_layer_at_both_ends_and_the_norm_a_layer_of
     assert isinstance(layers[3], Norm) and layers[3].norm is model.model.norm
     hidden = torch.randn(1, 3, 16)
     assert torch.equal(last.forward_fn(layer_module(last), hidden), model.lm_head(hidden))
+
+
+def test_a_pipeline_replica_takes_whole_nodes_first_then_spans_the_fewest_nodes_left():
+    from elastictrain.core.replicas import nodes_per_replica, pipeline_order
+
+    # Preference order (survivors first): a, b, a, c, b, b. Stages 2: a's pair and b's pair are whole
+    # replicas on one node; c's one worker and b's third form the last replica across two nodes.
+    nodes = ["a", "b", "a", "c", "b", "b"]
+    order = pipeline_order(nodes, 6, 2)
+    assert order == [0, 2, 1, 4, 5, 3]
+    assert nodes_per_replica([nodes[i] for i in order], 2) == [1, 1, 2]
+    # Nodes of one slot each: every replica of 3 stages spans 3 nodes, in preference order.
+    assert pipeline_order(["a", "b", "c"], 3, 3) == [0, 1, 2]
+    # Only the first `size` preferred workers take part; fewer listed, fewer returned.
+    assert pipeline_order(["a", "b", "a", "b"], 2, 2) == [0, 1]
+    assert pipeline_order(["a"], 2, 2) == [0]
+    # The node with most workers left goes first, so the rest pack onto as few nodes as they can.
+    assert nodes_per_replica([n for n in "abbccc"], 3) == [2, 1]
+    nodes = ["a", "b", "b", "c", "c", "c"]
+    assert nodes_per_replica([nodes[i] for i in pipeline_order(nodes, 6, 3)], 3) == [1, 2]
+
+
+def test_a_pipeline_attempt_forms_replicas_across_nodes_where_a_tensor_parallel_one_would_not():
+    from elastictrain.core.replicas import attempt_workers
+
+    warm = ["w0", "w1", "w2"]
+    node = {"w0": "a", "w1": "b", "w2": "c"}.__getitem__
+    assert attempt_workers([], warm, 2, 2, node) == []  # tensor-parallel ranks need one node
+    assert attempt_workers([], warm, 2, 1, node, pipeline_stages=2) == ["w0", "w1"]

@@ -80,8 +80,10 @@ class WorkerResources:
     cpus_per_worker: float
     gpus_per_worker: float
     allocator: str = "system"  # scaling.worker_allocator
-    # scaling.tensor_parallel x scaling.pipeline_parallel: a replica's ranks share one node
+    # scaling.tensor_parallel x scaling.pipeline_parallel: a replica's ranks, reserved together
     ranks_per_reservation: int = 1
+    # A pipeline replica's stages may span nodes (as few as Ray can: PACK); else its ranks share one
+    replica_spans_nodes: bool = False
 
     def bundle(self) -> dict[str, float]:
         b = {"CPU": self.cpus_per_worker}
@@ -123,7 +125,7 @@ class WorkerGroup(WorkerViews):
         self.reuse_warm = reuse_warm
         # Who may take parked workers: what decides a worker process's start (resources, environment).
         # Parked reservations of any tensor-parallel degree may serve this group (warm_pool.take).
-        started_alike = replace(resources, ranks_per_reservation=1)
+        started_alike = replace(resources, ranks_per_reservation=1, replica_spans_nodes=False)
         hosted = worker_class or TrainWorker
         self._pool_key = warm_pool.pool_key(
             started_alike,
@@ -166,8 +168,9 @@ class WorkerGroup(WorkerViews):
         now = time.monotonic()
         avoided = sorted(n for n, until in self._avoid.items() if until > now)
         selector = [{NODE_ID_LABEL: f"!in({','.join(avoided)})"}] * size if avoided else None
+        strategy = "PACK" if self.resources.replica_spans_nodes else "STRICT_PACK"
         pg = placement_group(
-            [self.resources.bundle()] * size, strategy="STRICT_PACK", bundle_label_selector=selector
+            [self.resources.bundle()] * size, strategy=strategy, bundle_label_selector=selector
         )
         self.pending.extend(Slot(pg, i) for i in range(size))
         self._ready_refs[pg.id.hex()] = pg.ready()

@@ -19,7 +19,7 @@ from elastictrain.control.resume import ResumePoints
 from elastictrain.control.specs import attempt_specs, replicas_text, set_up_peak_note, slowest_set_up
 from elastictrain.core.batch import BatchPlan
 from elastictrain.core.policy import Failure
-from elastictrain.core.replicas import attempt_workers
+from elastictrain.core.replicas import attempt_workers, nodes_per_replica
 from elastictrain.worker.attempt import AttemptSpec
 
 
@@ -70,10 +70,15 @@ class AttemptSetUp:
 
     def choose_workers(self, plan: BatchPlan, previous: list[Any], step: int) -> list[Any]:
         size = plan.world_size
-        # Under pipeline_parallel: auto a replica's stages may span nodes (reserved one by one).
-        auto = self.cfg.scaling.pipeline_parallel == "auto"
-        together = plan.tensor_parallel if auto else plan.replica_ranks
-        workers = attempt_workers(previous, self.group.warm_workers, size, together, lambda w: w.node_id)
+        # A tensor-parallel replica's ranks share a node; a pipeline replica's stages may span nodes.
+        workers = attempt_workers(
+            previous,
+            self.group.warm_workers,
+            size,
+            plan.tensor_parallel,
+            lambda w: w.node_id,
+            pipeline_stages=plan.pipeline_parallel,
+        )
         if len(workers) < size:
             raise AttemptFailed(
                 Failure("setup_error", (), step, f"only {len(workers)} of {size} workers ready")
@@ -125,6 +130,7 @@ class AttemptSetUp:
         plan, source, workers = attempt.plan, attempt.source, attempt.workers
         checkpoint, memory = source.checkpoint, source.memory
         set_up = slowest_set_up(timings, [w.worker_id for w in workers])
+        spans = nodes_per_replica([w.node_id for w in workers], plan.replica_ranks)
         self.recorder.event(
             "attempt_started",
             f"attempt {attempt.number}: world size {plan.world_size} (micro batch {plan.micro_batch_size} x "
@@ -132,6 +138,7 @@ class AttemptSetUp:
             f"step {step}"
             + (f", from {checkpoint.tag}" if checkpoint else "")
             + (f", from memory (snapshot of attempt {memory.plan.attempt})" if memory else "")
+            + _stage_nodes_text(plan, spans)
             + f", set up in {self.clock() - began:.2f}s"
             + set_up_peak_note(set_up["setup_peak_rss_bytes"]),
             step=step,
@@ -147,4 +154,12 @@ class AttemptSetUp:
             actors=[w.actor_id for w in workers],
             workers=[w.worker_id for w in workers],
             master=f"{attempt.master[0]}:{attempt.master[1]}",
+            replica_nodes=spans,
         )
+
+
+def _stage_nodes_text(plan: BatchPlan, spans: list[int]) -> str:
+    """With pipeline stages, the nodes each replica's stages span (as few as the workers allowed)."""
+    if plan.pipeline_parallel == 1:
+        return ""
+    return f", each replica's stages on {', '.join(map(str, spans))} node(s)"

@@ -118,9 +118,10 @@ class Capacity:
         return plan
 
     def usable_warm(self) -> int:
-        """Warm workers that can take part: with tensor parallelism, whole replicas on each node."""
+        """Warm workers that can take part: with tensor parallelism, whole replicas on each node (a
+        pipeline replica's stages may span nodes)."""
         nodes = [w.node_id for w in self.group.warm_workers]
-        return usable_workers(nodes, self.rules.replica_ranks)
+        return usable_workers(nodes, self.rules.tensor_parallel)
 
     def slots(self) -> int:
         """Workers that exist plus reservations placed: what a restart could run on."""

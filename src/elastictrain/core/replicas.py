@@ -1,8 +1,11 @@
-"""Which workers form an attempt's tensor-parallel replicas: each replica's ranks on one node.
+"""Which workers form an attempt's replicas: a tensor-parallel replica's ranks on one node, a pipeline
+replica's stages on as few nodes as the workers allow.
 
-A replica of N ranks exchanges activations at every layer, so its ranks share a node (the fast link);
-DeepSpeed's mesh puts consecutive ranks in one replica. A node with k warm workers thus offers
-floor(k / N) replicas, and the rank order lists each replica's workers together.
+A replica of N tensor-parallel ranks exchanges activations at every layer, so its ranks share a node
+(the fast link); DeepSpeed's mesh puts consecutive ranks in one replica. A node with k warm workers thus
+offers floor(k / N) replicas, and the rank order lists each replica's workers together. Pipeline stages
+send one activation per micro-batch to the next stage: a replica may span nodes (that is what stages
+are for), but fewer nodes mean fewer of those sends cross the slower link.
 """
 
 from __future__ import annotations
@@ -42,6 +45,31 @@ def replica_order(nodes: Sequence[str], size: int, tensor_parallel: int) -> list
             if len(order) == size:
                 return order
     return None
+
+
+def pipeline_order(nodes: Sequence[str], size: int, stages: int) -> list[int]:
+    """Indices of the first `size` workers (of those listed, by node id, in order of preference) in rank
+    order, each replica's `stages` ranks on as few nodes as they allow: first the whole replicas each
+    node holds, then the rest, the nodes with most workers left first. Fewer than `size` when fewer are
+    listed; a worker's preference order is kept within its node."""
+    chosen = list(range(min(size, len(nodes))))
+    by_node: dict[str, list[int]] = {}
+    for index in chosen:
+        by_node.setdefault(nodes[index], []).append(index)
+    order: list[int] = []
+    rest: list[list[int]] = []
+    for workers in by_node.values():
+        whole = len(workers) // stages * stages
+        order.extend(workers[:whole])
+        if whole < len(workers):
+            rest.append(workers[whole:])
+    rest.sort(key=len, reverse=True)  # stable: among equals, the node met first
+    return order + [index for workers in rest for index in workers]
+
+
+def nodes_per_replica(nodes: Sequence[str], ranks: int) -> list[int]:
+    """How many nodes each replica of `ranks` consecutive ranks spans (nodes: each rank's, in rank order)."""
+    return [len(set(nodes[i : i + ranks])) for i in range(0, len(nodes), ranks)]
 
 
 def pick_degree(candidates: Sequence[int], fits: Callable[[int], bool | None]) -> tuple[int, str]:
@@ -100,12 +128,20 @@ W = TypeVar("W")
 
 
 def attempt_workers(
-    previous: Sequence[W], warm: Sequence[W], size: int, tensor_parallel: int, node_of: Callable[[W], str]
+    previous: Sequence[W],
+    warm: Sequence[W],
+    size: int,
+    tensor_parallel: int,
+    node_of: Callable[[W], str],
+    pipeline_stages: int = 1,
 ) -> list[W]:
     """The `size` workers of the next attempt, in rank order: the last attempt's survivors keep their
-    order, newly warm workers follow; with tensor parallelism each replica's ranks share a node. Fewer
-    than `size` when the warm workers cannot fill it."""
+    order, newly warm workers follow; with tensor parallelism each replica's ranks share a node, with
+    `pipeline_stages` each replica's stages span as few nodes as they can. Fewer than `size` when the
+    warm workers cannot fill it."""
     order = [w for w in previous if w in warm] + [w for w in warm if w not in previous]
+    if pipeline_stages > 1:
+        return [order[i] for i in pipeline_order([node_of(w) for w in order], size, pipeline_stages)]
     if tensor_parallel > 1:
         picked = replica_order([node_of(w) for w in order], size, tensor_parallel)
         order = [order[i] for i in picked] if picked is not None else []

@@ -279,8 +279,10 @@ def _ray_group(
             s.cpus_per_worker,
             s.gpus_per_worker,
             s.worker_allocator,
-            # A replica's ranks share one node; under pipeline_parallel: auto its stages may not.
+            # A replica's ranks, reserved together (under pipeline_parallel: auto, one by one).
             s.tensor_parallel * fixed_stages(config),
+            # Pipeline stages may span nodes; tensor-parallel ranks (T > 1) share one.
+            replica_spans_nodes=fixed_stages(config) > 1 and s.tensor_parallel == 1,
         ),
         name_prefix=run_dir.read_info().run_id[:6],
         keep_warm_s=0.0 if fresh else s.keep_warm_s,
