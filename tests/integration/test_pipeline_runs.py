@@ -8,6 +8,7 @@ test_plain_pytorch_equivalence.py's single-process loop with its derived toleran
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -117,8 +118,8 @@ def test_stages_of_a_pretrained_model_read_only_their_weights_and_train_as_one_r
 ):
     """A pretrained folder (a Llama saved with save_pretrained here; tied: no lm_head tensor, the last
     stage's head reads the embedding): each stage builds the model on the meta device and reads only its
-    own layers' tensors; P 2 x D 1 reports the losses of D 2 without pipelines within the summation
-    noise (8.7e-6 is this model's derived tolerance)."""
+    own layers' tensors; P 2 x D 1 reports the training and validation losses of D 2 without pipelines
+    within the summation noise (8.7e-6 is this model's derived tolerance)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
@@ -135,12 +136,18 @@ def test_stages_of_a_pretrained_model_read_only_their_weights_and_train_as_one_r
     )
     AutoModelForCausalLM.from_config(hf).save_pretrained(folder)
 
-    staged, whole = (
-        _losses(tmp_path, p, "training.max_steps=6", f"model.pretrained={folder}") for p in (2, 1)
-    )
+    validated = ("eval.split=0.1", "eval.steps=2", "eval.every_steps=3")
+    runs = [
+        _run(tmp_path, p, "training.max_steps=6", f"model.pretrained={folder}", *validated) for p in (2, 1)
+    ]
+    staged, whole = (logged_losses(r) for r in runs)
     assert len(staged) == len(whole) == 6
     worst = max(abs(a - b) for a, b in zip(staged, whole, strict=True))
     assert worst <= 1e-5, (staged, whole)
+    # Validation runs through the stages (DeepSpeed's forward-only schedule): the same losses.
+    staged_eval, whole_eval = (_eval_losses(r) for r in runs)
+    assert sorted(staged_eval) == sorted(whole_eval) == [3, 6], (staged_eval, whole_eval)
+    assert all(abs(staged_eval[k] - whole_eval[k]) <= 1e-5 for k in whole_eval), (staged_eval, whole_eval)
     from elastictrain.checkpoint.zero_state import FragmentReader
 
     saved = FragmentReader(sorted((tmp_path / "run-p2" / "checkpoints").glob("step-*/*.safetensors"))).params
@@ -221,6 +228,22 @@ def test_tied_embeddings_span_the_first_and_last_stage_train_the_plain_loss_and_
 
 def _losses(tmp_path: Path, stages: int, *overrides: str) -> list[float]:
     """Each step's loss of a finished ZeRO-1 run at `stages` pipeline stages (two workers)."""
+    return logged_losses(_run(tmp_path, stages, *overrides))
+
+
+def _eval_losses(run_dir: Any) -> dict[int, float]:
+    """The run's validation losses by step, as MLflow holds them."""
+    from mlflow.tracking import MlflowClient
+
+    from elastictrain.tracking.tracker import resolve_tracking_uri
+
+    info = run_dir.read_info()
+    client = MlflowClient(resolve_tracking_uri(info.mlflow_tracking_uri, run_dir.path))
+    return {m.step: m.value for m in client.get_metric_history(info.mlflow_run_id, "eval_loss")}
+
+
+def _run(tmp_path: Path, stages: int, *overrides: str) -> Any:
+    """A finished ZeRO-1 run at `stages` pipeline stages (two workers): its folder."""
     cfg = config(
         tmp_path / f"run-p{stages}",
         False,
@@ -230,7 +253,7 @@ def _losses(tmp_path: Path, stages: int, *overrides: str) -> list[float]:
     )
     summary, run_dir, output = run(cfg)
     assert summary.status.value == "FINISHED", output
-    return logged_losses(run_dir)
+    return run_dir
 
 
 # The last two in the module: their cluster of three nodes replaces the local one until the module ends.

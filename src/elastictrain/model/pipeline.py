@@ -306,6 +306,25 @@ def train_pipeline_batch(engine: Any, batches: list[tuple[Any, int]], scale: tor
     return summed[0]
 
 
+def eval_pipeline_batch(engine: Any, batches: list[Any]) -> torch.Tensor:
+    """The summed token losses (fp64) of this replica's micro-batches `batches` through the stages,
+    forward only, on every stage: the last computes them and sends them to the others."""
+    import torch.distributed as dist
+
+    from elastictrain.model.loss import lm_labels
+
+    loss: TokenLoss = engine.module.loss_fn
+    loss.sums = []
+    one = torch.ones((), dtype=torch.float32)
+    items = [(_input_ids(batch), (lm_labels(batch), one)) for batch in batches]
+    engine.eval_batch(data_iter=iter(items), bcast_loss=False, num_micro_batches=len(items))
+    summed = torch.stack(loss.sums).sum() if loss.sums else torch.zeros((), dtype=torch.float64)
+    summed = summed.reshape(1).to(engine.device)
+    grid = engine.grid
+    dist.broadcast(summed, src=grid.pp_group[-1], group=grid.get_pipe_parallel_group())
+    return summed[0]
+
+
 def _input_ids(batch: Any) -> torch.Tensor:
     """A micro-batch's token ids, refusing what the stages cannot pass on (packed records' positions, a
     mask that is not right padding: stages attend causally over every position before a token)."""

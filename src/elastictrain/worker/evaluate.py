@@ -18,7 +18,7 @@ from elastictrain.core.losses import add_figures
 from elastictrain.data.eval_data import source_ids
 from elastictrain.data.sources import collate_items, to_device
 from elastictrain.model.build import causal_lm_loss
-from elastictrain.model.loss import causal_lm_loss_sum
+from elastictrain.model.loss import causal_lm_loss_sum, target_tokens
 from elastictrain.model.objective import PreferenceObjective
 from elastictrain.worker.attempt import AttemptSpec
 
@@ -83,6 +83,13 @@ def _loss_share(
     its samples (a loss of your own)."""
     builtin = loss_fn is causal_lm_loss
     loss_sum, tokens = 0.0, 0
+    if hasattr(engine.module, "transformers_names"):  # pipeline stages: DeepSpeed runs the micro-batches
+        from elastictrain.model.pipeline import eval_pipeline_batch
+
+        for micro_batches in batches:
+            loss_sum += float(eval_pipeline_batch(engine, [batch for _, batch in micro_batches]).item())
+            tokens += sum(target_tokens(batch) for _, batch in micro_batches)
+        return {"loss_sum": loss_sum, "target_tokens": tokens}
     with torch.no_grad():
         for micro_batches in batches:
             for indices, batch in micro_batches:
