@@ -1,6 +1,6 @@
 """Pipeline parallelism (issue 62): a transformers Llama split into DeepSpeed pipeline stages trains the
 plain PyTorch loop's losses. Real DeepSpeed pipeline engines in separate processes (gloo on CPU): P 2 x D 1
-under ZeRO-0 and P 2 x D 2 under ZeRO-1, against the reference loop within the tolerance derived as in
+under ZeRO-0, against the reference loop within the tolerance derived as in
 test_plain_pytorch_equivalence (10x the difference between two reference runs that differ only in the
 order of their sums)."""
 
@@ -103,7 +103,9 @@ def _train(tmp_path: Path, stages: int, world: int) -> dict[int, dict[str, Any]]
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world)}
 
 
-@pytest.mark.parametrize(("stages", "world"), [(2, 2), (2, 4)], ids=["p2xd1-z0", "p2xd2-z1"])
+# P 2 x D 1 only: D 2 under ZeRO-1 is what test_pipeline_runs.py trains through the product, against the
+# same reference (here it cost 24 s of a 2-core suite for no path of its own).
+@pytest.mark.parametrize(("stages", "world"), [(2, 2)], ids=["p2xd1-z0"])
 def test_pipeline_stages_train_the_plain_pytorch_losses(tmp_path: Path, stages: int, world: int) -> None:
     got = _train(tmp_path, stages, world)
     assert sorted(r["stage"] for r in got.values()) == sorted(r % stages for r in range(world))
