@@ -62,3 +62,32 @@ def test_a_slowed_rank_is_named_within_the_configured_steps_and_dropped_losing_n
     tol = 10 * max(max(abs(a - b) for a, b in zip(want, split, strict=True)), 1.2e-7 * max(want))
     got = _losses(run_dir)
     assert max(abs(got[s + 1] - want[s]) for s in range(10)) <= tol, (got, want)
+
+
+def test_a_slowed_pipeline_stage_is_named_against_the_same_stage_of_the_other_replica(
+    ray_local: None, tmp_path: Path
+) -> None:
+    """P 2 x D 2: stages differ in their layers, so a rank is compared with its stage in the other replica.
+    Rank 2 (the second replica's first stage) slowed is named; nobody else is, though the last stage
+    (the head's logits) does more than the first."""
+    cfg = tiny_config(
+        tmp_path / "run",
+        "scaling.min_workers=4",
+        "scaling.max_workers=4",
+        "deepspeed.zero_stage=1",
+        "scaling.pipeline_parallel=2",
+        "model.hf_config.tie_word_embeddings=false",
+        "training.max_steps=8",
+        "failure.straggler_steps=3",
+        "failure.straggler_factor=2.0",
+    )
+
+    def slow_rank_2(controller) -> None:  # noqa: ANN001
+        ray.get(controller.active[2].actor.inject_forward_delay.remote(0.05))
+
+    summary, run_dir, output = run(cfg, hook=at_step(1, slow_rank_2), faults=True)
+    assert summary.status.value == "FINISHED", output
+    named = [e for e in run_dir.read_events() if e["event"] == "straggler"]
+    assert [e["rank"] for e in named] == [2], named
+    assert named[0]["ratio"] > 2.0 and named[0]["step"] <= 1 + 3 + 2
+    assert summary.world_sizes == [4], summary.world_sizes  # named, kept: failure.replace_stragglers off

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from elastictrain.core.stragglers import StragglerWatch, straggler_remedy
+from elastictrain.core.stragglers import StragglerWatch, ratios, straggler_remedy
 
 
 def test_a_rank_slower_than_the_others_median_for_n_steps_is_named_once():
@@ -76,3 +76,17 @@ def test_without_a_measured_even_pace_the_others_pace_is_the_ratio_s_share_of_th
     # 4 ranks, 3.0 s a step with one at 3x the others: they run at 1.0 s; 3 ranks take 1.33 s.
     r = straggler_remedy(world=4, min_workers=1, spare_ready=False, now_s=3.0, even_s=None, ratio=3.0)
     assert r.action == "drop" and "about 1.33s" in r.why
+
+
+def test_with_pipeline_stages_a_rank_is_compared_with_its_stage_in_the_other_replicas_only():
+    # P 2 x D 2: ranks 0 and 2 hold stage 0 (a light one), ranks 1 and 3 stage 1 (with the head, twice
+    # the work). Across stages nobody is slow; rank 2 at 2x its stage peer is.
+    even = {0: 1.0, 1: 2.0, 2: 1.0, 3: 2.0}
+    assert ratios(even, stages=2) == {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0}
+    assert ratios(even)[1] > 1.3  # compared with every rank, the heavier stage would look slow
+    assert ratios({0: 1.0, 1: 2.0, 2: 2.0, 3: 2.0}, stages=2)[2] == 2.0
+    assert ratios({0: 1.0, 1: 2.0}, stages=2) == {0: 1.0, 1: 1.0}  # one replica: no peer, nobody named
+    watch = StragglerWatch(factor=1.3, steps=2)
+    slow = {0: 1.0, 1: 2.0, 2: 2.1, 3: 2.0}
+    assert watch.observe(slow, stages=2) == []
+    assert watch.observe(slow, stages=2) == [(2, 2.1)]

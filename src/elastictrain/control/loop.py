@@ -234,7 +234,7 @@ class Controller:
             self.recovery = self.recovery.set_up(self.step - source.step, source.name)
         previous = self.world_size
         self.plan, self.active, self.active_before = plan, workers, workers
-        self.stragglers.attach(workers)
+        self.stragglers.attach(workers, plan.pipeline_parallel)
         self.pipeline.attach(workers, source.step)
         self.saves.attach(workers, manifest_for(self.cfg, self.recorder.run_dir, size, plan))
         attempt = self.setup.attempt(self.attempt, plan, workers, source, self.step)

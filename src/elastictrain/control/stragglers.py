@@ -43,12 +43,15 @@ class Stragglers:
         self.recorder = recorder
         self.group = group
         self.workers: list[Any] = []
+        self.stages = 1
         self.even: deque[float] = deque(maxlen=PACE_STEPS)  # this attempt's steps with no rank slow (s)
         self.recent: deque[float] = deque(maxlen=PACE_STEPS)  # this attempt's steps (s)
 
-    def attach(self, workers: list[Any]) -> None:
-        """A new attempt's workers, in rank order."""
+    def attach(self, workers: list[Any], stages: int = 1) -> None:
+        """A new attempt's workers, in rank order; with pipeline `stages`, a rank is compared with the
+        ranks of its stage only."""
         self.workers = list(workers)
+        self.stages = stages
         self.watch.forget()
         self.pending = None
         self.even.clear()
@@ -58,12 +61,12 @@ class Stragglers:
         seconds = {int(r["rank"]): float(r["forward_s"]) for r in results if r.get("forward_s")}
         if len(seconds) < 2:
             return {}
-        by_rank = ratios(seconds)
+        by_rank = ratios(seconds, self.stages)
         if wall_s > 0:
             self.recent.append(wall_s)
             if max(by_rank.values()) <= self.watch.factor:
                 self.even.append(wall_s)
-        for rank, ratio in self.watch.observe(seconds):
+        for rank, ratio in self.watch.observe(seconds, self.stages):
             self._name(index + 1, rank, ratio)
         return {"straggler_ratio": max(by_rank.values())}
 

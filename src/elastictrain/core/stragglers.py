@@ -9,11 +9,14 @@ import statistics
 from dataclasses import dataclass, field
 
 
-def ratios(seconds: dict[int, float]) -> dict[int, float]:
-    """Each rank's seconds over the median of the other ranks' (1.0 where the others took no time)."""
+def ratios(seconds: dict[int, float], stages: int = 1) -> dict[int, float]:
+    """Each rank's seconds over the median of the other ranks' (1.0 where the others took no time). With
+    pipeline `stages`, over those of the ranks holding the same stage in the other replicas (ranks d*P+s
+    hold stage s: stages differ in their layers), 1.0 where no other replica's rank holds it."""
     out = {}
     for rank, own in seconds.items():
-        others = statistics.median(s for r, s in seconds.items() if r != rank)
+        peers = [s for r, s in seconds.items() if r != rank and r % stages == rank % stages]
+        others = statistics.median(peers) if peers else 0.0
         out[rank] = own / others if others > 0 else 1.0
     return out
 
@@ -25,12 +28,13 @@ class StragglerWatch:
     slow_for: dict[int, int] = field(default_factory=dict)  # rank -> consecutive slow steps
     named: set[int] = field(default_factory=set)  # named and not yet back to the others' pace
 
-    def observe(self, seconds: dict[int, float]) -> list[tuple[int, float]]:
-        """One step's forward seconds by rank: the ranks named now, each with its ratio to the others."""
+    def observe(self, seconds: dict[int, float], stages: int = 1) -> list[tuple[int, float]]:
+        """One step's forward seconds by rank: the ranks named now, each with its ratio to the others (of
+        its pipeline stage, with `stages`)."""
         if self.factor <= 0 or len(seconds) < 2:
             return []
         named_now = []
-        for rank, ratio in ratios(seconds).items():
+        for rank, ratio in ratios(seconds, stages).items():
             if ratio <= self.factor:
                 self.slow_for[rank] = 0
                 self.named.discard(rank)

@@ -130,10 +130,26 @@ def run_micro_batches(
 
         # Its schedule makes the update inside train_batch: a copy of the last state must end before.
         before_update()
-        summed = train_pipeline_batch(engine, list(batches), scale)
+
+        # The stage's own forward passes, timed around its layers (not the activations it waits for).
+        def began(*_: Any) -> None:  # a hook returning anything would replace the stage's input
+            clock.__enter__()
+
+        def ended(*_: Any) -> None:
+            clock.__exit__()
+
+        timed = [
+            engine.module.register_forward_pre_hook(began, prepend=True),
+            engine.module.register_forward_hook(ended),
+        ]
+        try:
+            summed = train_pipeline_batch(engine, list(batches), scale)
+        finally:
+            for handle in timed:
+                handle.remove()
         on_micro()
         summed_total, counted = torch.stack([summed, local.to(summed.device).double()]).tolist()
-        return StepLoss(summed_total / max(counted, 1), summed_total, int(counted))
+        return StepLoss(summed_total / max(counted, 1), summed_total, int(counted), forward_s=clock.seconds())
     loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
     for i, (batch, seed) in enumerate(batches):
         torch.manual_seed(seed)
