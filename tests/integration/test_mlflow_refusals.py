@@ -24,6 +24,14 @@ def credentials(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     return monkeypatch
 
 
+def read_back_client(credentials: pytest.MonkeyPatch, uri: str) -> MlflowClient:
+    """A client that reads what arrived, patient as a user would be: the short timeout and no retries
+    above are for the tracker's sends, and a server busy with a loaded suite once took over 5 s."""
+    credentials.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
+    credentials.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
+    return MlflowClient(uri)
+
+
 def tracker_for(uri: str, run_dir: Path, name: str) -> MlflowTracker:
     return MlflowTracker(
         uri, "refusals", run_name=name, spool_dir=run_dir, flush_interval_s=0.1, max_backoff_s=0.2,
@@ -54,7 +62,7 @@ def test_a_rotated_password_keeps_the_data_spooled_until_mlflow_takes_it(
         assert tracker.spooled == 0
     finally:
         tracker.close()
-    client = MlflowClient(mlflow_basic_auth_server)
+    client = read_back_client(credentials, mlflow_basic_auth_server)
     assert [m.step for m in client.get_metric_history(run_id, "loss")] == list(range(1, 21))
     assert json.loads(client.get_run(run_id).data.tags["last_event"])["step"] == 20
     assert not (tmp_path / "tracking-rejected.jsonl").exists()
@@ -75,7 +83,7 @@ def test_a_request_mlflow_rejects_as_invalid_is_dropped_and_recorded_in_the_run_
         assert tracker.spooled == 0
     finally:
         tracker.close()
-    client = MlflowClient(mlflow_basic_auth_server)
+    client = read_back_client(credentials, mlflow_basic_auth_server)
     assert client.get_run(run_id).data.params["lr"] == "0.1"
     assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1]
     [rejected] = [json.loads(x) for x in (tmp_path / "tracking-rejected.jsonl").read_text().splitlines()]
