@@ -73,20 +73,7 @@ def test_pipeline_replicas_train_the_plain_loss_resume_at_other_layouts_and_expo
     what = "P 2 x D 2, then P 1 x D 3 from its checkpoint, then P 2 x D 1 from that one's"
     assert_same_losses(logged_losses(run_dir), reference.losses, reference.loss_tol, what)
 
-    from typer.testing import CliRunner
-
-    from elastictrain.cli import app
-
-    result = CliRunner().invoke(app, ["export", str(run_dir.path), "--out", str(tmp_path / "export")])
-    assert result.exit_code == 0, result.output
-    from transformers import AutoModelForCausalLM
-
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export", local_files_only=True).eval()
-    ids = global_batch(cfg, dataset_from_config(cfg), steps)[:4]
-    want, logits_tol = reference.logits_and_tolerance(ids)
-    with torch.no_grad():
-        diff = (exported(input_ids=ids).logits - want).abs().max().item()
-    assert diff <= logits_tol, f"export vs reference after {steps} steps: {diff:.2e} > {logits_tol:.2e}"
+    _export_is_the_reference(run_dir, cfg, reference, tmp_path / "export")
 
 
 def test_auto_chooses_the_stages_on_the_cluster_and_says_what_it_weighed(ray_local, tmp_path):
@@ -209,21 +196,27 @@ def test_tied_embeddings_span_the_first_and_last_stage_train_the_plain_loss_and_
     what = "tied, P 2 x D 1, then D 2 without pipelines from its checkpoint"
     assert_same_losses(logged_losses(run_dir), reference.losses, reference.loss_tol, what)
 
+    exported = _export_is_the_reference(run_dir, cfg, reference, tmp_path / "export")
+    assert exported.lm_head.weight is exported.model.embed_tokens.weight
+
+
+def _export_is_the_reference(run_dir: Any, cfg: Any, reference: Any, out: Path) -> Any:
+    """`elastictrain export` of the finished run loads with from_pretrained and gives the reference
+    model's logits (after STEPS steps) within their tolerance; the exported model."""
+    from transformers import AutoModelForCausalLM
     from typer.testing import CliRunner
 
     from elastictrain.cli import app
 
-    result = CliRunner().invoke(app, ["export", str(run_dir.path), "--out", str(tmp_path / "export")])
+    result = CliRunner().invoke(app, ["export", str(run_dir.path), "--out", str(out)])
     assert result.exit_code == 0, result.output
-    from transformers import AutoModelForCausalLM
-
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export", local_files_only=True).eval()
-    assert exported.lm_head.weight is exported.model.embed_tokens.weight
-    ids = global_batch(cfg, dataset_from_config(cfg), steps)[:4]
+    exported = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    ids = global_batch(cfg, dataset_from_config(cfg), STEPS)[:4]
     want, logits_tol = reference.logits_and_tolerance(ids)
     with torch.no_grad():
         diff = (exported(input_ids=ids).logits - want).abs().max().item()
-    assert diff <= logits_tol, f"export vs reference after {steps} steps: {diff:.2e} > {logits_tol:.2e}"
+    assert diff <= logits_tol, f"export vs reference after {STEPS} steps: {diff:.2e} > {logits_tol:.2e}"
+    return exported
 
 
 def _losses(tmp_path: Path, stages: int, *overrides: str) -> list[float]:
