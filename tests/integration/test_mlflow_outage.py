@@ -6,12 +6,15 @@ killed (SIGKILL) with records still unsent; `elastictrain sync` sending the spoo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -78,7 +81,22 @@ def log_steps(tracker: MlflowTracker, steps: range) -> None:
             tracker.log_event({"event": "checkpoint", "step": step})
 
 
+@contextlib.contextmanager
+def patient_reads() -> Iterator[None]:
+    """Reading back what arrived: the 2 s and no retries above are for the sends under test, and a server
+    busy under a loaded suite once took longer than a read timeout that short (test_mlflow_refusals)."""
+    with mock.patch.dict(
+        os.environ, {"MLFLOW_HTTP_REQUEST_TIMEOUT": "60", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3"}
+    ):
+        yield
+
+
 def check_every_step_once(uri: str, rd: RunDir, steps: range) -> None:
+    with patient_reads():
+        _check_every_step_once(uri, rd, steps)
+
+
+def _check_every_step_once(uri: str, rd: RunDir, steps: range) -> None:
     client = MlflowClient(uri)
     run_id = rd.read_info().mlflow_run_id
     assert run_id
@@ -219,7 +237,9 @@ def test_replayed_metrics_read_back_from_the_spool_are_not_sent_twice(
         # third reached MLflow, before any ack: 30 sent metrics of which only 10 fit in the memory of
         # the process that replays them; the other 20 come back from the spool.
         run_child(rd, uri, flush_s=30, crash_at="tracking_metrics_sent@3", log=False)
-        assert len(MlflowClient(uri).get_metric_history(str(rd.read_info().mlflow_run_id), "loss")) == 15
+        with patient_reads():
+            history = MlflowClient(uri).get_metric_history(str(rd.read_info().mlflow_run_id), "loss")
+        assert len(history) == 15
         # The 15 steps in MLflow are still unacked in the spool: the next process must recognise them.
         spooled = [m for r in Spool(rd.path).read() if r["kind"] == "metrics" for m in r["data"]]
         assert sorted(m[3] for m in spooled if m[0] == "loss") == list(STEPS), "not acked yet"
