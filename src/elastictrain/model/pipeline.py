@@ -289,8 +289,6 @@ def _read_pretrained(folder: str, params: dict[str, torch.Tensor]) -> None:
 def train_pipeline_batch(engine: Any, batches: list[tuple[Any, int]], scale: torch.Tensor) -> torch.Tensor:
     """One step of `batches` (this replica's micro-batches) through the stages; the replica's summed token
     losses (fp64), on every stage: the last stage computes them and sends them to the others."""
-    import torch.distributed as dist
-
     from elastictrain.model.loss import lm_labels
 
     loss: TokenLoss = engine.module.loss_fn
@@ -299,18 +297,12 @@ def train_pipeline_batch(engine: Any, batches: list[tuple[Any, int]], scale: tor
     if batches:
         torch.manual_seed(batches[0][1])  # what randomness there is follows the step's first position
     engine.train_batch(data_iter=iter(items))
-    summed = torch.stack(loss.sums).sum() if loss.sums else torch.zeros((), dtype=torch.float64)
-    summed = summed.reshape(1).to(engine.device)
-    grid = engine.grid
-    dist.broadcast(summed, src=grid.pp_group[-1], group=grid.get_pipe_parallel_group())
-    return summed[0]
+    return _last_stage_sum(engine, loss)
 
 
 def eval_pipeline_batch(engine: Any, batches: list[Any]) -> torch.Tensor:
     """The summed token losses (fp64) of this replica's micro-batches `batches` through the stages,
     forward only, on every stage: the last computes them and sends them to the others."""
-    import torch.distributed as dist
-
     from elastictrain.model.loss import lm_labels
 
     loss: TokenLoss = engine.module.loss_fn
@@ -318,6 +310,13 @@ def eval_pipeline_batch(engine: Any, batches: list[Any]) -> torch.Tensor:
     one = torch.ones((), dtype=torch.float32)
     items = [(_input_ids(batch), (lm_labels(batch), one)) for batch in batches]
     engine.eval_batch(data_iter=iter(items), bcast_loss=False, num_micro_batches=len(items))
+    return _last_stage_sum(engine, loss)
+
+
+def _last_stage_sum(engine: Any, loss: TokenLoss) -> torch.Tensor:
+    """The replica's summed token losses (fp64) on every stage: the last stage's sums, sent to the others."""
+    import torch.distributed as dist
+
     summed = torch.stack(loss.sums).sum() if loss.sums else torch.zeros((), dtype=torch.float64)
     summed = summed.reshape(1).to(engine.device)
     grid = engine.grid
