@@ -107,22 +107,7 @@ def test_stages_of_a_pretrained_model_read_only_their_weights_and_train_as_one_r
     stage's head reads the embedding): each stage builds the model on the meta device and reads only its
     own layers' tensors; P 2 x D 1 reports the training and validation losses of D 2 without pipelines
     within the summation noise (8.7e-6 is this model's derived tolerance)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    folder = tmp_path / "pretrained"
-    hf = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=128,
-        tie_word_embeddings=tied,
-    )
-    AutoModelForCausalLM.from_config(hf).save_pretrained(folder)
-
+    folder = _pretrained_llama(tmp_path / "pretrained", tied)
     validated = ("eval.split=0.1", "eval.steps=2", "eval.every_steps=3")
     runs = [
         _run(tmp_path, p, "training.max_steps=6", f"model.pretrained={folder}", *validated) for p in (2, 1)
@@ -139,6 +124,77 @@ def test_stages_of_a_pretrained_model_read_only_their_weights_and_train_as_one_r
 
     saved = FragmentReader(sorted((tmp_path / "run-p2" / "checkpoints").glob("step-*/*.safetensors"))).params
     assert ("lm_head.weight" in saved) is not tied and "model.embed_tokens.weight" in saved, sorted(saved)
+
+
+def test_lora_adapters_train_through_stages_as_without_them_and_resume_at_another_layout(ray_local, tmp_path):
+    """LoRA (all-linear) on a tied pretrained Llama: P 2 x D 1 stopped after step 5 (its checkpoint at 4 holds
+    the adapters under peft's names, nothing of the frozen base) continues at D 2 without stages; its
+    losses are those of a D 2 run throughout within the summation noise, and the adapter written at the
+    end is that run's. Each stage reads its base weights from the folder (the last its frozen head from
+    the tied embedding) and gives its adapters the values the whole model gives them."""
+    from safetensors.torch import load_file
+
+    from elastictrain.checkpoint.zero_state import FragmentReader
+    from elastictrain.driver.launch import apply_resume_changes
+    from elastictrain.rundir.run_dir import RunDir
+
+    folder = _pretrained_llama(tmp_path / "pretrained", tied=True)
+    lora = ("model.lora.enabled=true", "model.lora.target_modules=all-linear", "model.lora.r=4")
+    common = (f"model.pretrained={folder}", *lora, "training.max_steps=6", "checkpoint.every_steps=2")
+
+    def layout(stages: int) -> Any:
+        cfg = config(
+            tmp_path / "run", False, "deepspeed.zero_stage=1", f"scaling.pipeline_parallel={stages}", *common
+        )
+        return cfg
+
+    def stop(controller: object) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(layout(2), hook=at_step(5, stop))
+    names = set(
+        FragmentReader(sorted((tmp_path / "run/checkpoints/step-000004").glob("*.safetensors"))).params
+    )
+    assert "base_model.model.model.layers.1.mlp.down_proj.lora_A.default.weight" in names, sorted(names)
+    assert len(names) == 28 and all(".lora_" in n for n in names), sorted(names)
+    resumed = layout(1)
+    apply_resume_changes(RunDir.open(tmp_path / "run"), resumed)
+    summary, run_dir, output = run(resumed)
+    assert summary.status.value == "FINISHED", output
+    starts = [(e["world_size"], e["step"]) for e in run_dir.read_events() if e["event"] == "attempt_started"]
+    assert starts == [(2, 0), (2, 4)], starts
+
+    whole = _run(tmp_path, 1, *common)
+    staged_losses, whole_losses = logged_losses(run_dir), logged_losses(whole)
+    assert len(staged_losses) == len(whole_losses) == 6
+    worst = max(abs(a - b) for a, b in zip(staged_losses, whole_losses, strict=True))
+    assert worst <= 1e-5, (staged_losses, whole_losses)
+    staged_adapter, whole_adapter = (
+        load_file(r.path / "adapter" / "adapter_model.safetensors") for r in (run_dir, whole)
+    )
+    assert staged_adapter.keys() == whole_adapter.keys() and len(whole_adapter) == 28
+    worst = max((staged_adapter[k] - whole_adapter[k]).abs().max().item() for k in whole_adapter)
+    assert worst <= 1e-4, worst
+
+
+def _pretrained_llama(folder: Path, tied: bool) -> Path:
+    """A small Llama saved with save_pretrained (tied: no lm_head tensor in the folder)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    hf = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+    )
+    AutoModelForCausalLM.from_config(hf).save_pretrained(folder)
+    return folder
 
 
 def test_bf16_stages_train_the_losses_of_bf16_without_stages_within_its_rounding(ray_local, tmp_path):

@@ -69,7 +69,7 @@ def test_stages_are_chosen_where_one_rank_cannot_hold_its_share_and_again_at_ano
 
 
 def test_a_config_that_cannot_train_stages_stays_at_one_and_says_why():
-    chooser = _chooser(80, "model.lora.enabled=true")
+    chooser = _chooser(80, "model.lora.enabled=true", "model.lora.use_dora=true")
     assert not chooser.pipelines
     stages, line = chooser.choose(8)
     assert stages == 1 and "no stages: the config trains without pipelines" in line

@@ -83,7 +83,22 @@ def test_the_deepspeed_config_leaves_the_batch_size_to_deepspeed_at_both_reading
             ],
             "at most 3 stages",
         ),
-        (["model.lora.enabled=true"], "model.lora.enabled"),
+        (["model.lora.enabled=true", "model.lora.use_dora=true"], "model.lora.use_dora: got True"),
+        (["model.lora.enabled=true", 'model.lora.modules_to_save=["lm_head"]'], "model.lora.modules_to_save"),
+        (
+            ["model.lora.enabled=true", 'model.lora.target_modules=["q_proj","embed_tokens"]'],
+            "model.lora.target_modules: ['embed_tokens']",
+        ),
+        (
+            [
+                "model.lora.enabled=true",
+                "model.hf_config.num_hidden_layers=2",
+                "scaling.pipeline_parallel=3",
+                "scaling.max_workers=3",
+                "scaling.min_workers=3",
+            ],
+            "with LoRA; a stage needs a decoder layer's adapters to train and the model has 2",
+        ),
         (["training.objective=dpo"], "training.objective: got 'dpo'"),
         (["deepspeed.offload_optimizer=cpu"], "deepspeed.offload_optimizer: got 'cpu'"),
         (["deepspeed.activation_checkpointing=true"], "deepspeed.activation_checkpointing"),
@@ -155,3 +170,45 @@ def test_a_pipeline_attempt_forms_replicas_across_nodes_where_a_tensor_parallel_
     node = {"w0": "a", "w1": "b", "w2": "c"}.__getitem__
     assert attempt_workers([], warm, 2, 2, node) == []  # tensor-parallel ranks need one node
     assert attempt_workers([], warm, 2, 1, node, pipeline_stages=2) == ["w0", "w1"]
+
+
+def _tiny_llama(tied: bool) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        tie_word_embeddings=tied,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(config)
+
+
+def test_lora_adapters_start_the_same_whoever_builds_them_and_stages_hold_a_frozen_tied_head_apart():
+    """A whole model and the stages of a meta-built one give each adapter the same first values (drawn
+    by the run's seed and the layer's name, not in the order peft wraps layers); LoRA's frozen tied
+    embedding is no tied layer: the last stage's head holds the embedding itself."""
+    from elastictrain.model.lora import apply_lora, init_adapters
+
+    lora = load_config(None, ["model.lora.enabled=true", "model.lora.target_modules=all-linear"]).model.lora
+    torch.manual_seed(0)
+    whole = apply_lora(_tiny_llama(tied=True), lora, seed=7)
+    torch.manual_seed(1)  # other draws before: the same adapters
+    again = apply_lora(_tiny_llama(tied=True), lora, seed=7)
+    a = {n: p for n, p in whole.named_parameters() if "lora_A" in n}
+    assert len(a) == 14 and all(torch.equal(p, dict(again.named_parameters())[n]) for n, p in a.items())
+    assert all(torch.count_nonzero(p) == 0 for n, p in whole.named_parameters() if "lora_B" in n)
+
+    with torch.device("meta"):
+        meta = _tiny_llama(tied=True)
+    layers = stage_layers(apply_lora(meta, lora))
+    assert [type(layer_module(x)).__name__ for x in layers] == ["Embed", "Decoder", "Decoder", "Head"]
+    staged = {}
+    for i, layer in enumerate(layers):
+        module = layer_module(layer)
+        for name, child in module.named_children():
+            if name != "rotary":
+                child.to_empty(device="cpu")
+        init_adapters(((hf_name(i, n), m) for n, m in module.named_modules() if n), seed=7)
+        staged |= {
+            "base_model.model." + hf_name(i, n): p for n, p in module.named_parameters() if "lora_A" in n
+        }
+    assert staged.keys() == a.keys() and all(torch.equal(staged[n], p) for n, p in a.items())

@@ -63,6 +63,7 @@ def pipeline_problems(config: Any) -> list[str]:
             f"deepspeed.activation_checkpointing: got {ds.activation_checkpointing!r} with "
             f"scaling.pipeline_parallel {n}; not supported with pipeline stages yet: expected false"
         )
+    hf: dict[str, Any] = {}
     if m.factory:
         p.append(
             f"model.factory: got {m.factory!r} with scaling.pipeline_parallel {n}; pipeline stages are "
@@ -87,7 +88,7 @@ def pipeline_problems(config: Any) -> list[str]:
                 f"{layers + 2} stages (embedding, each layer, head)"
             )
     if m.lora.enabled:
-        p.append(f"model.lora.enabled: LoRA with scaling.pipeline_parallel {n} is not supported yet")
+        p += _lora_problems(m.lora, n, hf.get("num_hidden_layers"))
     if m.compile:
         p.append(f"model.compile: true with scaling.pipeline_parallel {n} is not supported yet")
     t = config.training
@@ -110,6 +111,33 @@ def pipeline_problems(config: Any) -> list[str]:
         p.append(
             f"eval.prompts: generating answers through scaling.pipeline_parallel {n} stages is not "
             "supported yet: expected no eval.prompts (eval.steps validates the loss)"
+        )
+    return p
+
+
+# Layers LoRA may wrap inside a stage's decoder layers; the embedding and the head are frozen whole.
+_OUTSIDE_DECODERS = ("embed_tokens", "lm_head")
+
+
+def _lora_problems(lora: Any, n: int, layers: Any) -> list[str]:
+    p = []
+    for key in ("use_dora", "modules_to_save"):
+        if getattr(lora, key):
+            p.append(
+                f"model.lora.{key}: got {getattr(lora, key)!r} with scaling.pipeline_parallel {n}; not "
+                "supported with pipeline stages yet: expected false or []"
+            )
+    targets = lora.target_modules
+    outside = [t for t in _OUTSIDE_DECODERS if not isinstance(targets, str) and t in targets]
+    if outside:
+        p.append(
+            f"model.lora.target_modules: {outside} with scaling.pipeline_parallel {n}; adapters live in the "
+            "decoder layers of each stage: expected layers inside them (q_proj, v_proj, ...) or all-linear"
+        )
+    if isinstance(layers, int) and n > layers:
+        p.append(
+            f"scaling.pipeline_parallel: got {n} with LoRA; a stage needs a decoder layer's adapters to "
+            f"train and the model has {layers}: expected at most {layers} stages"
         )
     return p
 

@@ -160,7 +160,7 @@ def build_model(
     if m.lora.enabled:
         from elastictrain.model.lora import apply_lora
 
-        model = apply_lora(model, m.lora, activation_checkpointing=checkpointing)
+        model = apply_lora(model, m.lora, seed=config.training.seed, activation_checkpointing=checkpointing)
     if config.training.objective != "lm":
         from elastictrain.model.objective import disable_dropout
 
@@ -185,8 +185,14 @@ def new_engine(spec: Any, *, zero3: bool) -> Any:
     for folder in nvme_paths(spec.ds_config):
         os.makedirs(folder, exist_ok=True)
     restoring = spec.memory is not None or spec.checkpoint_dir is not None
-    if spec.plan.pipeline_parallel > 1 and (restoring or cfg.model.pretrained):
+    lora = cfg.model.lora.enabled
+    # LoRA's frozen base is not in checkpoints: without a pretrained folder every rank rebuilds it whole.
+    if spec.plan.pipeline_parallel > 1 and (cfg.model.pretrained or (restoring and not lora)):
         model = _on_meta(cfg)  # each stage makes only its own layers real (model/pipeline.py)
+        if lora:
+            from elastictrain.model.lora import apply_lora
+
+            model = apply_lora(model, cfg.model.lora)  # the stage's adapters get their values as it does
     else:
         model = build_model(cfg, spec.ds_config, zero3=zero3, restoring=restoring)
     # The model's build frees pieces (whole parameters before partitioning, their init) that the

@@ -10,6 +10,9 @@ seed); a `modules_to_save` copy starts from it and then comes from the checkpoin
 
 from __future__ import annotations
 
+import math
+import zlib
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -73,14 +76,36 @@ def _check_targets(model: torch.nn.Module, lora: Any) -> None:
         )
 
 
+def init_adapters(named_modules: Iterable[tuple[str, torch.nn.Module]], seed: int) -> None:
+    """Each LoRA layer's A drawn as peft draws it (uniform within 1/sqrt(fan-in)), from a generator seeded
+    by `seed` and the layer's transformers name, and its B zero: the same adapters whatever builds them (the
+    whole model, or a pipeline stage that makes only its own layers real), where peft's draws follow the
+    order the modules are wrapped in."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in named_modules:
+        if not isinstance(module, LoraLayer):
+            continue
+        for adapter, a in module.lora_A.items():
+            draw = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}/{adapter}".encode()))
+            bound = 1 / math.sqrt(a.weight[0].numel())
+            with torch.no_grad():
+                a.weight.copy_(torch.empty(a.weight.shape).uniform_(-bound, bound, generator=draw))
+                module.lora_B[adapter].weight.zero_()
+
+
 def apply_lora(
-    model: torch.nn.Module, lora: Any, *, activation_checkpointing: bool = False
+    model: torch.nn.Module, lora: Any, *, seed: int | None = None, activation_checkpointing: bool = False
 ) -> torch.nn.Module:
+    """`model` wrapped with the adapters of `lora`; `seed`: their initial values by `init_adapters` (None:
+    peft's, for a structure whose values are loaded next)."""
     from peft import get_peft_model
 
     _check_targets(model, lora)
     with base_weights_gathered_for_peft(model):
         wrapped = get_peft_model(model, peft_config(lora, model))
+    if seed is not None and not next(model.parameters()).is_meta:
+        init_adapters(wrapped.get_base_model().named_modules(), seed)
     if activation_checkpointing and hasattr(wrapped, "enable_input_require_grads"):
         # With a frozen embedding, checkpointed blocks would otherwise see inputs without gradients.
         wrapped.enable_input_require_grads()

@@ -103,14 +103,28 @@ def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(shifted, labels[:, 1:].reshape(-1), ignore_index=-100)
 
 
+def transformers_model(model: nn.Module) -> nn.Module:
+    """The transformers model itself: `model`, or the one a LoRA (peft) model wraps, adapters in place."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    assert isinstance(base, nn.Module)
+    return base
+
+
+# Where a LoRA run's parameters sit under peft's wrapper: its checkpoints name them so at every layout.
+LORA_PREFIX = "base_model.model."
+
+
 def stage_layers(model: nn.Module) -> list[Any]:
     """The model's layers in order, as pipeline layers: embedding, each decoder layer, norm and head. With
-    tied embeddings the first and the last are DeepSpeed tied layer specs of the one embedding, the norm
-    a layer of its own (`layer_module` gives each as a module)."""
+    tied embeddings that train, the first and the last are DeepSpeed tied layer specs of the one
+    embedding, the norm a layer of its own (`layer_module` gives each as a module); a frozen one (LoRA's
+    base) needs no gradients summed, so the last stage holds its own copy as the head's weight."""
+    model = transformers_model(model)
     check_supported(model)
     inner = model.model  # type: ignore[attr-defined]
     decoders = [Decoder(layer, inner.rotary_emb) for layer in inner.layers]
-    if not model.config.tie_word_embeddings:  # type: ignore[attr-defined]
+    trains = inner.embed_tokens.weight.requires_grad
+    if not (model.config.tie_word_embeddings and trains):  # type: ignore[attr-defined]
         return [Embed(inner.embed_tokens), *decoders, Head(inner.norm, model.lm_head)]  # type: ignore[attr-defined]
     from deepspeed.pipe import TiedLayerSpec
 
@@ -174,6 +188,7 @@ def pipeline_module(
     stages: int,
     replicas: int,
     loss_fn: Callable[[torch.Tensor, Any], torch.Tensor] = next_token_loss,
+    name_prefix: str = "",
 ) -> Any:
     """A model's `stage_layers` as a DeepSpeed PipelineModule of `stages` stages balanced by parameters
     (torch.distributed initialised, `stages` x `replicas` ranks): this rank keeps its stage's. Micro-batches
@@ -189,7 +204,9 @@ def pipeline_module(
         dynamic_shape=True,
     )
     # Checkpoints, snapshots and exports name parameters as transformers does (checkpoint/tensor_slices.py).
-    module.transformers_names = {name: module_hf_name(name) for name, _ in module.named_parameters()}
+    module.transformers_names = {
+        name: name_prefix + module_hf_name(name) for name, _ in module.named_parameters()
+    }
     # DeepSpeed's gradient norm (clipping, ZeRO's overflow check) counts a parameter on the model group's
     # first rank only, unless it is marked model-parallel (Megatron's convention for sliced weights): a
     # stage's weights are its own, so every stage counts its own and the norm is the whole model's.
@@ -209,11 +226,22 @@ def new_pipeline_engine(spec: Any, model: nn.Module) -> Any:
     from elastictrain.compat.deepspeed.skip_update import skip_non_finite_updates
 
     stages, replicas = spec.plan.pipeline_parallel, spec.plan.data_parallel
+    cfg = spec.config
     layers = stage_layers(model)
     parts = None
     if next(model.parameters()).is_meta:
-        parts = make_this_stage_real(model, layers, stages, replicas, spec.config.model.pretrained)
-    module = pipeline_module(layers, stages, replicas, TokenLoss())
+        parts = make_this_stage_real(
+            transformers_model(model), layers, stages, replicas, cfg.model.pretrained, cfg.training.seed
+        )
+    prefix = LORA_PREFIX if cfg.model.lora.enabled else ""
+    module = pipeline_module(layers, stages, replicas, TokenLoss(), prefix)
+    if not any(p.requires_grad for p in module.parameters()):
+        # DeepSpeed's backward would fail on this stage's outputs, which need no gradient.
+        raise PipelineRefused(
+            f"scaling.pipeline_parallel: {stages} stages leave stage {module.stage_id} (layers "
+            f"{module.parts[module.stage_id]}..{module.parts[module.stage_id + 1] - 1}) nothing to train: "
+            "expected fewer stages, or LoRA target_modules in every decoder layer"
+        )
     module.hf_record = built_model(model)  # the export's config: the stages alone are no transformers model
     if parts is not None and list(module.parts) != parts:
         raise RuntimeError(f"pipeline stages: DeepSpeed split the layers at {module.parts}, not {parts}")
@@ -227,15 +255,17 @@ def new_pipeline_engine(spec: Any, model: nn.Module) -> Any:
 
 
 def make_this_stage_real(
-    model: nn.Module, layers: list[Any], stages: int, replicas: int, pretrained: str | None
+    model: nn.Module, layers: list[Any], stages: int, replicas: int, pretrained: str | None, seed: int
 ) -> list[int]:
     """`model` built on the meta device (no memory), `layers` its `stage_layers`: this rank's stage's
-    layers get memory, their rotary tables computed, and (`pretrained`) their weights read from the
-    folder, nothing else; the other layers stay meta and are dropped when the PipelineModule keeps this
-    stage. Returns the split, found as DeepSpeed's "parameters" partition finds it (the caller checks
-    DeepSpeed's against it)."""
+    layers get memory, their rotary tables computed, their LoRA adapters (if any) their first values
+    (`seed`), and (`pretrained`) their weights read from the folder, nothing else; the other layers stay
+    meta and are dropped when the PipelineModule keeps this stage. Returns the split, found as DeepSpeed's
+    "parameters" partition finds it (the caller checks DeepSpeed's against it)."""
     import torch.distributed as dist
     from deepspeed.runtime.utils import partition_balanced
+
+    from elastictrain.model.lora import init_adapters
 
     modules = [layer_module(layer) for layer in layers]
     # As DeepSpeed counts: a tied layer's parameters at each place it appears.
@@ -252,10 +282,29 @@ def make_this_stage_real(
                 child.to_empty(device="cpu")
         if isinstance(modules[i], Decoder):
             modules[i].rotary = rotary
+    init_adapters(((hf_name(i, n), m) for i in mine for n, m in modules[i].named_modules() if n), seed)
     if pretrained:
-        names = {hf_name(i, name): param for i in mine for name, param in modules[i].named_parameters()}
+        tied = bool(model.config.tie_word_embeddings)  # type: ignore[union-attr]
+        names = {
+            _pretrained_name(hf_name(i, name), tied): param
+            for i in mine
+            for name, param in modules[i].named_parameters()
+            if not _is_adapter(name)
+        }
         _read_pretrained(pretrained, names)
     return parts
+
+
+def _is_adapter(name: str) -> bool:
+    """A LoRA adapter's parameter (peft's lora_A, lora_B, ...): not in a pretrained folder."""
+    return ".lora_" in name
+
+
+def _pretrained_name(name: str, tied: bool) -> str:
+    """Where a stage's parameter lies in a pretrained folder: LoRA's wrapped layers under their own names; a
+    frozen head tied to the embedding (LoRA's base) is the embedding."""
+    name = name.replace(".base_layer.", ".")
+    return "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name
 
 
 def _read_pretrained(folder: str, params: dict[str, torch.Tensor]) -> None:
