@@ -126,12 +126,13 @@ def test_stages_of_a_pretrained_model_read_only_their_weights_and_train_as_one_r
     assert ("lm_head.weight" in saved) is not tied and "model.embed_tokens.weight" in saved, sorted(saved)
 
 
-def test_lora_adapters_train_through_stages_as_without_them_and_resume_at_another_layout(ray_local, tmp_path):
-    """LoRA (all-linear) on a tied pretrained Llama: P 2 x D 1 stopped after step 5 (its checkpoint at 4 holds
-    the adapters under peft's names, nothing of the frozen base) continues at D 2 without stages; its
-    losses are those of a D 2 run throughout within the summation noise, and the adapter written at the
-    end is that run's. Each stage reads its base weights from the folder (the last its frozen head from
-    the tied embedding) and gives its adapters the values the whole model gives them."""
+def test_lora_adapters_train_through_stages_as_without_them_and_resume_across_layouts(ray_local, tmp_path):
+    """LoRA (all-linear) on a tied pretrained Llama: D 2 without stages stopped after step 5 continues at
+    P 2 x D 1 from its checkpoint at 4; its losses are those of a P 2 x D 1 run from the start within the
+    summation noise (steps 1-4: the adapters start the same built whole or stage by stage), both
+    checkpoints hold the same adapter tensors under peft's names and nothing of the frozen base, and the
+    adapters the two runs write at their end agree. Each stage reads its frozen base weights from the
+    folder (the last its head from the tied embedding)."""
     from safetensors.torch import load_file
 
     from elastictrain.checkpoint.zero_state import FragmentReader
@@ -143,38 +144,36 @@ def test_lora_adapters_train_through_stages_as_without_them_and_resume_at_anothe
     common = (f"model.pretrained={folder}", *lora, "training.max_steps=6", "checkpoint.every_steps=2")
 
     def layout(stages: int) -> Any:
-        cfg = config(
-            tmp_path / "run", False, "deepspeed.zero_stage=1", f"scaling.pipeline_parallel={stages}", *common
-        )
-        return cfg
+        stage = f"scaling.pipeline_parallel={stages}"
+        return config(tmp_path / "run", False, "deepspeed.zero_stage=1", stage, *common)
 
     def stop(controller: object) -> None:
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run(layout(2), hook=at_step(5, stop))
-    names = set(
-        FragmentReader(sorted((tmp_path / "run/checkpoints/step-000004").glob("*.safetensors"))).params
-    )
-    assert "base_model.model.model.layers.1.mlp.down_proj.lora_A.default.weight" in names, sorted(names)
-    assert len(names) == 28 and all(".lora_" in n for n in names), sorted(names)
-    resumed = layout(1)
+        run(layout(1), hook=at_step(5, stop))
+    resumed = layout(2)
     apply_resume_changes(RunDir.open(tmp_path / "run"), resumed)
     summary, run_dir, output = run(resumed)
     assert summary.status.value == "FINISHED", output
+    assert "1 replica(s) of 2 pipeline stages" in output, output
     starts = [(e["world_size"], e["step"]) for e in run_dir.read_events() if e["event"] == "attempt_started"]
     assert starts == [(2, 0), (2, 4)], starts
+    staged = _run(tmp_path, 2, *common)
 
-    whole = _run(tmp_path, 1, *common)
-    staged_losses, whole_losses = logged_losses(run_dir), logged_losses(whole)
-    assert len(staged_losses) == len(whole_losses) == 6
-    worst = max(abs(a - b) for a, b in zip(staged_losses, whole_losses, strict=True))
-    assert worst <= 1e-5, (staged_losses, whole_losses)
-    staged_adapter, whole_adapter = (
-        load_file(r.path / "adapter" / "adapter_model.safetensors") for r in (run_dir, whole)
-    )
-    assert staged_adapter.keys() == whole_adapter.keys() and len(whole_adapter) == 28
-    worst = max((staged_adapter[k] - whole_adapter[k]).abs().max().item() for k in whole_adapter)
+    def saved(r: Any) -> set[str]:
+        return set(FragmentReader(sorted((r.path / "checkpoints/step-000004").glob("*.safetensors"))).params)
+
+    names = saved(staged)
+    assert "base_model.model.model.layers.1.mlp.down_proj.lora_A.default.weight" in names, sorted(names)
+    assert len(names) == 28 and all(".lora_" in n for n in names) and names == saved(run_dir), sorted(names)
+    mixed_losses, staged_losses = logged_losses(run_dir), logged_losses(staged)
+    assert len(mixed_losses) == len(staged_losses) == 6
+    worst = max(abs(a - b) for a, b in zip(mixed_losses, staged_losses, strict=True))
+    assert worst <= 1e-5, (mixed_losses, staged_losses)
+    mixed, alone = (load_file(r.path / "adapter" / "adapter_model.safetensors") for r in (run_dir, staged))
+    assert mixed.keys() == alone.keys() and len(alone) == 28
+    worst = max((mixed[k] - alone[k]).abs().max().item() for k in alone)
     assert worst <= 1e-4, worst
 
 
