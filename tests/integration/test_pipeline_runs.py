@@ -106,9 +106,11 @@ def test_stages_of_a_pretrained_model_read_only_their_weights_and_train_as_one_r
     """A pretrained folder (a Llama saved with save_pretrained here; tied: no lm_head tensor, the last
     stage's head reads the embedding): each stage builds the model on the meta device and reads only its
     own layers' tensors; P 2 x D 1 reports the training and validation losses of D 2 without pipelines
-    within the summation noise (8.7e-6 is this model's derived tolerance)."""
+    within the summation noise (8.7e-6 is this model's derived tolerance), and generates the same
+    completions of eval.prompts at each validation."""
     folder = _pretrained_llama(tmp_path / "pretrained", tied)
-    validated = ("eval.split=0.1", "eval.steps=2", "eval.every_steps=3")
+    prompts = ('eval.prompts=["The ", "A quick brown fox"]', "eval.max_new_tokens=12")
+    validated = ("eval.split=0.1", "eval.steps=2", "eval.every_steps=3", *prompts)
     runs = [
         _run(tmp_path, p, "training.max_steps=6", f"model.pretrained={folder}", *validated) for p in (2, 1)
     ]
@@ -120,6 +122,10 @@ def test_stages_of_a_pretrained_model_read_only_their_weights_and_train_as_one_r
     staged_eval, whole_eval = (_eval_losses(r) for r in runs)
     assert sorted(staged_eval) == sorted(whole_eval) == [3, 6], (staged_eval, whole_eval)
     assert all(abs(staged_eval[k] - whole_eval[k]) <= 1e-5 for k in whole_eval), (staged_eval, whole_eval)
+    # Generation at validation: each new token one forward through the stages, greedy as generate() is.
+    staged_said, whole_said = (_completions(r) for r in runs)
+    assert sorted(whole_said) == [3, 6] and staged_said == whole_said, (staged_said, whole_said)
+    assert all(len(c) == 2 and all(text for text in c) for c in whole_said.values()), whole_said
     from elastictrain.checkpoint.zero_state import FragmentReader
 
     saved = FragmentReader(sorted((tmp_path / "run-p2" / "checkpoints").glob("step-*/*.safetensors"))).params
@@ -288,6 +294,13 @@ def _eval_losses(run_dir: Any) -> dict[int, float]:
     info = run_dir.read_info()
     client = MlflowClient(resolve_tracking_uri(info.mlflow_tracking_uri, run_dir.path))
     return {m.step: m.value for m in client.get_metric_history(info.mlflow_run_id, "eval_loss")}
+
+
+def _completions(run_dir: Any) -> dict[int, list[str]]:
+    """The completions of eval.prompts each validation recorded, by step (rank 0's, every rank agreeing)."""
+    said = [e for e in run_dir.read_events() if e["event"] == "completions"]
+    assert all(e["ranks_agree"] for e in said), said
+    return {e["step"]: [c["completion"] for c in e["completions"]] for e in said}
 
 
 def _run(tmp_path: Path, stages: int, *overrides: str) -> Any:

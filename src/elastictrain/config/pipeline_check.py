@@ -107,11 +107,6 @@ def pipeline_problems(config: Any) -> list[str]:
             "data.packing: true with data.source sft and scaling.pipeline_parallel; packed records keep "
             "apart by position ids the stages do not pass: expected false (records padded)"
         )
-    if config.eval.prompts:
-        p.append(
-            f"eval.prompts: generating answers through scaling.pipeline_parallel {n} stages is not "
-            "supported yet: expected no eval.prompts (eval.steps validates the loss)"
-        )
     return p
 
 

@@ -129,6 +129,8 @@ def complete(engine: Any, prompts: PromptSet, max_new_tokens: int, *, synced: bo
     from transformers import GenerationConfig
 
     module = engine.module
+    if hasattr(module, "transformers_names"):  # pipeline stages: the replica generates stage by stage
+        return _complete_through_stages(engine, prompts, max_new_tokens)
     if not hasattr(module, "generate"):
         raise ValueError(
             f"eval.prompts: the model ({type(module).__name__}) has no generate(); completions need a "
@@ -162,4 +164,24 @@ def complete(engine: Any, prompts: PromptSet, max_new_tokens: int, *, synced: bo
                 out.append({"prompt": p.text, "completion": codec.decode(new), "reference": p.reference})
     finally:
         module.train(was_training)
+    return out
+
+
+def _complete_through_stages(engine: Any, prompts: PromptSet, max_new_tokens: int) -> list[dict[str, str]]:
+    """`complete` for a pipeline replica (model/pipeline_generate.py): greedy as generate() is, ending
+    where it ends (the codec's end of text, else the model's generation config's)."""
+    from elastictrain.model.pipeline_generate import greedy_through_stages
+
+    codec = prompts.codec
+    record = engine.module.hf_record
+    config, generation = record["config"], record.get("generation_config") or {}
+    eos = codec.eos_token_id
+    if eos is None:
+        eos = generation.get("eos_token_id", config.get("eos_token_id"))
+    ends = set(eos) if isinstance(eos, list) else {eos} if eos is not None else set()
+    out = []
+    for p in prompts.prompts:
+        ids = keep_last(p.ids, config.get("max_position_embeddings"), max_new_tokens)
+        new = greedy_through_stages(engine, ids, max_new_tokens, ends)
+        out.append({"prompt": p.text, "completion": codec.decode(new), "reference": p.reference})
     return out
