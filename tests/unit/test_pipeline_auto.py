@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from loop_harness import make_run
 
 from elastictrain.config import load_config
@@ -52,6 +53,17 @@ def test_candidates_are_stage_counts_whose_replicas_split_the_batch():
     assert [d.pipeline for d in stage_candidates(tiny, 4, 12, 1, pipelines=False)] == [1]
     zero3 = stage_candidates(tiny, 4, 12, 3, pipelines=True)
     assert [(d.pipeline, d.zero_stage) for d in zero3] == [(1, 3), (2, 1), (4, 1)]
+    # LoRA: every stage must hold a decoder layer's adapters, so at most the 2 layers.
+    lora = ModelShape(1000, 100, 64, 128, 64, 2, 256, 1000, trainable=10)
+    assert [d.pipeline for d in stage_candidates(lora, 4, 12, 1, pipelines=True)] == [1, 2]
+
+
+def test_stages_and_tensor_parallelism_are_not_both_left_to_auto():
+    from elastictrain.config import ConfigError, load_config
+
+    both = ["scaling.pipeline_parallel=auto", "scaling.tensor_parallel=auto"]
+    with pytest.raises(ConfigError, match="got 'auto' with scaling.tensor_parallel: auto"):
+        load_config(None, [*both, "scaling.min_workers=4", "scaling.max_workers=4"])
 
 
 def test_stages_are_chosen_where_one_rank_cannot_hold_its_share_and_again_at_another_size():

@@ -28,6 +28,13 @@ def pipeline_problems(config: Any) -> list[str]:
     s, ds, m = config.scaling, config.deepspeed, config.model
     n = s.pipeline_parallel
     if n == "auto":
+        if s.tensor_parallel == "auto":
+            # Each chooser would pick its axis alone, and a resize could pick both.
+            return [
+                "scaling.pipeline_parallel: got 'auto' with scaling.tensor_parallel: auto; a replica is "
+                "either stages or tensor-parallel ranks (tensor parallelism inside stages is not supported "
+                "yet): set one of them to a number (1: none)"
+            ]
         return []  # the chooser offers stages only where this check passes (driver/pipeline_auto.py)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         return [
@@ -38,6 +45,8 @@ def pipeline_problems(config: Any) -> list[str]:
     p = whole_replica_problems(s, "pipeline_parallel", n, "stages")
     tp = s.tensor_parallel
     if tp != 1:
+        # DeepSpeed's AutoTP training builds its tensor- and data-parallel groups as one mesh over all
+        # ranks, with no pipeline axis: its data-parallel group would mix stages.
         p.append(
             f"scaling.tensor_parallel: got {tp!r} with scaling.pipeline_parallel {n}; tensor parallelism "
             "inside pipeline stages is not supported yet: set one of them to 1"

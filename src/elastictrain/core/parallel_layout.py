@@ -201,9 +201,11 @@ def stage_candidates(
 ) -> list[Degrees]:
     """`pipeline_parallel: auto`'s candidates at `world` ranks, without tensor parallelism: P stages of
     D = world / P replicas splitting the global batch, P at most the decoder layers plus the embedding
-    and the head, and only P 1 where pipelines are not allowed; ZeRO as set (0 or 1 with pipelines)."""
+    and the head (with LoRA the decoder layers: a stage must hold adapters to train), and only P 1 where
+    pipelines are not allowed; ZeRO as set (0 or 1 with pipelines)."""
     out = [Degrees(1, 1, world, zero_stage)]
-    for p in range(2, min(world, shape.layers + 2) + 1) if pipelines else ():
+    most = shape.layers if shape.trainable else shape.layers + 2
+    for p in range(2, min(world, most) + 1) if pipelines else ():
         if world % p == 0 and global_batch % (world // p) == 0:
             out.append(Degrees(p, 1, world // p, zero_stage if zero_stage in (0, 1) else 1))
     return out
