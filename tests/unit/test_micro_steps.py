@@ -100,3 +100,43 @@ def test_the_reported_loss_is_the_sum_over_micro_batches_read_as_floats_would_su
     assert result.target_tokens == expected_tokens
     assert result.loss_sum == expected_sum  # the same fp64 additions in the same order: equal, not close
     assert result.loss == expected_sum / expected_tokens
+
+
+class _Wrapper:
+    """As DeepSpeed's ZeRO and bf16 optimizers hold the torch optimizer they step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+
+def test_a_pipeline_step_waits_for_the_snapshot_copy_as_the_update_starts_not_before_the_passes():
+    """DeepSpeed's pipeline schedule makes the update inside train_batch: the wait for a snapshot copy
+    is hooked to the torch optimizer inside the engine's, so the copy runs beside the passes; once per
+    step, and on leaving where no update was made (a skipped step), not after an error."""
+    from elastictrain.worker.micro_steps import _called_before_the_update
+
+    weight = torch.nn.Parameter(torch.ones(2))
+    adam = torch.optim.Adam([weight], lr=0.1)
+    engine = type("Engine", (), {"optimizer": _Wrapper(_Wrapper(adam))})()
+    seen: list[str] = []
+
+    def before_update() -> None:
+        seen.append(f"copy ends, weight {weight.tolist()}")
+
+    with _called_before_the_update(engine, before_update):
+        seen.append("passes")
+        weight.grad = torch.ones(2)
+        adam.step()
+        adam.step()  # ZeRO steps its torch optimizer once per parameter group
+    assert seen == ["passes", "copy ends, weight [1.0, 1.0]"]
+
+    seen.clear()
+    with _called_before_the_update(engine, before_update):
+        seen.append("passes, the update skipped")
+    assert seen == ["passes, the update skipped", f"copy ends, weight {weight.tolist()}"]
+
+    seen.clear()
+    with pytest.raises(RuntimeError), _called_before_the_update(engine, before_update):
+        raise RuntimeError("a peer is gone")
+    adam.step()  # the hook went with the failed step
+    assert seen == []

@@ -128,9 +128,6 @@ def run_micro_batches(
     if hasattr(engine.module, "transformers_names"):  # pipeline stages: DeepSpeed runs the micro-batches
         from elastictrain.model.pipeline import train_pipeline_batch
 
-        # Its schedule makes the update inside train_batch: a copy of the last state must end before.
-        before_update()
-
         # The stage's own forward passes, timed around its layers (not the activations it waits for).
         def began(*_: Any) -> None:  # a hook returning anything would replace the stage's input
             clock.__enter__()
@@ -143,7 +140,10 @@ def run_micro_batches(
             engine.module.register_forward_hook(ended),
         ]
         try:
-            summed = train_pipeline_batch(engine, list(batches), scale)
+            # Its schedule makes the update inside train_batch: a copy of the last state runs beside the
+            # forward and backward passes and must end before the optimizer changes the state.
+            with _called_before_the_update(engine, before_update):
+                summed = train_pipeline_batch(engine, list(batches), scale)
         finally:
             for handle in timed:
                 handle.remove()
@@ -160,3 +160,34 @@ def run_micro_batches(
         loss_sum = loss_sum + summed.detach().double()
     summed_total, counted = torch.stack([loss_sum, local.to(loss_sum.device).double()]).tolist()
     return StepLoss(summed_total / max(counted, 1), summed_total, int(counted), forward_s=clock.seconds())
+
+
+class _called_before_the_update:
+    """Calls `before_update` once, as the torch optimizer inside the engine's (ZeRO's, bf16's or a plain
+    one) starts its update, or on leaving where no update was made (a skipped step; after an error the
+    step is lost and the copy ends by itself)."""
+
+    def __init__(self, engine: Any, before_update: Callable[[], None]) -> None:
+        optimizer = engine.optimizer
+        while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
+            optimizer = optimizer.optimizer  # DeepSpeed's wrappers hold the torch optimizer they step
+        self.optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        self.before_update = before_update
+        self.called = False
+
+    def _once(self, *_: Any) -> None:
+        if not self.called:
+            self.called = True
+            self.before_update()
+
+    def __enter__(self) -> None:
+        if self.optimizer is None:
+            self._once()  # no hook to wait at: the copy ends before the step starts
+            return
+        self.hook = self.optimizer.register_step_pre_hook(self._once)
+
+    def __exit__(self, failed: type[BaseException] | None, *_: Any) -> None:
+        if self.optimizer is not None:
+            self.hook.remove()
+        if failed is None:
+            self._once()
