@@ -24,9 +24,12 @@ pytestmark = pytest.mark.integration
 def test_pipeline_replicas_train_the_plain_loss_resume_at_other_layouts_and_export_the_reference(
     ray_local, tmp_path
 ):
-    """P 2 x D 2 (ZeRO-1) stopped after step 6 (checkpoint at 4) continues without pipelines at D 3,
-    stopped after step 14 (checkpoint at 12) continues at P 2 x D 1 (ZeRO-0): every step's loss is the
-    plain loop's; the checkpoints hold transformers names; the export is the reference model."""
+    """Tied input and output embeddings (Qwen2.5-0.5B and Llama 3.2 style): P 2 x D 2 (ZeRO-1) holds the
+    one embedding on each replica's first stage (the input) and its last (the head), summing their
+    gradients; stopped after step 6 (checkpoint at 4: one tensor for the pair, transformers names) it
+    continues without pipelines at D 3, stopped after step 14 (checkpoint at 12) at P 2 x D 1 (ZeRO-0):
+    every step's loss is the plain loop's; the export ties the pair again and is the reference model.
+    (Untied stages: the pretrained, bf16 and node tests.)"""
 
     def stop(controller: object) -> None:
         raise KeyboardInterrupt
@@ -37,7 +40,7 @@ def test_pipeline_replicas_train_the_plain_loss_resume_at_other_layouts_and_expo
     def layout(stages: int, workers: int, zero: int = 1) -> object:
         return config(
             tmp_path / "run",
-            False,
+            True,
             *common,
             f"deepspeed.zero_stage={zero}",
             f"scaling.pipeline_parallel={stages}",
@@ -58,8 +61,10 @@ def test_pipeline_replicas_train_the_plain_loss_resume_at_other_layouts_and_expo
     from elastictrain.checkpoint.zero_state import FragmentReader
 
     names = set(FragmentReader(sorted(first.glob("*.safetensors"))).params)
-    assert "model.layers.1.self_attn.q_proj.weight" in names and "lm_head.weight" in names, sorted(names)
-    assert not any(n[0].isdigit() for n in names), sorted(names)  # no pipeline layer indices
+    assert "model.layers.1.self_attn.q_proj.weight" in names and "model.embed_tokens.weight" in names
+    assert "lm_head.weight" not in names, sorted(names)
+    # No pipeline layer indices, no DeepSpeed tied-module names.
+    assert not any(n.startswith("tied_modules") or n[0].isdigit() for n in names), sorted(names)
 
     with pytest.raises(KeyboardInterrupt):
         run(resumed_as(layout(1, 3)), hook=at_step(14, stop))
@@ -70,10 +75,11 @@ def test_pipeline_replicas_train_the_plain_loss_resume_at_other_layouts_and_expo
     starts = [(e["world_size"], e["step"]) for e in run_dir.read_events() if e["event"] == "attempt_started"]
     assert starts == [(4, 0), (3, 4), (2, 12)], starts
     reference = reference_for(cfg)
-    what = "P 2 x D 2, then P 1 x D 3 from its checkpoint, then P 2 x D 1 from that one's"
+    what = "tied, P 2 x D 2, then P 1 x D 3 from its checkpoint, then P 2 x D 1 from that one's"
     assert_same_losses(logged_losses(run_dir), reference.losses, reference.loss_tol, what)
 
-    _export_is_the_reference(run_dir, cfg, reference, tmp_path / "export")
+    exported = _export_is_the_reference(run_dir, cfg, reference, tmp_path / "export")
+    assert exported.lm_head.weight is exported.model.embed_tokens.weight
 
 
 def test_auto_chooses_the_stages_on_the_cluster_and_says_what_it_weighed(ray_local, tmp_path):
@@ -209,56 +215,6 @@ def test_bf16_stages_train_the_losses_of_bf16_without_stages_within_its_rounding
     staged, whole = (_losses(tmp_path, p, "training.max_steps=4", "training.precision=bf16") for p in (2, 1))
     assert len(staged) == len(whole) == 4
     assert all(abs(a - b) <= 2**-8 * abs(b) for a, b in zip(staged, whole, strict=True)), (staged, whole)
-
-
-def test_tied_embeddings_span_the_first_and_last_stage_train_the_plain_loss_and_export_tied(
-    ray_local, tmp_path
-):
-    """tie_word_embeddings (Qwen2.5-0.5B and Llama 3.2 style): P 2 x D 1 holds the one embedding on its
-    first stage (the input) and its last (the head), summing their gradients; stopped after step 6, its
-    checkpoint (one tensor for the pair) continues without pipelines at D 2. Every step's loss is the
-    plain loop's, and the export ties the pair again and is the reference model."""
-
-    def stop(controller: object) -> None:
-        raise KeyboardInterrupt
-
-    steps = STEPS
-
-    def layout(stages: int) -> object:
-        return config(
-            tmp_path / "run",
-            True,
-            f"training.max_steps={steps}",
-            "checkpoint.every_steps=4",
-            "deepspeed.zero_stage=1",
-            f"scaling.pipeline_parallel={stages}",
-            "scaling.min_workers=2",
-            "scaling.max_workers=2",
-        )
-
-    from elastictrain.checkpoint.zero_state import FragmentReader
-    from elastictrain.driver.launch import apply_resume_changes
-    from elastictrain.rundir.run_dir import RunDir
-
-    with pytest.raises(KeyboardInterrupt):
-        run(layout(2), hook=at_step(6, stop))
-    first = tmp_path / "run" / "checkpoints" / "step-000004"
-    names = set(FragmentReader(sorted(first.glob("*.safetensors"))).params)
-    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names, sorted(names)
-    assert not any(n.startswith("tied_modules") or n[0].isdigit() for n in names), sorted(names)
-
-    cfg = layout(1)
-    apply_resume_changes(RunDir.open(tmp_path / "run"), cfg)
-    summary, run_dir, output = run(cfg)
-    assert summary.status.value == "FINISHED", output
-    starts = [(e["world_size"], e["step"]) for e in run_dir.read_events() if e["event"] == "attempt_started"]
-    assert starts == [(2, 0), (2, 4)], starts
-    reference = reference_for(cfg)
-    what = "tied, P 2 x D 1, then D 2 without pipelines from its checkpoint"
-    assert_same_losses(logged_losses(run_dir), reference.losses, reference.loss_tol, what)
-
-    exported = _export_is_the_reference(run_dir, cfg, reference, tmp_path / "export")
-    assert exported.lm_head.weight is exported.model.embed_tokens.weight
 
 
 def _export_is_the_reference(run_dir: Any, cfg: Any, reference: Any, out: Path) -> Any:

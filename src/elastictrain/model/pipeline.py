@@ -209,9 +209,11 @@ def pipeline_module(
     }
     # DeepSpeed's gradient norm (clipping, ZeRO's overflow check) counts a parameter on the model group's
     # first rank only, unless it is marked model-parallel (Megatron's convention for sliced weights): a
-    # stage's weights are its own, so every stage counts its own and the norm is the whole model's.
+    # stage's weights are its own, so every stage counts its own and the norm is the whole model's. The
+    # tied embedding's copy on the last stage (DeepSpeed marks it ds_pipe_replicated) is the first
+    # stage's: ZeRO's norm skips it, and so must ZeRO-0's clipping, which reads only this mark.
     for param in module.parameters():
-        param.model_parallel = True
+        param.model_parallel = not getattr(param, "ds_pipe_replicated", False)
     return module
 
 
