@@ -234,6 +234,10 @@ def test_data_logged_while_the_server_is_down_arrives_when_it_is_back(
         with mlflow_server_factory(tmp_path, port):
             assert tracker.flush(timeout_s=60) is True
             tracker.finish("FINISHED")
+            # Reading back what arrived: the 2 s and no retries above are for the tracker's sends (done
+            # now), and a server busy under a loaded suite once took longer than that to answer a read.
+            monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
+            monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
             client = MlflowClient(uri)
             run = client.get_run(run_id)
             steps = [m.step for m in client.get_metric_history(run_id, "loss")]
