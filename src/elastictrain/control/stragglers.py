@@ -66,7 +66,7 @@ class Stragglers:
             self.recent.append(wall_s)
             if max(by_rank.values()) <= self.watch.factor:
                 self.even.append(wall_s)
-        for rank, ratio in self.watch.observe(seconds, self.stages):
+        for rank, ratio in self.watch.observe_ratios(by_rank):
             self._name(index + 1, rank, ratio)
         return {"straggler_ratio": max(by_rank.values())}
 

@@ -31,10 +31,16 @@ class StragglerWatch:
     def observe(self, seconds: dict[int, float], stages: int = 1) -> list[tuple[int, float]]:
         """One step's forward seconds by rank: the ranks named now, each with its ratio to the others (of
         its pipeline stage, with `stages`)."""
-        if self.factor <= 0 or len(seconds) < 2:
+        if len(seconds) < 2:
+            return []
+        return self.observe_ratios(ratios(seconds, stages))
+
+    def observe_ratios(self, by_rank: dict[int, float]) -> list[tuple[int, float]]:
+        """`observe` of ratios computed already (`ratios`)."""
+        if self.factor <= 0 or len(by_rank) < 2:
             return []
         named_now = []
-        for rank, ratio in ratios(seconds, stages).items():
+        for rank, ratio in by_rank.items():
             if ratio <= self.factor:
                 self.slow_for[rank] = 0
                 self.named.discard(rank)
