@@ -31,8 +31,6 @@ class StragglerWatch:
     def observe(self, seconds: dict[int, float], stages: int = 1) -> list[tuple[int, float]]:
         """One step's forward seconds by rank: the ranks named now, each with its ratio to the others (of
         its pipeline stage, with `stages`)."""
-        if len(seconds) < 2:
-            return []
         return self.observe_ratios(ratios(seconds, stages))
 
     def observe_ratios(self, by_rank: dict[int, float]) -> list[tuple[int, float]]:

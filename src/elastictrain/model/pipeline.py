@@ -232,8 +232,9 @@ def new_pipeline_engine(spec: Any, model: nn.Module) -> Any:
     layers = stage_layers(model)
     parts = None
     if next(model.parameters()).is_meta:
+        adapters_seed = cfg.training.seed if cfg.model.lora.enabled else None
         parts = make_this_stage_real(
-            transformers_model(model), layers, stages, replicas, cfg.model.pretrained, cfg.training.seed
+            transformers_model(model), layers, stages, replicas, cfg.model.pretrained, adapters_seed
         )
     prefix = LORA_PREFIX if cfg.model.lora.enabled else ""
     module = pipeline_module(layers, stages, replicas, TokenLoss(), prefix)
@@ -257,17 +258,20 @@ def new_pipeline_engine(spec: Any, model: nn.Module) -> Any:
 
 
 def make_this_stage_real(
-    model: nn.Module, layers: list[Any], stages: int, replicas: int, pretrained: str | None, seed: int
+    model: nn.Module,
+    layers: list[Any],
+    stages: int,
+    replicas: int,
+    pretrained: str | None,
+    adapters_seed: int | None,
 ) -> list[int]:
     """`model` built on the meta device (no memory), `layers` its `stage_layers`: this rank's stage's
-    layers get memory, their rotary tables computed, their LoRA adapters (if any) their first values
-    (`seed`), and (`pretrained`) their weights read from the folder, nothing else; the other layers stay
-    meta and are dropped when the PipelineModule keeps this stage. Returns the split, found as DeepSpeed's
-    "parameters" partition finds it (the caller checks DeepSpeed's against it)."""
+    layers get memory, their rotary tables computed, their LoRA adapters their first values
+    (`adapters_seed`; None: no LoRA), and (`pretrained`) their weights read from the folder, nothing
+    else; the other layers stay meta and are dropped when the PipelineModule keeps this stage. Returns
+    the split, found as DeepSpeed's "parameters" partition finds it (the caller checks DeepSpeed's)."""
     import torch.distributed as dist
     from deepspeed.runtime.utils import partition_balanced
-
-    from elastictrain.model.lora import init_adapters
 
     modules = [layer_module(layer) for layer in layers]
     # As DeepSpeed counts: a tied layer's parameters at each place it appears.
@@ -284,7 +288,11 @@ def make_this_stage_real(
                 child.to_empty(device="cpu")
         if isinstance(modules[i], Decoder):
             modules[i].rotary = rotary
-    init_adapters(((hf_name(i, n), m) for i in mine for n, m in modules[i].named_modules() if n), seed)
+    if adapters_seed is not None:
+        from elastictrain.model.lora import init_adapters
+
+        mine_named = ((hf_name(i, n), m) for i in mine for n, m in modules[i].named_modules() if n)
+        init_adapters(mine_named, adapters_seed)
     if pretrained:
         tied = bool(model.config.tie_word_embeddings)  # type: ignore[union-attr]
         names = {
