@@ -6,6 +6,7 @@ samples read once and the run's attempts as a shrink and a grow from memory each
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from helpers import at_step, chain, wait_until_replacements_are_warm
@@ -20,6 +21,32 @@ class ReplicaLoss:
         self.cluster, self.killed = cluster, killed
         self.records: list[tuple[int, int, list[int]]] = []
         self.nodes_before: list[list[str]] = []  # the active workers' nodes when each fault came, and at 13
+
+    def run(self, run_dir: Path, replicas: str) -> tuple[Any, Any, str]:
+        """The scenario's run (ZeRO-1), each replica laid out by `replicas` (a scaling option): its config,
+        run folder and output, finished and `check`ed; the cluster is left with its three nodes again."""
+        from helpers import run
+        from test_plain_pytorch_equivalence import config
+
+        cfg = config(
+            run_dir,
+            False,
+            "deepspeed.zero_stage=1",
+            replicas,
+            "scaling.min_workers=2",
+            "scaling.max_workers=4",
+            f"training.max_steps={STEPS}",
+            f"training.global_batch_size={GLOBAL_BATCH}",
+            "checkpoint.every_steps=4",
+            "checkpoint.memory_max_step_share=0",  # a snapshot every step, whatever it costs here
+        )
+        try:
+            summary, folder, output = run(cfg, hook=self.hook())
+        finally:
+            self.cluster.add_node(num_cpus=2)  # leave the module's cluster as it was
+        assert summary.status.value == "FINISHED", output
+        self.check(folder, output)
+        return cfg, folder, output
 
     def hook(self) -> Callable[[Any], None]:
         return chain(

@@ -22,28 +22,11 @@ def test_a_pipeline_replica_losing_a_stage_or_its_node_leaves_the_run_to_the_oth
     """P 2 x D 2 on nodes of two slots (a replica's stages on one node): a killed stage takes its replica
     out and the other trains on from memory; a replacement rejoins; then a node goes, with the same
     outcome. The sample ledger and every step's loss are the plain loop's."""
-    from replica_loss import GLOBAL_BATCH, STEPS, ReplicaLoss
+    from replica_loss import STEPS, ReplicaLoss
 
     scenario = ReplicaLoss(ray_cluster_two_cpu_nodes, killed=3)  # the second replica's last stage
-    cfg = config(
-        tmp_path / "run",
-        False,
-        "deepspeed.zero_stage=1",
-        "scaling.pipeline_parallel=2",
-        "scaling.min_workers=2",
-        "scaling.max_workers=4",
-        f"training.max_steps={STEPS}",
-        f"training.global_batch_size={GLOBAL_BATCH}",
-        "checkpoint.every_steps=4",
-        "checkpoint.memory_max_step_share=0",  # a snapshot every step, whatever it costs here
-    )
-    try:
-        summary, run_dir, output = run(cfg, hook=scenario.hook())
-    finally:
-        ray_cluster_two_cpu_nodes.add_node(num_cpus=2)  # leave the module's cluster as it was
-    assert summary.status.value == "FINISHED", output
+    cfg, run_dir, output = scenario.run(tmp_path / "run", "scaling.pipeline_parallel=2")
     assert "replica(s) of 2 pipeline stages" in output
-    scenario.check(run_dir, output)
     reference = reference_for(cfg)
     what = "P 2: D 2, 1 after a stage's loss, 2 again, 1 after a node's loss, 2 again"
     assert_same_losses(logged_losses(run_dir), reference.losses[:STEPS], reference.loss_tol, what)

@@ -226,27 +226,10 @@ def test_under_auto_each_restart_takes_the_degree_that_fits_its_world_size_from_
 def test_a_replica_losing_a_rank_or_its_node_leaves_the_run_to_the_others_from_memory_and_a_replica_rejoins(
     ray_cluster_two_cpu_nodes, tmp_path
 ):
-    from replica_loss import GLOBAL_BATCH, STEPS, ReplicaLoss
+    from replica_loss import STEPS, ReplicaLoss
 
     scenario = ReplicaLoss(ray_cluster_two_cpu_nodes, killed=2)  # the second replica's first rank
-    cfg = config(
-        tmp_path / "run",
-        False,
-        "deepspeed.zero_stage=1",
-        "scaling.tensor_parallel=2",
-        "scaling.min_workers=2",
-        "scaling.max_workers=4",
-        f"training.max_steps={STEPS}",
-        f"training.global_batch_size={GLOBAL_BATCH}",
-        "checkpoint.every_steps=4",
-        "checkpoint.memory_max_step_share=0",  # a snapshot every step, whatever it costs here
-    )
-    try:
-        summary, run_dir, output = run(cfg, hook=scenario.hook())
-    finally:
-        ray_cluster_two_cpu_nodes.add_node(num_cpus=2)  # leave the module's cluster as it was
-    assert summary.status.value == "FINISHED", output
-    scenario.check(run_dir, output)
+    cfg, run_dir, _ = scenario.run(tmp_path / "run", "scaling.tensor_parallel=2")
     # Through the shrinks and the grows, every step's loss is the plain PyTorch loop's (the schedule of
     # this run's 14 steps: the reference's first 14).
     reference = reference_for(cfg)
