@@ -82,3 +82,27 @@ def test_a_tensor_parallel_run_takes_whole_replicas_of_its_degree_and_gives_back
     assert released == ["one", "four"] and warm_pool.count() == 0
     assert "5 warm worker(s) of this driver's last run given back" in caplog.text
     assert "replicas of 1 or 4 ranks then, 2 now" in caplog.text
+
+
+class _Worker:
+    pass
+
+
+class _FaultyWorker(_Worker):
+    pass
+
+
+def test_workers_hosting_a_subclass_serve_a_run_of_its_base_and_not_the_reverse(released, caplog):
+    key = warm_pool.pool_key("1 CPU", ())
+    faulty = ParkedReservation("faulty", None, {0: "a0"}, cpus=1, hosts={0: _FaultyWorker})  # type: ignore[arg-type]
+    mixed = ParkedReservation("mixed", None, {0: "b0", 1: "b1"}, cpus=2, hosts={0: _FaultyWorker, 1: _Worker})  # type: ignore[arg-type]
+    warm_pool.park(key, [faulty, mixed], keep_s=60)
+    # A plain run takes both: a faulty worker is a worker.
+    assert [r.pg for r in warm_pool.take(key, 3, hosts=_Worker)] == ["faulty", "mixed"]
+    warm_pool.park(key, [faulty, mixed], keep_s=60)
+    with caplog.at_level("INFO", logger="elastictrain.workers"):
+        # A run that injects faults takes only the reservation whose every actor can.
+        assert [r.pg for r in warm_pool.take(key, 3, hosts=_FaultyWorker)] == ["faulty"]
+    assert released == ["mixed"] and warm_pool.count() == 0
+    assert "2 warm worker(s) of this driver's last run given back" in caplog.text
+    assert f"'{__name__}._Worker' then, '{__name__}._FaultyWorker' now" in caplog.text

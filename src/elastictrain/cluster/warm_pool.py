@@ -8,7 +8,8 @@ driver asking for the same resources takes them back: each left its run (`TrainW
 no engine, no snapshot, no fault, no data) and only loads the new run's data. A reservation holds a
 tensor-parallel replica's ranks on one node: a run of the same degree takes it whole, and a run without
 tensor parallelism takes each of its ranks as a replica of its own (a sweep over degrees keeps its
-workers).
+workers). A worker hosting a subclass of the class a run hosts serves it (it is one): the workers of a
+chaos run (FaultyTrainWorker, faults disarmed when it left) serve the plain runs after it.
 
 Parked workers keep their slots (CPUs, GPUs) reserved, so the pool gives them back to the cluster
 `keep_warm_s` after the last park, when a run asks for other resources, and when the driver
@@ -37,6 +38,7 @@ class ParkedReservation:
     actors: dict[int, Any] = field(default_factory=dict)  # bundle -> actor
     cpus: float = 0.0
     gpus: float = 0.0
+    hosts: dict[int, type] = field(default_factory=dict)  # bundle -> the class its actor hosts
 
     @property
     def ranks(self) -> int:
@@ -46,6 +48,10 @@ class ParkedReservation:
     def serves(self, ranks: int) -> bool:
         """Whether a run whose replicas have `ranks` ranks can use it: whole, or one replica a bundle."""
         return ranks in (1, self.ranks)
+
+    def hosts_a(self, cls: type) -> bool:
+        """Whether every actor of it is a `cls` (hosts it or a subclass of it)."""
+        return all(issubclass(h, cls) for h in self.hosts.values())
 
 
 @dataclass
@@ -92,24 +98,33 @@ def park(key: tuple[Any, ...] | None, reservations: list[ParkedReservation], kee
     log.info("%d warm worker(s) kept for %gs for this driver's next run", count(), keep_s)
 
 
-def take(key: tuple[Any, ...] | None, replicas: int, ranks: int = 1) -> list[ParkedReservation]:
-    """Parked reservations started with `key` for up to `replicas` replicas of `ranks` ranks each (a
-    reservation serves one such replica, or one a bundle when `ranks` is 1). Parked ones started
-    otherwise, or of replicas this run cannot use, are given back to the cluster (this run may need
-    their slots)."""
+def take(
+    key: tuple[Any, ...] | None, replicas: int, ranks: int = 1, hosts: type = object
+) -> list[ParkedReservation]:
+    """Parked reservations started with `key`, hosting `hosts` (or a subclass), for up to `replicas`
+    replicas of `ranks` ranks each (a reservation serves one such replica, or one a bundle when `ranks`
+    is 1). Parked ones started otherwise, or of replicas this run cannot use, are given back to the
+    cluster (this run may need their slots)."""
     with _lock:
         if key is None or _pool.key != key:
             _say_given_back(_pool.parked, _difference(_pool.key, key))
             _release_locked()
             return []
-        unusable = [r for r in _pool.parked if not r.serves(ranks)]
+        other_class = [r for r in _pool.parked if not r.hosts_a(hosts)]
+        if other_class:
+            then = " or ".join(
+                sorted({_name(h) for r in other_class for h in r.hosts.values()} - {_name(hosts)})
+            )
+            _say_given_back(other_class, f"{then!r} then, {_name(hosts)!r} now")
+            _release(other_class)
+        unusable = [r for r in _pool.parked if r.hosts_a(hosts) and not r.serves(ranks)]
         if unusable:
             then = " or ".join(str(n) for n in sorted({r.ranks for r in unusable}))
             _say_given_back(unusable, f"replicas of {then} ranks then, {ranks} now")
             _release(unusable)
         taken: list[ParkedReservation] = []
         kept: list[ParkedReservation] = []
-        for r in (r for r in _pool.parked if r.serves(ranks)):
+        for r in (r for r in _pool.parked if r.hosts_a(hosts) and r.serves(ranks)):
             if replicas > 0:
                 taken.append(r)
                 replicas -= r.ranks // ranks
@@ -140,6 +155,10 @@ def _difference(parked: tuple[Any, ...] | None, wanted: tuple[Any, ...] | None) 
     if parked is None or wanted is None or parked[:2] != wanted[:2]:
         return "another cluster or job"
     return "; ".join(f"{a!r} then, {b!r} now" for a, b in zip(parked[2:], wanted[2:], strict=False) if a != b)
+
+
+def _name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def parked_actors() -> list[Any]:

@@ -119,27 +119,26 @@ class WorkerGroup(WorkerViews):
         """Workers start from those an earlier run of this driver left warm, started alike, unless
         `reuse_warm` is False (cluster/warm_pool.py); `keep_warm_s` > 0: they are left warm at the end
         for that long. `worker_class`: what each actor hosts instead of TrainWorker (tests' and chaos
-        runs' FaultyTrainWorker); parked workers serve only a group that hosts the same class."""
+        runs' FaultyTrainWorker); parked workers serve a group that hosts their class or a base of it."""
         self.resources = resources
         self.keep_warm_s = keep_warm_s
         self.reuse_warm = reuse_warm
         # Who may take parked workers: what decides a worker process's start (resources, environment).
         # Parked reservations of any tensor-parallel degree may serve this group (warm_pool.take).
         started_alike = replace(resources, ranks_per_reservation=1, replica_spans_nodes=False)
-        hosted = worker_class or TrainWorker
-        self._pool_key = warm_pool.pool_key(
-            started_alike,
-            tuple(sorted(resources.env_vars().items())),
-            f"{hosted.__module__}.{hosted.__qualname__}",
-        )
+        self._hosted: type = worker_class or TrainWorker
+        self._pool_key = warm_pool.pool_key(started_alike, tuple(sorted(resources.env_vars().items())))
         self._parked: dict[tuple[str, int], Any] = {}  # (placement group, bundle) -> a parked actor
+        self._hosts: dict[tuple[str, int], type] = {}  # (placement group, bundle) -> its actor's class
         self.workers: list[WorkerHandle] = []
         self.pending: list[Slot] = []
         self._ready_refs: dict[str, Any] = {}  # placement group id -> its one `ready()` ref
         self._ids = itertools.count()
         self._prefix = name_prefix
         # "replica" (worker/ray_calls.py): buddies' snapshots arrive and are served beside training.
-        self._actor_cls = ray.remote(concurrency_groups={"control": 2, "replica": 2, "watch": 2})(hosted)
+        self._actor_cls = ray.remote(concurrency_groups={"control": 2, "replica": 2, "watch": 2})(
+            self._hosted
+        )
         self.warmup_errors: list[tuple[str, str]] = []  # warm-ups that raised (the loop may end the run)
         self._allocator_warned = False
         self._avoid: dict[str, float] = {}  # node id -> until when new reservations stay off it
@@ -154,11 +153,12 @@ class WorkerGroup(WorkerViews):
         if not self.reuse_warm:
             warm_pool.release_all()  # their slots may be what this group needs
         else:
-            for parked in warm_pool.take(self._pool_key, wanted, size):
+            for parked in warm_pool.take(self._pool_key, wanted, size, self._hosted):
                 # Whole, as a replica of this group's degree, or (size 1) one replica a bundle.
                 self.pending.extend(Slot(parked.pg, b) for b in sorted(parked.actors))
                 self._ready_refs[parked.pg.id.hex()] = parked.ready_ref
                 self._parked.update({(parked.pg.id.hex(), b): a for b, a in parked.actors.items()})
+                self._hosts.update({(parked.pg.id.hex(), b): h for b, h in parked.hosts.items()})
                 wanted -= parked.ranks // size
         for _ in range(wanted):
             self._reserve(size)
@@ -250,6 +250,7 @@ class WorkerGroup(WorkerViews):
             else:
                 log.debug("%s starts cold: a new process, its imports and compiled ops", worker_id)
                 actor = self._new_actor(slot, worker_id)
+                self._hosts[(slot.pg.id.hex(), slot.bundle)] = self._hosted
                 warm_ref = actor.warmup.remote(config)
             handle = WorkerHandle(worker_id, actor, slot.pg, warm_ref=warm_ref, bundle=slot.bundle)
             new.append(handle)
@@ -435,6 +436,7 @@ class WorkerGroup(WorkerViews):
                     {w.bundle: w.actor for w in workers},
                     cpus=self.resources.cpus_per_worker * len(workers),
                     gpus=self.resources.gpus_per_worker * len(workers) if self.resources.use_gpu else 0.0,
+                    hosts={w.bundle: self._hosts.get((pg_id, w.bundle), self._hosted) for w in workers},
                 )
             )
         warm_pool.park(self._pool_key, parked, self.keep_warm_s)
