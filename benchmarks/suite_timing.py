@@ -3,10 +3,11 @@
 `python -m benchmarks.suite_timing test` (`make suite-timing SUITE=test`) runs `make test` with a JUnit XML
 report, then writes `suite-timing.json` (the latest run of each target, and every whole-suite run so far)
 and `suite-timing.md`: wall and CPU time, the tests' outcomes, seconds per tier (tests/unit,
-tests/integration), the slowest files and the 25 slowest tests, the date, the commit and the machine.
-A test's seconds are pytest's (setup, call and teardown: a module's shared setup counts where it first
-ran). `--render` writes the markdown again from the JSON without running anything. The markdown's
-history, below its marker, is kept as it is.
+tests/integration), the slowest files and the 25 slowest tests, where the CPU went by kind of process
+(benchmarks/process_cpu.py), the date, the commit and the machine. A test's seconds are pytest's
+(setup, call and teardown: a module's shared setup counts where it first ran). `--render` writes the
+markdown again from the JSON without running anything. The markdown's history, below its marker, is
+kept as it is.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import RESULTS, ROOT, machine
+from benchmarks.process_cpu import ProcessCpu
 
 TARGETS = ("test", "test-unit", "test-bench", "test-compat")
 HISTORY = "<!-- history: kept by hand; python -m benchmarks.suite_timing rewrites only what is above -->"
@@ -112,7 +114,8 @@ def run_target(target: str) -> dict[str, Any]:
         pytest_args = f"--junitxml={xml} -o junit_family=xunit1 {os.environ.get('PYTEST_ARGS', '')}".strip()
         command = ["make", target, f"PYTEST_ARGS={pytest_args}"]
         cpu_before, start = _children_cpu_s(), time.monotonic()
-        returncode = subprocess.run(command, cwd=ROOT, check=False).returncode
+        with ProcessCpu() as by_process:
+            returncode = subprocess.run(command, cwd=ROOT, check=False).returncode
         wall, cpu = time.monotonic() - start, _children_cpu_s() - cpu_before
         cases = read_junit(xml) if xml.exists() else []
         keep = os.environ.get("SUITE_TIMING_JUNIT")  # every case's time, for comparisons of test subsets
@@ -129,6 +132,7 @@ def run_target(target: str) -> dict[str, Any]:
         "wall_s": round(wall, 1),
         # Only processes their parents waited for count (Ray's daemons, for one, are missed): a floor.
         "cpu_s": round(cpu, 1),
+        "cpu_by_process": by_process.table(),
         **summarize(cases),
     }
 
@@ -145,6 +149,21 @@ def _cell(text: str) -> str:
 
 def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min ({seconds:.0f} s)"
+
+
+def _cpu_by_process(run: dict[str, Any]) -> list[str]:
+    found = run.get("cpu_by_process")
+    if not found or not found["kinds"]:
+        return []
+    return [
+        "",
+        f"Where the CPU went, by kind of process ({found['total_s']:.0f} CPU s sampled from /proc each",
+        "second, a floor; a Ray worker counts under the method it runs, its imports under `warmup`):",
+        "",
+        "| Process | Processes | CPU s |",
+        "|---|---|---|",
+        *(f"| {_cell(k['kind'])} | {k['processes']} | {k['cpu_s']:.1f} |" for k in found["kinds"]),
+    ]
 
 
 def render(data: dict[str, Any]) -> str:
@@ -198,6 +217,7 @@ def render(data: dict[str, Any]) -> str:
                 f"| {t['seconds']:.2f} |"
                 for t in run["slowest_tests"]
             ),
+            *_cpu_by_process(run),
         ]
     if data["whole_suite"]:
         lines += [
