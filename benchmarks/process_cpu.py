@@ -31,9 +31,9 @@ _KINDS: tuple[tuple[str, str], ...] = (
     (r"(^|/)gcs_server( |$)", "Ray GCS server"),
     (r"-m elastictrain|/elastictrain( |$)", "elastictrain CLI"),
     (r"xdist|execnet|exec\(eval\(sys\.stdin", "pytest worker (drivers, references)"),
-    (r"pytest", "pytest"),
-    (r"mlflow|gunicorn|uvicorn", "MLflow server"),
-    (r"moto", "S3 server (moto)"),
+    (r"(^|/)pytest( |$)|-m pytest", "pytest"),
+    (r"(^|/| -m )(mlflow|gunicorn|uvicorn)( |$)", "MLflow server"),
+    (r" -m moto\.server", "S3 server (moto)"),
 )
 
 
@@ -42,8 +42,9 @@ def kind_of(cmdline: str) -> str:
     if cmdline.startswith("ray::"):
         name = cmdline.split()[0]
         return "Ray worker idle" if name == "ray::IDLE" else name  # ray::TrainWorker.warmup
+    head = " ".join(cmdline.split(" ")[:5])  # the program, its flags, the script or module
     for pattern, kind in _KINDS:
-        if re.search(pattern, cmdline):
+        if re.search(pattern, head):
             return kind
     first = cmdline.split(" ", 2)
     exe = os.path.basename(first[0]) if first and first[0] else "?"
