@@ -232,6 +232,8 @@ class WorkerGroup(WorkerViews):
         self._ready_refs.pop(pg.id.hex(), None)
         for key in [k for k in self._parked if k[0] == pg.id.hex()]:  # parked there, never started
             warm_pool.kill_actor(self._parked.pop(key))
+        for key in [k for k in self._hosts if k[0] == pg.id.hex()]:
+            del self._hosts[key]
         try:
             remove_placement_group(pg)
         except Exception as e:  # noqa: BLE001 - already gone with its node
