@@ -28,7 +28,11 @@ def test_a_deterministic_step_error_stops_after_one_restart_with_the_workers_err
     """The same error at the same step after a restart is not retried up to max_failures (here 3)."""
     import elastictrain
 
-    cfg = tiny_config(tmp_path / "run", "failure.max_failures=3")
+    # One worker: a loss of the test's module starts new workers, and the failed one is replaced; the
+    # rule is the same at any world size.
+    cfg = tiny_config(
+        tmp_path / "run", "failure.max_failures=3", "scaling.min_workers=1", "scaling.max_workers=1"
+    )
     summary = elastictrain.fit(cfg, loss=_loss_that_always_raises, tracking=False)
     assert summary.status.value == "FAILED"
     assert summary.failures == 2, "one restart, then the error repeats and the run stops"
