@@ -252,6 +252,7 @@ ONE_WORKER = {
     "test_user_code.py": "three one-CPU nodes",
     "test_nvme_path_on_nodes.py": "three one-CPU nodes",
     "test_preference_elastic.py": "three one-CPU nodes",
+    "test_node_avoidance.py": "three one-CPU nodes",
     "test_tensor_parallel.py": "three two-CPU nodes",
     "test_pipeline_nodes.py": "three two-CPU nodes",
 }

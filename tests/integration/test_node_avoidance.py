@@ -23,7 +23,8 @@ def test_new_reservations_stay_off_avoided_nodes_until_the_while_ends(ray_cluste
 
     nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0)
     assert len(nodes) == 3
-    group = WorkerGroup(WorkerResources(False, 1, 0, "system"), name_prefix="avoid")
+    # New reservations only: warm workers an earlier module's run parked on these nodes are given back.
+    group = WorkerGroup(WorkerResources(False, 1, 0, "system"), name_prefix="avoid", reuse_warm=False)
     try:
         group.avoid_node(nodes[0], 60.0)
         group.avoid_node(nodes[1], 60.0)
