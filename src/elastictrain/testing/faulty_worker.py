@@ -26,6 +26,8 @@ class FaultyTrainWorker(TrainWorker):
         # An injected hang that fired (step, time): the worker reports itself hung from then on, though a
         # hang off the training thread (before a replica is sent) lets that thread mark a few more moves.
         self._hung: tuple[int, float] | None = None
+        self._forward_delay_s = 0.0  # a throttled device (the disk's and the copy's delays: TrainWorker's)
+        self._delayed_engine: object = None
 
     def inject_fault(self, kind: str, at_step: int, phase: str = "start") -> None:
         """At `at_step`, "crash" (process exits), "raise" (step raises), "hang" (stops) or "nan" (the first
@@ -64,7 +66,7 @@ class FaultyTrainWorker(TrainWorker):
         return out
 
     def _maybe_fault(self, step: int, phase: str = "start") -> None:
-        if phase == "start" and getattr(self, "_forward_delay_s", 0.0) > 0:
+        if phase == "start" and self._forward_delay_s > 0:
             self._delay_forwards()
         # The snapshot of the state after `step` steps is copied, and its replica sent, beside this step.
         if phase == "start" and (self._hung or self._faults.get((step, "replica")) in ("crash", "hang")):
@@ -152,7 +154,7 @@ class FaultyTrainWorker(TrainWorker):
 
     def _delay_forwards(self) -> None:
         """This attempt's model sleeps before each forward (once per engine: a new attempt builds anew)."""
-        if getattr(self, "_delayed_engine", None) is self.engine:
+        if self._delayed_engine is self.engine:
             return
         self._delayed_engine = self.engine
         self.engine.module.register_forward_pre_hook(lambda *_: time.sleep(self._forward_delay_s))
