@@ -97,7 +97,8 @@ class ProcessCpu:
             ticks = _ticks(pid)
             if ticks is None:
                 continue
-            gained = ticks - self._last.get(pid, 0)
+            last = self._last.get(pid, 0)
+            gained = ticks - last if ticks >= last else ticks  # fewer: a new process took the pid
             self._last[pid] = ticks
             if gained > 0:
                 kind = kind_of(_cmdline(pid))

@@ -56,6 +56,7 @@ class WorkerHandle:
     bundle: int = 0  # its bundle in pg (a replica's placement group holds one per rank)
     warm_ref: Any = None  # the pending `warmup` call; None once it finished
     warm: bool = False
+    hosts: type = object  # the class its actor hosts (a parked worker keeps its own: cluster/warm_pool.py)
 
     @property
     def actor_id(self) -> str:
@@ -128,8 +129,8 @@ class WorkerGroup(WorkerViews):
         started_alike = replace(resources, ranks_per_reservation=1, replica_spans_nodes=False)
         self._hosted: type = worker_class or TrainWorker
         self._pool_key = warm_pool.pool_key(started_alike, tuple(sorted(resources.env_vars().items())))
-        self._parked: dict[tuple[str, int], Any] = {}  # (placement group, bundle) -> a parked actor
-        self._hosts: dict[tuple[str, int], type] = {}  # (placement group, bundle) -> its actor's class
+        # (placement group, bundle) -> a parked actor and the class it hosts
+        self._parked: dict[tuple[str, int], tuple[Any, type]] = {}
         self.workers: list[WorkerHandle] = []
         self.pending: list[Slot] = []
         self._ready_refs: dict[str, Any] = {}  # placement group id -> its one `ready()` ref
@@ -157,8 +158,9 @@ class WorkerGroup(WorkerViews):
                 # Whole, as a replica of this group's degree, or (size 1) one replica a bundle.
                 self.pending.extend(Slot(parked.pg, b) for b in sorted(parked.actors))
                 self._ready_refs[parked.pg.id.hex()] = parked.ready_ref
-                self._parked.update({(parked.pg.id.hex(), b): a for b, a in parked.actors.items()})
-                self._hosts.update({(parked.pg.id.hex(), b): h for b, h in parked.hosts.items()})
+                self._parked.update(
+                    {(parked.pg.id.hex(), b): (a, parked.hosts[b]) for b, a in parked.actors.items()}
+                )
                 wanted -= parked.ranks // size
         for _ in range(wanted):
             self._reserve(size)
@@ -231,9 +233,7 @@ class WorkerGroup(WorkerViews):
             return
         self._ready_refs.pop(pg.id.hex(), None)
         for key in [k for k in self._parked if k[0] == pg.id.hex()]:  # parked there, never started
-            warm_pool.kill_actor(self._parked.pop(key))
-        for key in [k for k in self._hosts if k[0] == pg.id.hex()]:
-            del self._hosts[key]
+            warm_pool.kill_actor(self._parked.pop(key)[0])
         try:
             remove_placement_group(pg)
         except Exception as e:  # noqa: BLE001 - already gone with its node
@@ -246,15 +246,17 @@ class WorkerGroup(WorkerViews):
         for slot in self._ready(0.0)[:limit]:
             self.pending.remove(slot)
             worker_id = f"{self._prefix}-w{next(self._ids)}"
-            actor = self._parked.pop((slot.pg.id.hex(), slot.bundle), None)
-            if actor is not None:  # a finished run's warm worker: its process and imports are ready
+            parked = self._parked.pop((slot.pg.id.hex(), slot.bundle), None)
+            if parked is not None:  # a finished run's warm worker: its process and imports are ready
+                actor, hosts = parked
                 warm_ref = actor.warmup.remote(config, worker_id)
             else:
                 log.debug("%s starts cold: a new process, its imports and compiled ops", worker_id)
-                actor = self._new_actor(slot, worker_id)
-                self._hosts[(slot.pg.id.hex(), slot.bundle)] = self._hosted
+                actor, hosts = self._new_actor(slot, worker_id), self._hosted
                 warm_ref = actor.warmup.remote(config)
-            handle = WorkerHandle(worker_id, actor, slot.pg, warm_ref=warm_ref, bundle=slot.bundle)
+            handle = WorkerHandle(
+                worker_id, actor, slot.pg, warm_ref=warm_ref, bundle=slot.bundle, hosts=hosts
+            )
             new.append(handle)
         self.workers.extend(new)
         return new
@@ -438,7 +440,7 @@ class WorkerGroup(WorkerViews):
                     {w.bundle: w.actor for w in workers},
                     cpus=self.resources.cpus_per_worker * len(workers),
                     gpus=self.resources.gpus_per_worker * len(workers) if self.resources.use_gpu else 0.0,
-                    hosts={w.bundle: self._hosts.get((pg_id, w.bundle), self._hosted) for w in workers},
+                    hosts={w.bundle: w.hosts for w in workers},
                 )
             )
         warm_pool.park(self._pool_key, parked, self.keep_warm_s)
