@@ -19,7 +19,8 @@ def _placed_on(group) -> set[str]:  # noqa: ANN001 - a WorkerGroup
 
 
 def test_new_reservations_stay_off_avoided_nodes_until_the_while_ends(ray_cluster, tmp_path):
-    from elastictrain.cluster.worker_group import WorkerGroup, WorkerResources
+    from elastictrain.cluster.worker_group import WorkerGroup
+    from elastictrain.cluster.worker_resources import WorkerResources
 
     nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0)
     assert len(nodes) == 3

@@ -10,7 +10,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.parametrize("allocator", ["jemalloc", "system"])
 def test_a_started_worker_runs_the_chosen_malloc(ray_local, tmp_path, allocator):
-    from elastictrain.cluster.worker_group import WorkerGroup, WorkerResources
+    from elastictrain.cluster.worker_group import WorkerGroup
+    from elastictrain.cluster.worker_resources import WorkerResources
 
     cfg = tiny_config(tmp_path / "run", f"scaling.worker_allocator={allocator}")
     group = WorkerGroup(WorkerResources(False, 1, 0, cfg.scaling.worker_allocator), name_prefix=allocator[:3])

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from elastictrain.cluster.allocator import JEMALLOC_CONF, allocator_env, jemalloc_library
-from elastictrain.cluster.worker_group import WorkerResources
+from elastictrain.cluster.worker_resources import WorkerResources
 from elastictrain.host.memory import running_allocator
 
 

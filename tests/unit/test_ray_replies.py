@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from ray.exceptions import ActorDiedError, GetTimeoutError, OutOfMemoryError
 
-import elastictrain.cluster.worker_group as worker_group
+import elastictrain.cluster.ray_replies as ray_replies
 from elastictrain.cluster.calls import DIED, OUT_OF_MEMORY, TIMED_OUT
 
 RAY_OOM_MESSAGE = (
@@ -30,8 +30,8 @@ def test_a_worker_killed_by_rays_memory_monitor_is_told_apart_from_a_death_and_a
     def get(ref: object, timeout: float) -> object:
         raise raised
 
-    monkeypatch.setattr(worker_group.ray, "get", get)
-    reply = worker_group._reply("w1", object())
+    monkeypatch.setattr(ray_replies.ray, "get", get)
+    reply = ray_replies.reply_of("w1", object())
     assert reply.error == error
 
 
@@ -53,7 +53,7 @@ def test_the_out_of_memory_failure_names_how_full_the_node_was():
 
 
 def test_workers_get_the_drivers_malloc_tunables_and_cpu_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    from elastictrain.cluster.worker_group import WorkerResources
+    from elastictrain.cluster.worker_resources import WorkerResources
 
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
     monkeypatch.setenv("UNRELATED_SETTING", "x")

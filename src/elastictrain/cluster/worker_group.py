@@ -13,30 +13,22 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError, RayTaskError
+from ray.exceptions import RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from elastictrain.cluster import warm_pool
-from elastictrain.cluster.allocator import allocator_env, jemalloc_library
-from elastictrain.cluster.calls import (
-    DIED,
-    NODE_LOST,
-    OUT_OF_MEMORY,
-    RAISED,
-    TIMED_OUT,
-    Calls,
-    Reply,
-    WorkerViews,
-)
+from elastictrain.cluster.allocator import jemalloc_library
+from elastictrain.cluster.calls import DIED, NODE_LOST, Calls, Reply, WorkerViews
+from elastictrain.cluster.ray_replies import gather_replies
 from elastictrain.cluster.worker_api import WorkerApi, WorkerMethod, method_name
+from elastictrain.cluster.worker_resources import WorkerResources
 from elastictrain.worker.actor import TrainWorker
 
 # How long a run's end waits for its workers to leave the run before parking them (scaling.keep_warm_s);
@@ -73,38 +65,6 @@ class Slot:
 
     pg: PlacementGroup
     bundle: int
-
-
-@dataclass(frozen=True)
-class WorkerResources:
-    use_gpu: bool
-    cpus_per_worker: float
-    gpus_per_worker: float
-    allocator: str = "system"  # scaling.worker_allocator
-    # scaling.tensor_parallel x scaling.pipeline_parallel: a replica's ranks, reserved together
-    ranks_per_reservation: int = 1
-    # A pipeline replica's stages may span nodes (as few as Ray can: PACK); else its ranks share one
-    replica_spans_nodes: bool = False
-
-    def bundle(self) -> dict[str, float]:
-        b = {"CPU": self.cpus_per_worker}
-        if self.use_gpu:
-            b["GPU"] = self.gpus_per_worker
-        return b
-
-    def env_vars(self) -> dict[str, str]:
-        env = {"OMP_NUM_THREADS": str(max(1, int(self.cpus_per_worker)))}
-        if not self.use_gpu:
-            env["DS_ACCELERATOR"] = "cpu"
-        # Pass through what a worker needs to find the same package and loopback settings as the driver.
-        for key in ("PYTHONPATH", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "TORCH_EXTENSIONS_DIR"):
-            if key in os.environ:
-                env[key] = os.environ[key]
-        # glibc's malloc tunables (MALLOC_ARENA_MAX, MALLOC_MMAP_THRESHOLD_, ...): how much freed memory
-        # a rank keeps is set where the run is started, like the rest of its environment.
-        env.update({k: v for k, v in os.environ.items() if k.startswith("MALLOC_")})
-        env.update(allocator_env(self.allocator))
-        return env
 
 
 class WorkerGroup(WorkerViews):
@@ -370,28 +330,7 @@ class WorkerGroup(WorkerViews):
         stop_on_error: bool = False,
         grace_s: float = 3.0,
     ) -> dict[str, Reply]:
-        pending = {ref: wid for wid, ref in calls.items()}
-        replies: dict[str, Reply] = {}
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            left = max(0.0, deadline - time.monotonic())
-            if stop_on_error:  # one at a time, to notice the first error at once
-                ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(1.0, left))
-            else:
-                ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=left)
-            for ref in ready:
-                wid = pending.pop(ref)
-                replies[wid] = _reply(wid, ref)
-                if stop_on_error and not replies[wid].ok:
-                    ray.wait(list(pending), num_returns=len(pending), timeout=grace_s)
-                    for other, owid in pending.items():
-                        replies[owid] = _reply(owid, other)
-                    pending.clear()
-                    break
-            if pending and time.monotonic() >= deadline:
-                break
-        for wid in pending.values():
-            replies[wid] = Reply(wid, error=TIMED_OUT, detail=f"no answer in {timeout_s:.0f}s")
+        replies = gather_replies(calls, timeout_s, stop_on_error=stop_on_error, grace_s=grace_s)
         return self._mark_lost_nodes(replies)
 
     def _mark_lost_nodes(self, replies: dict[str, Reply]) -> dict[str, Reply]:
@@ -444,21 +383,3 @@ class WorkerGroup(WorkerViews):
                 )
             )
         warm_pool.park(self._pool_key, parked, self.keep_warm_s)
-
-
-def _reply(worker_id: str, ref: Any) -> Reply:
-    """The outcome of a finished (or, if not finished, timed-out) call, without waiting."""
-    try:
-        return Reply(worker_id, ray.get(ref, timeout=0))
-    except OutOfMemoryError as e:  # the memory monitor killed the actor: not the worker's own error
-        return Reply(worker_id, error=OUT_OF_MEMORY, detail=str(e))
-    except RayActorError as e:
-        return Reply(worker_id, error=DIED, detail=str(e))
-    except RayTaskError as e:
-        # The worker's own exception (its message holds its traceback), not Ray's wrapping of it.
-        cause = getattr(e, "cause", None)
-        return Reply(worker_id, error=RAISED, detail=str(cause) if cause is not None else str(e))
-    except GetTimeoutError:
-        return Reply(worker_id, error=TIMED_OUT, detail="no answer yet")
-    except Exception as e:  # noqa: BLE001 - e.g. an argument that cannot be unpickled: the call raised
-        return Reply(worker_id, error=RAISED, detail=f"{type(e).__name__}: {e}")

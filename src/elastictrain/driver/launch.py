@@ -244,7 +244,8 @@ def _ray_group(
     with `tensor_parallel: auto` what chose the degree, with auto layout fields what chose them, and with
     `pipeline_parallel: auto` what chooses the stages (the control loop asks each again)."""
     from elastictrain.cluster.connect import connect_ray
-    from elastictrain.cluster.worker_group import WorkerGroup, WorkerResources
+    from elastictrain.cluster.worker_group import WorkerGroup
+    from elastictrain.cluster.worker_resources import WorkerResources
     from elastictrain.driver.preflight import check_memory_on_nodes, check_nvme_on_nodes
     from elastictrain.user_code import imports_user_modules
 
