@@ -78,6 +78,7 @@ class ProbeGroup:
         cls = ray.remote(num_cpus=0)(ProbeWorker)
         self.actors = [cls.remote(f"probe-{i}", False) for i in range(size)]
         self.attempt = 0
+        self.warm = False
 
     def setup(
         self,
@@ -98,6 +99,11 @@ class ProbeGroup:
         from elastictrain.worker.attempt import AttemptSpec
 
         self.teardown()
+        if not self.warm:
+            # As the worker group warms every new actor before its first attempt: imports, compiled ops,
+            # then gc.freeze(), without which each engine build and teardown collects all of them.
+            ray.get([a.warmup.remote(config) for a in self.actors], timeout=300)
+            self.warm = True
         self.attempt += 1
         t = config.training
         plan = plan_batch(t.global_batch_size, t.micro_batch_size, world_size)
