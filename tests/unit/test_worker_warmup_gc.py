@@ -1,5 +1,6 @@
-"""A worker's warm-up collects nothing while it imports and loads (all of it lives as long as the actor),
-freezes what it made, and leaves the collector on afterwards, whether the warm-up worked or raised."""
+"""A worker's warm-up collects nothing while it imports and loads, freezes the code it loaded (it lives
+as long as the process) but not the run's data, and leaves the collector on afterwards, whether the
+warm-up worked or raised. Leaving a run then collects only what is not code."""
 
 from __future__ import annotations
 
@@ -14,36 +15,46 @@ from elastictrain.worker.actor import TrainWorker
 
 @pytest.fixture
 def worker() -> Iterator[TrainWorker]:
-    was_enabled = gc.isenabled()
     yield TrainWorker("w", False, in_ray=False)
     gc.unfreeze()  # this test process's objects go back to the collector's generations
-    if was_enabled:
-        gc.enable()
+    gc.enable()
 
 
-def test_the_warm_up_runs_with_the_collector_off_and_freezes_what_it_made(
+def test_the_warm_up_runs_with_the_collector_off_and_freezes_the_code_once_not_the_data(
     worker: TrainWorker, monkeypatch: pytest.MonkeyPatch
 ):
-    seen: list[bool] = []
-    made: list[Any] = []
+    collecting: list[bool] = []
+    kept: list[Any] = []
+    frozen_at_data: list[int] = []
 
-    def warm_up(config: Any) -> None:
-        seen.append(gc.isenabled())
-        made.append([{"a": i} for i in range(1000)])
+    def load_code(config: Any) -> None:
+        collecting.append(gc.isenabled())
+        kept.append([{"module": i} for i in range(1000)])
 
-    monkeypatch.setattr(worker, "_warm_up", warm_up)
+    def load_data(config: Any) -> None:
+        collecting.append(gc.isenabled())
+        frozen_at_data.append(gc.get_freeze_count())
+        kept.append([{"sample": i} for i in range(5000)])
+
+    monkeypatch.setattr(worker, "_load_code", load_code)
+    monkeypatch.setattr(worker, "_ensure_dataset", load_data)
     frozen_before = gc.get_freeze_count()
     worker.warmup(config=None)
-    assert seen == [False]
+    assert collecting == [False, False]
     assert gc.isenabled()
-    assert gc.get_freeze_count() >= frozen_before + 1000
+    assert frozen_at_data[0] >= frozen_before + 1000, "the code is frozen before the data loads"
+    assert gc.get_freeze_count() < frozen_at_data[0] + 5000, "the data is not frozen"
+
+    worker.leave_run()
+    worker.warmup(config=None, worker_id="w2")  # the next run of a warm worker: nothing frozen again
+    assert gc.get_freeze_count() < frozen_at_data[0] + 1000
 
 
 def test_a_warm_up_that_raises_leaves_the_collector_on(worker: TrainWorker, monkeypatch: pytest.MonkeyPatch):
-    def warm_up(config: Any) -> None:
+    def load_code(config: Any) -> None:
         raise RuntimeError("no such model")
 
-    monkeypatch.setattr(worker, "_warm_up", warm_up)
+    monkeypatch.setattr(worker, "_load_code", load_code)
     with pytest.raises(RuntimeError, match="no such model"):
         worker.warmup(config=None)
     assert gc.isenabled()
