@@ -14,6 +14,7 @@ from typing import Any
 from helpers import after_attempt_start, at_step, chain, wait_until_replacements_are_warm
 
 STEPS, GLOBAL_BATCH = 14, 12
+WHOLE = 4  # two replicas of two ranks: scaling.max_workers, the size the run grows back to
 
 
 class ReplicaLoss:
@@ -37,7 +38,7 @@ class ReplicaLoss:
             "deepspeed.zero_stage=1",
             replicas,
             "scaling.min_workers=2",
-            "scaling.max_workers=4",
+            f"scaling.max_workers={WHOLE}",
             f"training.max_steps={STEPS}",
             f"training.global_batch_size={GLOBAL_BATCH}",
             "checkpoint.every_steps=4",
@@ -63,12 +64,12 @@ class ReplicaLoss:
     def _wait_for_replacements_after_a_fault(self, controller: Any) -> None:
         """A shrunk attempt waits for its replacements (after the node's loss: a new replica placed on
         the idle node), so that the run grows back before the next fault."""
-        if self.nodes_before and len(controller.active) < 4:
+        if self.nodes_before and len(controller.active) < WHOLE:
             wait_until_replacements_are_warm(controller)
 
     def _remove_a_node_once_whole(self, controller: Any) -> None:
         def after_step(c: Any, _index: int, _results: Any) -> None:
-            if c.step >= 9 and len(c.active) == 4 and not self.removed:
+            if c.step >= 9 and len(c.active) == WHOLE and not self.removed:
                 self.removed = True
                 self._remove_the_first_replicas_node(c)
 
