@@ -22,7 +22,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from elastictrain.config.loader import ALLOCATORS
+from elastictrain.config.validate import ALLOCATORS
 
 # Never return freed pages to the OS (dirty or muzzy): no page faults for what the next step reuses.
 JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"

@@ -168,7 +168,7 @@ def _node_name(node: dict[str, Any]) -> str:
 def check_nvme_on_nodes(config: Any, timeout_s: float = 60.0) -> int:
     """With an NVMe offload, write a file in deepspeed.nvme_path on every alive node that can host a worker.
 
-    The driver's own check (config/loader.py) sees only the driver's machine; each rank swaps on its
+    The driver's own check (config/validate.py) sees only the driver's machine; each rank swaps on its
     own node. One task per node. Returns the number of nodes checked; raises PreflightError naming
     every node where the folder is missing or read-only.
     """
