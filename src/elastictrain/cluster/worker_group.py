@@ -34,6 +34,7 @@ from elastictrain.worker.actor import TrainWorker
 # How long a run's end waits for its workers to leave the run before parking them (scaling.keep_warm_s);
 # one that has not left by then (a hung step) ends instead.
 LEAVE_RUN_TIMEOUT_S = 30.0
+LOADING_LEAVE_S = 5.0  # how long a run's end waits for a reused spare still loading its data
 NODE_ID_LABEL = "ray.io/node-id"  # the label Ray gives every node: its id
 
 log = logging.getLogger("elastictrain.workers")
@@ -49,6 +50,7 @@ class WorkerHandle:
     warm_ref: Any = None  # the pending `warmup` call; None once it finished
     warm: bool = False
     hosts: type = object  # the class its actor hosts (a parked worker keeps its own: cluster/warm_pool.py)
+    reused: bool = False  # an earlier run's parked worker: its warm-up only loads this run's data
 
     @property
     def actor_id(self) -> str:
@@ -215,7 +217,13 @@ class WorkerGroup(WorkerViews):
                 actor, hosts = self._new_actor(slot, worker_id), self._hosted
                 warm_ref = actor.warmup.remote(config)
             handle = WorkerHandle(
-                worker_id, actor, slot.pg, warm_ref=warm_ref, bundle=slot.bundle, hosts=hosts
+                worker_id,
+                actor,
+                slot.pg,
+                warm_ref=warm_ref,
+                bundle=slot.bundle,
+                hosts=hosts,
+                reused=parked is not None,
             )
             new.append(handle)
         self.workers.extend(new)
@@ -357,29 +365,39 @@ class WorkerGroup(WorkerViews):
 
     def _park_warm_workers(self) -> None:
         """Leave the warm workers' reservations to this driver's next run (cluster/warm_pool.py): each
-        whole placement group whose every worker left the run in time, with no slot of it pending."""
-        warm = self.warm_workers
-        left = self.gather(self.call(warm, WorkerApi.leave_run), LEAVE_RUN_TIMEOUT_S)
-        by_pg: dict[str, list[WorkerHandle]] = {}
-        for w in self.workers:
-            by_pg.setdefault(w.pg.id.hex(), []).append(w)
+        whole placement group, every bundle of it holding a worker that left the run in time or the warm
+        worker an earlier run parked there and this one never started (a run of fewer ranks than the
+        replicas it took: TP 1 x DP 3 on two parked replicas of 2 leaves both whole)."""
+        # A reused worker still loading this run's data (a spare the run ended first) is kept too if that
+        # ends soon: its calls run in order, so it leaves the run after.
+        leaving = self.call(self.warm_workers, WorkerApi.leave_run)
+        loading = self.call([w for w in self.warming if w.reused], WorkerApi.leave_run)
+        left = self.gather(leaving, LEAVE_RUN_TIMEOUT_S) | self.gather(loading, LOADING_LEAVE_S)
+        groups = {w.pg.id.hex(): w.pg for w in self.workers} | {s.pg.id.hex(): s.pg for s in self.pending}
         parked: list[warm_pool.ParkedReservation] = []
-        for pg_id, workers in by_pg.items():
-            whole = len(workers) == workers[0].pg.bundle_count  # a worker in each of its bundles
-            if not whole or not all(w.warm and left[w.worker_id].ok for w in workers):
-                continue
-            if any(s.pg.id.hex() == pg_id for s in self.pending):
+        for pg_id, pg in groups.items():
+            workers = [w for w in self.workers if w.pg.id.hex() == pg_id]
+            unstarted = {b: kept for (kept_in, b), kept in self._parked.items() if kept_in == pg_id}
+            to_start_cold = any(
+                s.pg.id.hex() == pg_id and (pg_id, s.bundle) not in self._parked for s in self.pending
+            )
+            whole = len(workers) + len(unstarted) == pg.bundle_count and not to_start_cold
+            if not whole or not all(w.worker_id in left and left[w.worker_id].ok for w in workers):
                 continue
             for w in workers:
                 self.workers.remove(w)
+            self.pending = [s for s in self.pending if s.pg.id.hex() != pg_id]
+            actors = {w.bundle: (w.actor, w.hosts) for w in workers} | unstarted
+            for bundle in unstarted:
+                del self._parked[(pg_id, bundle)]
             parked.append(
                 warm_pool.ParkedReservation(
-                    workers[0].pg,
+                    pg,
                     self._ready_refs.pop(pg_id),
-                    {w.bundle: w.actor for w in workers},
-                    cpus=self.resources.cpus_per_worker * len(workers),
-                    gpus=self.resources.gpus_per_worker * len(workers) if self.resources.use_gpu else 0.0,
-                    hosts={w.bundle: w.hosts for w in workers},
+                    {b: actor for b, (actor, _) in actors.items()},
+                    cpus=self.resources.cpus_per_worker * len(actors),
+                    gpus=self.resources.gpus_per_worker * len(actors) if self.resources.use_gpu else 0.0,
+                    hosts={b: hosts for b, (_, hosts) in actors.items()},
                 )
             )
         warm_pool.park(self._pool_key, parked, self.keep_warm_s)
