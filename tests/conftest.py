@@ -212,7 +212,7 @@ def s3_bucket(
 # Order only: every test passes in any order, alone or in a different one.
 LONGEST_FIRST = (  # seconds of test time in a run of the whole suite on 2 cores (2026-11-29)
     "test_readme_commands.py",  # 526 s
-    "test_tensor_parallel.py",  # 253 s (its last test on 3 nodes of two CPUs)
+    "test_tensor_parallel.py",  # 253 s (on 3 nodes of two CPUs)
     "test_pipeline_nodes.py",  # 107 s (2026-12-06, in the suite), right after it on its nodes
     "test_object_storage_run.py",  # 188 s
     "test_memory_recovery.py",  # 164 s
@@ -246,7 +246,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # (3 worker nodes of 1 or of 2 CPUs, tests/integration/conftest.py), which the second and later then take
 # over, with the warm workers the one before left, instead of starting four nodes of their own (about
 # 20 CPU s), and the worker's shared local cluster restarts once after them instead of once after each.
-# test_tensor_parallel.py ends on the two-CPU nodes; test_pipeline_nodes.py uses only them.
+# test_tensor_parallel.py and test_pipeline_nodes.py use only the two-CPU nodes.
 ONE_WORKER = {
     "test_memory_recovery.py": "three one-CPU nodes",
     "test_user_code.py": "three one-CPU nodes",

@@ -6,6 +6,10 @@ shares ZeRO-2's optimizer and flat checkpoint layout, whose export the ZeRO-2 ca
 tolerance derived in test_plain_pytorch_equivalence (10x the difference between two reference runs that
 differ only in summation order). The checkpoint holds each projection as named slices, and `export`
 joins them into a model whose logits are the reference model's.
+
+Every test runs on three nodes of two CPUs (each holds one replica of 2), the nodes the last one needs to
+remove one: on one cluster the module's runs hand their warm workers on (scaling.keep_warm_s) instead of
+starting them again on a second cluster (8 workers started cold in the module instead of 14).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ pytestmark = pytest.mark.integration
     ids=["tp2xdp1-z2", "tp2xdp2-z0", "tp2xdp2-z3"],
 )
 def test_tensor_parallel_replicas_report_the_plain_pytorch_loss_and_export_the_reference_model(
-    ray_local, tmp_path, stage, workers
+    ray_cluster_two_cpu_nodes, tmp_path, stage, workers
 ):
     cfg = config(
         tmp_path / "run",
@@ -77,7 +81,7 @@ def test_tensor_parallel_replicas_report_the_plain_pytorch_loss_and_export_the_r
 
 
 def test_a_checkpoint_loads_at_another_tensor_parallel_size_and_the_run_continues_as_if_uninterrupted(
-    ray_local, tmp_path
+    ray_cluster_two_cpu_nodes, tmp_path
 ):
     """TP 2 x DP 2 stopped after step 6 (checkpoint at 4) continues at TP 1 x DP 3, stopped after step
     10 (checkpoint at 8) continues at TP 2 x DP 1: every step's loss is the plain PyTorch loop's."""
@@ -136,9 +140,12 @@ def test_a_checkpoint_loads_at_another_tensor_parallel_size_and_the_run_continue
         assert torch.equal(after.full(name), before.full(name)), name
 
 
-def test_auto_chooses_two_for_a_model_whose_ranks_do_not_fit_the_node_at_one(ray_local, tmp_path):
-    """A model sized from this machine's memory so that two whole-model ranks do not fit its node and
-    two TP-2 ranks do (built on the meta device only: nothing is trained or allocated)."""
+def test_auto_chooses_two_for_a_model_whose_ranks_do_not_fit_the_node_at_one(
+    ray_cluster_two_cpu_nodes, tmp_path
+):
+    """A model sized from this machine's memory so that a node's two whole-model ranks do not fit it and
+    two TP-2 ranks do (built on the meta device only: nothing is trained or allocated). Six ranks on the
+    three two-CPU nodes: two on each, as at one node of two."""
     from elastictrain.driver.preflight import memory_estimate
     from elastictrain.driver.tensor_parallel_auto import choose_tensor_parallel
     from elastictrain.host.memory import meminfo_bytes
@@ -156,13 +163,13 @@ def test_auto_chooses_two_for_a_model_whose_ranks_do_not_fit_the_node_at_one(ray
             "model.hf_config.num_key_value_heads=8",
             f"model.hf_config.num_hidden_layers={layers}",
             "deepspeed.zero_stage=0",
-            "scaling.min_workers=2",
-            "scaling.max_workers=2",
+            "scaling.min_workers=6",
+            "scaling.max_workers=6",
             f"scaling.tensor_parallel={degree}",
         )
 
     def need(layers: int, degree: int) -> int:
-        return 2 * memory_estimate(sized(layers, degree), 2).host_need
+        return 2 * memory_estimate(sized(layers, degree), 6).host_need
 
     layers = next(n for n in range(1, 4096) if need(n, 1) > total)
     assert need(layers, 2) <= total, "the machine's memory leaves no model between the two sizes"
@@ -175,7 +182,9 @@ def test_auto_chooses_two_for_a_model_whose_ranks_do_not_fit_the_node_at_one(ray
     )
 
 
-def test_under_auto_each_restart_takes_the_degree_that_fits_its_world_size_from_memory(ray_local, tmp_path):
+def test_under_auto_each_restart_takes_the_degree_that_fits_its_world_size_from_memory(
+    ray_cluster_two_cpu_nodes, tmp_path
+):
     """`auto` chooses degree 1 for the tiny model at the start. Then the memory verdict the run reads
     is replaced (the only thing injected: a machine whose memory holds degree 1 only at 4 ranks) and a
     worker is killed: the restart at 3 ranks would not fit at degree 1, so the run goes on at one
@@ -222,7 +231,6 @@ def test_under_auto_each_restart_takes_the_degree_that_fits_its_world_size_from_
     assert_same_losses(logged_losses(run_dir), reference.losses[:steps], reference.loss_tol, what)
 
 
-# Last in the module: its cluster of three nodes replaces the local one until the module ends.
 def test_a_replica_losing_a_rank_or_its_node_leaves_the_run_to_the_others_from_memory_and_a_replica_rejoins(
     ray_cluster_two_cpu_nodes, tmp_path
 ):
