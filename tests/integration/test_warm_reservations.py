@@ -41,13 +41,21 @@ class AnsweringWorker:
 
 @pytest.fixture
 def own_pool(ray_local: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    import ray
+
+    # The suite's parked workers may hold every CPU (their reservations): they are then given back to
+    # make room for this test's two hundredths of a CPU (the next run starts its workers cold).
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < 0.02 and time.monotonic() < deadline:
+        warm_pool.release_all()
+        time.sleep(0.2)
     monkeypatch.setattr(warm_pool, "_pool", warm_pool._Pool())
     yield
     warm_pool.release_all()
 
 
 def _group(name: str, ranks_per_replica: int) -> WorkerGroup:
-    # A hundredth of a CPU each: they fit beside whatever the suite's runs left parked.
+    # A hundredth of a CPU each: they fit beside the suite's parked workers unless those hold every CPU.
     resources = WorkerResources(False, 0.01, 0, ranks_per_reservation=ranks_per_replica)
     return WorkerGroup(resources, name_prefix=name, keep_warm_s=60, worker_class=AnsweringWorker)
 
