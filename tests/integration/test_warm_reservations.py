@@ -96,7 +96,7 @@ def test_a_reused_spare_still_loading_the_runs_data_at_its_end_is_parked_with_it
     first = _parked_replica_of_2()
 
     single = _group("dp", 1)
-    started = _start(single, 2, 2, {"dp-w1": 1.0})  # the second loads its data for a second
-    assert len(single.poll_warm(timeout_s=60, n=1)) == 1 and [w.warm for w in started] == [True, False]
+    started = _start(single, 2, 2, {"dp-w1": 3.0})  # the second loads its data for 3 s
+    assert len(single.poll_warm(timeout_s=60, n=1)) == 1 and sorted(w.warm for w in started) == [False, True]
     single.shutdown()  # before the spare finished loading
     assert _parked_actor_ids() == first
