@@ -45,10 +45,14 @@ def own_pool(ray_local: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
 
     # The suite's parked workers may hold every CPU (their reservations): they are then given back to
     # make room for this test's two hundredths of a CPU (the next run starts its workers cold).
-    deadline = time.monotonic() + 30
-    while ray.available_resources().get("CPU", 0) < 0.02 and time.monotonic() < deadline:
+    def short_of_cpu() -> bool:
+        return ray.available_resources().get("CPU", 0) < 0.02
+
+    if short_of_cpu():
         warm_pool.release_all()
-        time.sleep(0.2)
+        deadline = time.monotonic() + 30  # reservations are removed in the background
+        while short_of_cpu() and time.monotonic() < deadline:
+            time.sleep(0.2)
     monkeypatch.setattr(warm_pool, "_pool", warm_pool._Pool())
     yield
     warm_pool.release_all()
